@@ -1,0 +1,548 @@
+"""
+Adaptive Gradient Gating (AGG) and its peers for the representation degeneration problem of tied embeddings,
+plus the metrics that show the problem. Depends on torch only: copy this file into your own project.
+
+    import agg
+    method = agg.build_method("agg", vocab_size=V, alpha=0.03, window=K, special_ids=[pad_id, eos_id])
+    method.observe(y)                                    # once per optimizer step, all target ids of that step
+    loss = method.loss(hidden, model.tok_emb.weight, y)  # hidden: (..., d), the input of the tied softmax layer
+    loss.backward()
+
+Papers (equations are cited by paper and number):
+  AGG    Yu et al. 2022, "Rare Tokens Degenerate All Tokens" (Sec. 4, Eq. 5-10, Appendix A Eq. 23)
+  AGPS   Yu et al. 2021, "Rare Words Degenerate All Words" (Eq. 13-15, Algorithm 1)
+  CosReg Gao et al. 2019, "Representation Degeneration Problem in Training NLG Models" (Eq. 6)
+  FRAGE  Gong et al. 2018, "FRAGE: Frequency-Agnostic Word Representation" (Eq. 2-5)
+  UL     Welleck et al. 2020, "Neural Text Generation with Unlikelihood Training" (token-level UL)
+"""
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# The loss head: softmax cross-entropy with a gated weight gradient, logits computed once.
+
+
+class GatedSoftmaxCE(torch.autograd.Function):
+    """Mean softmax cross-entropy of logits = h @ weight.T whose gradient wrt `weight` is gated.
+
+    With G = softmax(logits) - onehot(y) (label-smoothed if asked), dL/dh = G @ W exactly as in MLE, and
+    dL/dW = (G * gate)^T h with one gate per (row type, column):
+        gate[i, k] = col_gate[k]     if row i is not a group row
+                     group_gate[k]   if row i is a group row and k != y_i
+                     1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
+    A gate of None means all ones. The gate is applied to G in place, so no T x V gate tensor exists.
+    Gradients are computed during forward, `chunk_size` rows at a time: peak memory holds one chunk x V
+    buffer (not the ~3 T x V buffers of F.cross_entropy), and backward only scales them by the incoming grad.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad):
+        n, d = h.shape
+        V = weight.shape[0]
+        device = h.device.type
+        # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
+        mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+        with torch.autocast(device, enabled=False):
+            h_mm, w_mm = h.to(mm_dtype), weight.to(mm_dtype)
+            grad_h = torch.empty_like(h) if need_grad else None
+            grad_w = torch.zeros(V, d, dtype=acc_dtype, device=h.device) if need_grad else None
+            loss_sum, nll_sum, mass_sum = (torch.zeros((), dtype=acc_dtype, device=h.device) for _ in range(3))
+            step = chunk_size or max(n, 1)
+            for s in range(0, n, step):
+                hs, ys = h_mm[s:s + step], y[s:s + step]
+                logits = (hs @ w_mm.T).to(acc_dtype)
+                lse = torch.logsumexp(logits, dim=1)
+                nll = lse - logits.gather(1, ys[:, None]).squeeze(1)
+                nll_sum += nll.sum()
+                if smoothing:  # same value as F.cross_entropy(label_smoothing=smoothing)
+                    loss_sum += ((1 - smoothing) * nll + smoothing * (lse - logits.mean(dim=1))).sum()
+                else:
+                    loss_sum += nll.sum()
+                if not need_grad and mass_cols is None:
+                    continue
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax in place: the one chunk x V buffer
+                if mass_cols is not None:
+                    mass_sum += (probs @ mass_cols).sum()
+                if not need_grad:
+                    continue
+                grad = probs  # G = p - q, q = (1 - eps) onehot(y) + eps / V
+                grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), smoothing - 1.0))
+                if smoothing:
+                    grad.sub_(smoothing / V)
+                grad.div_(n)
+                grad_h[s:s + step] = grad.to(mm_dtype) @ w_mm
+                _gate_(grad, ys, col_gate, None if group_rows is None else group_rows[s:s + step], group_gate)
+                g = grad.to(mm_dtype)
+                if g.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.T, hs)
+                else:
+                    grad_w += g.T @ hs
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        n = max(n, 1)
+        nll_mean, mass_mean = nll_sum / n, mass_sum / n
+        ctx.mark_non_differentiable(nll_mean, mass_mean)
+        return loss_sum / n, nll_mean, mass_mean
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_nll, _grad_mass):
+        grad_h, grad_w = ctx.grads
+        if grad_h is None:
+            raise RuntimeError("GatedSoftmaxCE: forward ran without need_grad=True, so there is nothing to backpropagate")
+        ctx.grads = None  # free the buffers
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None, None, None, None, None
+
+
+def _gate_(grad, ys, col_gate, group_rows, group_gate):
+    """Scale grad (rows x V) in place by the per-(row type, column) gate of GatedSoftmaxCE."""
+    idx = None if group_rows is None else group_rows.nonzero().squeeze(1)
+    if idx is not None and len(idx):
+        tgt = ys[idx]
+        tgt_grad = grad[idx, tgt]  # (p - 1) h_i: the pull to the target, part (a) of AGG Eq. 4
+        group = grad[idx] * group_gate if group_gate is not None else grad[idx]
+    if col_gate is not None:
+        grad.mul_(col_gate)
+    if idx is not None and len(idx):
+        grad[idx] = group
+        grad[idx, tgt] = tgt_grad
+
+
+# -----------------------------------------------------------------------------
+# Methods. Each one: observe(targets) once per optimizer step, loss(hidden, weight, targets), stats, state_dict.
+
+
+def _all_reduce_(t):
+    """Sum t over ranks under torch.distributed, so every rank sees the same counts."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+    return t
+
+
+def least_frequent_mask(counts, fraction, special_ids=()):
+    """Bool mask (V,) of the `fraction` least frequent tokens by `counts` (ties by id); special ids never included."""
+    counts = torch.as_tensor(counts).double().clone()
+    counts[list(special_ids)] = float("inf")
+    n_rare = round(fraction * len(counts))
+    mask = torch.zeros(len(counts), dtype=torch.bool)
+    mask[torch.argsort(counts, stable=True)[:n_rare]] = True
+    mask[list(special_ids)] = False
+    return mask
+
+
+class MLE:
+    """Plain maximum likelihood: softmax cross-entropy of hidden @ weight.T."""
+    name = "mle"
+    defaults = {}
+
+    def __init__(self, vocab_size, counts=None, special_ids=(), **hparams):
+        unknown = sorted(set(hparams) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"method {self.name!r}: unknown hyper-parameter(s) {unknown}; "
+                             f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
+        self.hparams = {**self.defaults, **hparams}
+        self.vocab_size = vocab_size
+        self.counts = None if counts is None else torch.as_tensor(counts).reshape(-1).long().cpu()
+        if self.counts is not None and len(self.counts) != vocab_size:
+            raise ValueError(f"counts has {len(self.counts)} entries but vocab_size is {vocab_size}")
+        self.special_ids = sorted({int(i) for i in special_ids})
+        self.steps = 0  # optimizer steps observed
+        self._stats = {}
+
+    def observe(self, targets, ignore_index=-100):
+        """Call once per optimizer step with all target ids of that step (never with validation batches)."""
+        self.steps += 1
+
+    def rare_mask(self):
+        """Bool (V,) of the current rare group, or None for methods without one."""
+        return None
+
+    def gates(self, y):
+        """(col_gate, group_rows, group_gate) for GatedSoftmaxCE given the valid targets y; None = ungated."""
+        return None, None, None
+
+    def regulariser(self, hidden, weight, targets, ignore_index):
+        """Extra loss term added to the NLL (a scalar tensor), or None."""
+        return None
+
+    def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None):
+        """Mean (label-smoothed) NLL over non-ignored positions + the method's regulariser.
+
+        hidden (..., d) is the input of the tied softmax layer, weight (V, d) the tied embedding, targets (...) long.
+        chunk_size: rows per chunk of the head (peak memory ~ chunk_size x V instead of T x V; same gradients).
+        """
+        d = hidden.shape[-1]
+        if weight.dim() != 2 or weight.shape != (self.vocab_size, d):
+            raise ValueError(f"weight must be (vocab_size={self.vocab_size}, d={d}), got {tuple(weight.shape)}")
+        if targets.shape != hidden.shape[:-1]:
+            raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without its last dim")
+        h, y = hidden.reshape(-1, d), targets.reshape(-1)
+        valid = y != ignore_index
+        if not bool(valid.all()):
+            h, y = h[valid], y[valid]
+        col_gate, group_rows, group_gate = self.gates(y)
+        rare = self.rare_mask()
+        acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+        mass_cols = None if rare is None else rare.to(h.device, acc_dtype)
+        cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
+        need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        loss, nll, rare_mass = GatedSoftmaxCE.apply(h, weight, y, cast(col_gate), group_rows, cast(group_gate),
+                                                    mass_cols, float(label_smoothing), chunk_size, need_grad)
+        self._stats = {"nll": nll.detach()}
+        if rare is not None:
+            rare = rare.to(y.device)
+            self._stats.update(rare_count=rare.sum(), rare_fraction=rare.float().mean(),
+                               rare_pred_mass=rare_mass.detach(),  # predicted probability of the rare set
+                               rare_true_mass=rare[y].float().mean() if len(y) else torch.zeros(()))
+        reg = self.regulariser(hidden, weight, targets, ignore_index)
+        if reg is not None:
+            self._stats["regulariser"] = reg.detach()
+            loss = loss + reg
+        return loss
+
+    @property
+    def stats(self):
+        """Floats from the last loss() call (converted lazily: reading them syncs the GPU, computing them does not)."""
+        return {k: float(v) for k, v in self._stats.items()}
+
+    def state_dict(self):
+        return {"name": self.name, "steps": self.steps}
+
+    def load_state_dict(self, state):
+        if state.get("name") != self.name:
+            raise ValueError(f"state_dict is for method {state.get('name')!r}, not {self.name!r}")
+        self.steps = state["steps"]
+
+
+class AGG(MLE):
+    """Adaptive Gradient Gating (AGG Sec. 4): dynamic rare group (Eq. 5), gates g1/g2 (Eq. 7-8) on the weight gradient.
+
+    The result equals the three-logit construction of Eq. 9-10 (gradient wrt hidden: MLE's; wrt weight: Eq. 23)
+    computed with one logit matrix.
+    """
+    name = "agg"
+    defaults = dict(alpha=0.03, window=1000, use_g1=True, use_g2=True, static_after=None)
+
+    def __init__(self, vocab_size, **kw):
+        super().__init__(vocab_size, **kw)
+        self.history = deque()  # token counter memories m_t of the last `window` steps, stored sparse: (ids, counts)
+        self.appearances = torch.zeros(vocab_size, dtype=torch.long)  # a = sum_t m_t (Eq. 5)
+        self.static_rare = None  # rare group frozen after `static_after` steps ("static AGG", AGG Table 10)
+
+    def observe(self, targets, ignore_index=-100):
+        t = targets.reshape(-1)
+        t = t[(t != ignore_index) & (t >= 0)]
+        step_counts = _all_reduce_(torch.bincount(t, minlength=self.vocab_size)[:self.vocab_size].long())
+        self.appearances = self.appearances.to(step_counts.device) + step_counts
+        ids = step_counts.nonzero().squeeze(1)
+        self.history.append((ids, step_counts[ids]))
+        if len(self.history) > self.hparams["window"]:
+            old_ids, old_counts = self.history.popleft()
+            self.appearances.index_add_(0, old_ids, -old_counts)
+        self.steps += 1
+        if self.hparams["static_after"] is not None and self.steps == self.hparams["static_after"]:
+            self.static_rare = self.rare_mask()
+
+    def mean_counts(self):
+        """a_k / K: appearances per step over the window (K = min(steps seen, window))."""
+        if self.steps == 0:
+            raise RuntimeError(f"method {self.name!r}: call observe(targets) once per optimizer step before loss()")
+        return self.appearances.double() / min(self.steps, self.hparams["window"])
+
+    def rare_mask(self):
+        if self.static_rare is not None:
+            return self.static_rare
+        rare = self.mean_counts() < self.hparams["alpha"]  # AGG Eq. 5
+        rare[self.special_ids] = False
+        return rare
+
+    def gates(self, y):
+        rare = self.rare_mask().to(y.device)
+        if not bool(rare.any()):
+            return None, None, None
+        a = self.appearances.to(y.device).double()
+        g1 = self.mean_counts().to(y.device).clamp(max=1.0)  # AGG Eq. 7: a_k / K (g in [0, 1])
+        g2 = (a / a[rare].mean().clamp(min=1e-12)).clamp(max=1.0)  # AGG Eq. 8: min(a_k / mean_rare(a), 1)
+        one = torch.ones_like(g1)
+        col_gate = torch.where(rare, g1, one) if self.hparams["use_g1"] else None  # rows whose target is not rare
+        group_gate = torch.where(rare, g2, one) if self.hparams["use_g2"] else None  # rows whose target is rare
+        return col_gate, rare[y], group_gate
+
+    def state_dict(self):
+        return {**super().state_dict(), "appearances": self.appearances.cpu(),
+                "history": [(i.cpu(), c.cpu()) for i, c in self.history],
+                "static_rare": None if self.static_rare is None else self.static_rare.cpu()}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.appearances = state["appearances"].clone()
+        self.history = deque((i.clone(), c.clone()) for i, c in state["history"])
+        self.static_rare = state["static_rare"]
+
+
+def _variant(base, name, **overrides):
+    """A registered alias of `base` with other default hyper-parameters (e.g. the AGG ablations)."""
+    return type(base.__name__ + "_" + name.replace("-", "_"), (base,),
+                {"name": name, "defaults": {**base.defaults, **overrides}, "__doc__": f"{base.__doc__}\n{overrides}"})
+
+
+class StaticGroupMethod(MLE):
+    """Base of the methods whose rare group is static: the `rare_fraction` least frequent tokens by training counts."""
+    defaults = dict(rare_fraction=0.2)
+
+    def __init__(self, vocab_size, **kw):
+        super().__init__(vocab_size, **kw)
+        if self.counts is None:
+            raise ValueError(f"method {self.name!r} needs counts=<token counts of the training split, shape (V,)> "
+                             "to define its static rare group")
+        self.rare = least_frequent_mask(self.counts, self.hparams["rare_fraction"], self.special_ids)
+
+    def rare_mask(self):
+        return self.rare
+
+
+class AGPS(StaticGroupMethod):
+    """Adaptive Gradient Partial Scaling (AGPS Eq. 13-15, Algorithm 1): rare words absent from the batch get the
+    push from non-rare features scaled by f1 = c/mu1 and an extra push from rare features scaled by f2 = min(c/mu2, 1).
+
+    Follows Algorithm 1 literally: the rare-target rows get f1 + f2 (its L1 and L2 terms both reach them).
+    Defaults when mu1/mu2 are None: mu1 = the largest rare count, mu2 = the mean rare count.
+    """
+    name = "agps"
+    defaults = dict(rare_fraction=0.2, mu1=None, mu2=None)
+
+    def __init__(self, vocab_size, **kw):
+        super().__init__(vocab_size, **kw)
+        c = self.counts.double()
+        rare_c = c[self.rare] if self.rare.any() else torch.ones(1, dtype=torch.double)
+        mu1 = self.hparams["mu1"] or float(rare_c.max().clamp(min=1))
+        mu2 = self.hparams["mu2"] or float(rare_c.mean().clamp(min=1))
+        c_clip = c.clamp(max=mu1)  # Algorithm 1, lines 1-3
+        self.f1, self.f2 = c_clip / mu1, (c_clip / mu2).clamp(max=1.0)
+
+    def gates(self, y):
+        rare = self.rare.to(y.device)
+        if not bool(rare.any()):
+            return None, None, None
+        full = ~rare  # M_word (lines 4-6): non-rare words and words of this batch get the full gradient
+        full[y] = True
+        col_gate = torch.where(full, 1.0, self.f1.to(y.device))  # line 8: (M_word + f1).clip(max=1)
+        extra = torch.where(full, 0.0, self.f2.to(y.device))  # line 7: M_wordrev, the L2 path of rare-target rows
+        return col_gate, rare[y], col_gate + extra
+
+
+class FreezeRare(StaticGroupMethod):
+    """Rare embeddings frozen (AGG Table 1 / Fig. 2, AGPS Table 1): the rare rows of weight's gradient are zeroed
+    until step `until` (None: never). A gradient hook on `weight` zeroes the whole gradient of those rows, so the
+    input-embedding use is frozen too. (Decoupled weight decay in the optimizer still shrinks them.)"""
+    name = "freeze-rare"
+    defaults = dict(rare_fraction=0.2, until=None)
+
+    def __init__(self, vocab_size, **kw):
+        super().__init__(vocab_size, **kw)
+        self._hooked = None  # the weight tensor our hook sits on
+
+    def frozen(self):
+        return self.hparams["until"] is None or self.steps < self.hparams["until"]
+
+    def _mask_grad(self, grad):
+        if not self.frozen():
+            return None
+        return grad * (~self.rare).to(grad.device, grad.dtype)[:, None]
+
+    def loss(self, hidden, weight, targets, **kw):
+        if weight.requires_grad and self._hooked is not weight:
+            weight.register_hook(self._mask_grad)
+            self._hooked = weight
+        return super().loss(hidden, weight, targets, **kw)
+
+
+class FreezeParts(StaticGroupMethod):
+    """Gradient-part freezing (AGG Sec. 3.2, Table 2): drop part (b) and/or (c) of Eq. 4 for rare embeddings.
+    (b) pushes rare embeddings from features whose target is not rare; (c) from features whose target is rare."""
+    name = "freeze-bc"
+    defaults = dict(rare_fraction=0.2, parts="bc")
+
+    def gates(self, y):
+        rare = self.rare.to(y.device)
+        if not bool(rare.any()):
+            return None, None, None
+        zero_on_rare = (~rare).double()
+        col_gate = zero_on_rare if "b" in self.hparams["parts"] else None
+        group_gate = zero_on_rare if "c" in self.hparams["parts"] else None
+        return col_gate, rare[y], group_gate
+
+
+def _pairwise_cosine(weight):
+    """(1/N^2) sum_{i != j} cos(w_i, w_j) in O(N d): ||sum of unit rows||^2 minus the diagonal (CosReg Eq. 6)."""
+    unit = F.normalize(weight, dim=1)
+    total = unit.sum(dim=0)
+    return (total @ total - (unit * unit).sum()) / weight.shape[0] ** 2
+
+
+class CosReg(MLE):
+    """MLE-CosReg (CosReg Eq. 6): L_MLE + gamma * mean pairwise cosine of the embeddings."""
+    name = "cosreg"
+    defaults = dict(gamma=1.0)
+
+    def regulariser(self, hidden, weight, targets, ignore_index):
+        return self.hparams["gamma"] * _pairwise_cosine(weight.float())
+
+
+class FRAGE(MLE):
+    """FRAGE (Eq. 2-5): a logistic-regression discriminator tells popular (top `popular_fraction` by counts) from rare
+    embeddings; the model adds -lambda * L_D (fooling it) and the discriminator takes one class-balanced step per
+    optimizer step on detached embeddings, with its own optimizer over its own parameters."""
+    name = "frage"
+    defaults = dict(popular_fraction=0.2, lambda_=0.1, disc_lr=1e-2)
+
+    def __init__(self, vocab_size, **kw):
+        super().__init__(vocab_size, **kw)
+        if self.counts is None:
+            raise ValueError("method 'frage' needs counts=<token counts of the training split, shape (V,)> "
+                             "to define its popular/rare groups")
+        self.rare = least_frequent_mask(self.counts, 1 - self.hparams["popular_fraction"], self.special_ids)
+        self.popular = ~self.rare
+        self.popular[self.special_ids] = False
+        self.disc, self.disc_opt, self._disc_pending = None, None, False
+
+    def _build_disc(self, d, device):
+        self.disc = torch.nn.Linear(d, 1).to(device)
+        self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=self.hparams["disc_lr"])
+
+    def disc_loss(self, weight, disc_weight, disc_bias):
+        """L_D (FRAGE Eq. 2), "the loss of the discriminator": class-balanced binary cross-entropy of
+        f = sigmoid(linear(w)) = P(popular). (Eq. 2 as printed drops the minus sign; with it, Eq. 3-5 are consistent:
+        the discriminator minimises L_D, the model adds -lambda * L_D to fool it.)"""
+        score = F.linear(weight.float(), disc_weight, disc_bias).squeeze(1)
+        pop, rare = self.popular.to(weight.device), self.rare.to(weight.device)
+        return -(F.logsigmoid(score[pop]).mean() + F.logsigmoid(-score[rare]).mean())
+
+    def disc_accuracy(self, weight):
+        """Class-balanced accuracy of the discriminator (score > 0 means popular)."""
+        with torch.no_grad():
+            score = self.disc(weight.float()).squeeze(1)
+            pop, rare = self.popular.to(weight.device), self.rare.to(weight.device)
+            return 0.5 * float((score[pop] > 0).float().mean() + (score[rare] < 0).float().mean())
+
+    def observe(self, targets, ignore_index=-100):
+        super().observe(targets, ignore_index)
+        self._disc_pending = True  # one discriminator step per optimizer step
+
+    def regulariser(self, hidden, weight, targets, ignore_index):
+        if self.disc is None:
+            self._build_disc(weight.shape[1], weight.device)
+        frozen_disc = self.disc.weight.detach().clone(), self.disc.bias.detach().clone()  # the model cannot move D
+        reg = -self.hparams["lambda_"] * self.disc_loss(weight, *frozen_disc)  # Eq. 5
+        if self._disc_pending and torch.is_grad_enabled():  # Eq. 4: one step of the discriminator on detached W
+            self.disc_opt.zero_grad(set_to_none=True)
+            self.disc_loss(weight.detach(), self.disc.weight, self.disc.bias).backward()
+            self.disc_opt.step()
+            self._disc_pending = False
+        return reg
+
+    def state_dict(self):
+        disc = None if self.disc is None else {"d": self.disc.in_features, "model": self.disc.state_dict(),
+                                               "opt": self.disc_opt.state_dict()}
+        return {**super().state_dict(), "disc": disc, "disc_pending": self._disc_pending}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self._disc_pending = state["disc_pending"]
+        if state["disc"] is not None:
+            self._build_disc(state["disc"]["d"], "cpu")
+            self.disc.load_state_dict(state["disc"]["model"])
+            self.disc_opt.load_state_dict(state["disc"]["opt"])
+
+
+def unlikelihood(hidden, weight, targets, ignore_index=-100):
+    """Token-level unlikelihood (Welleck et al. 2020): sum over previous-context candidates c of -log(1 - p(c)),
+    averaged over non-ignored positions. Candidates of position t: the distinct targets before t in the same sequence
+    (not across sequences), minus the current target."""
+    if targets.dim() != 2:
+        raise ValueError(f"unlikelihood needs targets shaped (B, T), got {tuple(targets.shape)}")
+    B, T = targets.shape
+    valid = targets != ignore_index
+    same = targets[:, :, None] == targets[:, None, :]  # [b, t, j]: y_t == y_j
+    before = torch.ones(T, T, dtype=torch.bool, device=targets.device).tril(-1)  # j < t
+    first = valid & ~(same & before & valid[:, None, :]).any(-1)  # y_j occurs for the first time at j
+    cand = before & first[:, None, :] & valid[:, :, None] & ~same
+    logp = F.log_softmax((hidden @ weight.T).float(), dim=-1)
+    cand_logp = logp.gather(2, targets.clamp(min=0)[:, None, :].expand(B, T, T))  # [b, t, j] = log p_t(y_j)
+    penalty = -torch.log((1 - cand_logp.exp()).clamp(min=1e-5))
+    return (penalty * cand).sum() / valid.sum().clamp(min=1)
+
+
+class UL(MLE):
+    """MLE + token-level unlikelihood (alpha_ul weights the UL term)."""
+    name = "ul"
+    defaults = dict(alpha_ul=1.0)
+
+    def regulariser(self, hidden, weight, targets, ignore_index):
+        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index)
+
+
+class ULAGG(AGG):
+    """AGG's gated NLL + token-level unlikelihood (AGG Table 4)."""
+    name = "ul+agg"
+    defaults = dict(AGG.defaults, alpha_ul=1.0)
+    regulariser = UL.regulariser
+
+
+METHODS = {cls.name: cls for cls in [
+    MLE, AGG,
+    _variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False),
+    _variant(AGG, "agg-static", static_after=1000),
+    AGPS, FreezeRare,
+    _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts,
+    CosReg, FRAGE, UL, ULAGG,
+]}
+
+
+def build_method(name, vocab_size, **hparams):
+    """Make the method `name` (a key of METHODS) for a vocabulary of `vocab_size` tokens.
+
+    Common keywords: counts (training-split token counts, needed by static-group methods), special_ids (never rare).
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    return METHODS[name](vocab_size, **hparams)
+
+
+# -----------------------------------------------------------------------------
+# Embedding-geometry metrics
+
+
+@torch.no_grad()
+def isotropy(weight):
+    """I(W) = min_a Z(a) / max_a Z(a) over the eigenvectors a of W^T W, Z(a) = sum_i exp(w_i . a) (AGG Eq. 3).
+    float64, log Z by log-sum-exp: finite for any norm."""
+    w = weight.detach().double()
+    _, eigvecs = torch.linalg.eigh(w.T @ w)
+    log_z = torch.logsumexp(w @ eigvecs, dim=0)
+    return float(torch.exp(log_z.min() - log_z.max()))
+
+
+@torch.no_grad()
+def mean_cosine(weight):
+    """S(w) = (1/N^2) sum_i sum_{j != i} cos(w_i, w_j) (AGPS Eq. 9)."""
+    return float(_pairwise_cosine(weight.detach().double()))
+
+
+@torch.no_grad()
+def singular_spectrum(weight):
+    """Singular values of W normalised so the largest is 1 (CosReg Fig. 2b)."""
+    s = torch.linalg.svdvals(weight.detach().double())
+    return s / s[0]
+
+
+def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
+    """(frequent, medium, rare) index tensors: the vocabulary split by training counts, most frequent first
+    (AGG Sec. 3.1: 30% / 50% / 20%)."""
+    counts = torch.as_tensor(counts)
+    order = torch.argsort(counts.double(), descending=True, stable=True)
+    n_freq = round(fractions[0] * len(counts))
+    n_med = round(fractions[1] * len(counts))
+    return order[:n_freq], order[n_freq:n_freq + n_med], order[n_freq + n_med:]

@@ -1,0 +1,445 @@
+"""Tests of agg.py: gradients against the papers' closed forms and literal reference implementations."""
+import io
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import agg  # noqa: E402
+
+V, D, WINDOW, ALPHA = 40, 6, 10, 0.45
+
+
+def make_counts(seed=0):
+    """Appearance counts a_k in 0..WINDOW with ~half the vocabulary below ALPHA * WINDOW (rare)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, WINDOW + 1, (V,), generator=g)
+
+
+def observe_counts(method, counts, window=WINDOW):
+    """Feed `window` steps so that afterwards the method's window holds exactly `counts` appearances."""
+    for s in range(window):
+        method.observe(torch.nonzero(counts > s).squeeze(1))
+
+
+def inputs(seed=0, T=60, ignore=()):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g, dtype=torch.float64)
+    w = torch.randn(V, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (T,), generator=g)
+    y[list(ignore)] = -100
+    return h, w, y
+
+
+def grads(method, h, w, y, **kw):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = method.loss(h, w, y, **kw)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def literal_agg_grads(h, w, y, rare, g1_vec, g2_vec, smoothing=0.0):
+    """AGG Eq. 9-10 written out: three logits with detach and dense per-row gates (Eq. 7-8)."""
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    keep = y != -100
+    h_, y_ = h[keep], y[keep]
+    rare_other = rare[None, :] & (torch.arange(V)[None, :] != y_[:, None])  # v_k in V_r and v_k != y_i
+    g1 = torch.where(rare_other, g1_vec[None, :], torch.ones(()))
+    g2 = torch.where(rare_other, g2_vec[None, :], torch.ones(()))
+    z0 = h_ @ w.detach().T
+    z1 = g1 * (h_.detach() @ w.T) + (1 - g1) * (h_.detach() @ w.detach().T)
+    z2 = g2 * (h_.detach() @ w.T) + (1 - g2) * (h_.detach() @ w.detach().T)
+    ce = lambda z: F.cross_entropy(z, y_, reduction="none", label_smoothing=smoothing)
+    loss = ce(z0) + torch.where(rare[y_], ce(z2), ce(z1))  # Eq. 10
+    loss.mean().backward()
+    return h.grad, w.grad
+
+
+def paper_gates(counts, window=WINDOW, alpha=ALPHA):
+    a = counts.double()
+    rare = a / window < alpha  # Eq. 5
+    g1 = a / window  # Eq. 7
+    g2 = (a / a[rare].mean()).clamp(max=1)  # Eq. 8
+    return rare, g1, g2
+
+
+@pytest.mark.parametrize("variant", ["agg", "agg-no-g1", "agg-no-g2"])
+def test_agg_matches_literal_eq_9_10(variant):
+    counts = make_counts()
+    rare, g1, g2 = paper_gates(counts)
+    assert 5 < rare.sum() < V - 5
+    if variant == "agg-no-g1":
+        g1 = torch.ones(V, dtype=torch.float64)
+    if variant == "agg-no-g2":
+        g2 = torch.ones(V, dtype=torch.float64)
+    method = agg.build_method(variant, V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    h, w, y = inputs(ignore=(3, 17))
+    assert rare[y[y >= 0]].any() and (~rare[y[y >= 0]]).any()
+    loss, gh, gw = grads(method, h, w, y)
+    ref_gh, ref_gw = literal_agg_grads(h, w, y, rare, g1, g2)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.T, y))  # the value is the plain mean NLL
+    # gradient wrt hidden is exactly MLE's
+    _, mle_gh, mle_gw = grads(agg.build_method("mle", V), h, w, y)
+    torch.testing.assert_close(gh, mle_gh, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(gw, mle_gw)
+
+
+def test_agg_weight_gradient_is_eq_23():
+    counts = make_counts(1)
+    rare, g1, g2 = paper_gates(counts)
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    h, w, y = inputs(seed=1)
+    _, _, gw = grads(method, h, w, y)
+    p = torch.softmax(h @ w.T, dim=1)
+    expected = torch.zeros(V, D, dtype=torch.float64)
+    for r in range(V):
+        for i in range(len(y)):
+            if y[i] == r:
+                coef = p[i, r] - 1
+            elif not rare[r]:
+                coef = p[i, r]  # non-rare embeddings: plain MLE
+            elif not rare[y[i]]:
+                coef = g1[r] * p[i, r]
+            else:
+                coef = g2[r] * p[i, r]
+            expected[r] += coef * h[i]
+    torch.testing.assert_close(gw, expected / len(y), rtol=1e-12, atol=1e-14)
+
+
+def test_agg_with_label_smoothing_matches_literal():
+    counts = make_counts(2)
+    rare, g1, g2 = paper_gates(counts)
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    h, w, y = inputs(seed=2, ignore=(0,))
+    loss, gh, gw = grads(method, h, w, y, label_smoothing=0.1)
+    ref_gh, ref_gw = literal_agg_grads(h, w, y, rare, g1, g2, smoothing=0.1)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.T, y, label_smoothing=0.1))
+
+
+def test_mle_matches_cross_entropy_and_chunking_changes_nothing():
+    h, w, y = inputs(seed=3, T=50, ignore=(5, 6))
+    ref_h, ref_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    F.cross_entropy(ref_h @ ref_w.T, y).backward()
+    counts = make_counts(3)
+    for name in ["mle", "agg"]:
+        method = agg.build_method(name, V, **(dict(alpha=ALPHA, window=WINDOW) if name == "agg" else {}))
+        observe_counts(method, counts)
+        full = grads(method, h, w, y)
+        chunked = grads(method, h, w, y, chunk_size=7)
+        for a, b in zip(full, chunked):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        if name == "mle":
+            torch.testing.assert_close(full[1], ref_h.grad, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(full[2], ref_w.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_ignored_positions_are_dropped_from_value_and_gradients():
+    h, w, y = inputs(seed=4, ignore=(1, 2, 30))
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, make_counts(4))
+    loss, gh, gw = grads(method, h, w, y)
+    keep = y != -100
+    loss_k, gh_k, gw_k = grads(method, h[keep], w, y[keep])
+    torch.testing.assert_close(loss, loss_k)
+    assert torch.all(gh[~keep] == 0)
+    torch.testing.assert_close(gh[keep], gh_k)
+    torch.testing.assert_close(gw, gw_k)
+
+
+def static_kw():
+    return dict(counts=make_counts(5) + 1)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("agg", dict(alpha=0.0)), ("agg-no-g1", dict(alpha=0.0)), ("agg-no-g2", dict(alpha=0.0)),
+    ("agg-static", dict(alpha=0.0, static_after=2)), ("ul+agg", dict(alpha=0.0, alpha_ul=0.0)),
+    ("agps", dict(rare_fraction=0.0)), ("freeze-rare", dict(rare_fraction=0.0)), ("freeze-b", dict(rare_fraction=0.0)),
+    ("freeze-c", dict(rare_fraction=0.0)), ("freeze-bc", dict(rare_fraction=0.0)),
+])
+def test_no_rare_tokens_is_exactly_mle(name, kw):
+    method = agg.build_method(name, V, **static_kw(), **kw)
+    observe_counts(method, make_counts(5))
+    h, w, y = inputs(seed=5, ignore=(4,))
+    y2 = y.reshape(6, 10)  # (B, T) for ul+agg
+    ours = grads(method, h.reshape(6, 10, D), w, y2)
+    mle = grads(agg.build_method("mle", V), h.reshape(6, 10, D), w, y2)
+    for a, b in zip(ours, mle):
+        assert torch.equal(a, b)
+
+
+def test_sliding_window_special_ids_and_ignore_index():
+    method = agg.build_method("agg", 6, alpha=1.5, window=3, special_ids=[0])
+    steps = [[1, 1, 2, -100], [1, 1, 3, 0], [2, 2, 2, 1], [4, 4, 4, 4], [5, 1, -100, -100]]
+    expected_mean = [
+        [0, 2, 1, 0, 0, 0],  # one step seen: average over 1
+        [0.5, 2, 0.5, 0.5, 0, 0],
+        [1 / 3, 5 / 3, 4 / 3, 1 / 3, 0, 0],
+        [1 / 3, 1, 1, 1 / 3, 4 / 3, 0],  # step 1 left the window of 3
+        [0, 2 / 3, 1, 0, 4 / 3, 1 / 3],
+    ]
+    for targets, mean in zip(steps, expected_mean):
+        method.observe(torch.tensor(targets))
+        torch.testing.assert_close(method.mean_counts(), torch.tensor(mean, dtype=torch.float64))
+        rare = method.rare_mask()
+        assert not rare[0]  # special ids are never rare, even with 0 appearances
+        assert torch.equal(rare[1:], torch.tensor(mean[1:]) < 1.5)
+
+
+def test_loss_before_observe_is_a_clear_error():
+    method = agg.build_method("agg", V)
+    h, w, y = inputs()
+    with pytest.raises(RuntimeError, match="observe"):
+        method.loss(h, w, y)
+
+
+def test_static_agg_freezes_the_group():
+    method = agg.build_method("agg-static", 4, alpha=1.0, window=2, static_after=2)
+    method.observe(torch.tensor([0, 0, 1]))
+    method.observe(torch.tensor([0, 0, 1]))
+    frozen = method.rare_mask().clone()
+    assert frozen.tolist() == [False, False, True, True]
+    for _ in range(3):
+        method.observe(torch.tensor([2, 2, 3, 3]))  # counts now say 0, 1 are rare and 2, 3 are not
+    assert torch.equal(method.rare_mask(), frozen)
+    dynamic = agg.build_method("agg", 4, alpha=1.0, window=2)
+    for t in [[0, 0, 1], [0, 0, 1], [2, 2, 3, 3], [2, 2, 3, 3]]:
+        dynamic.observe(torch.tensor(t))
+    assert dynamic.rare_mask().tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize("name", ["agg", "agg-static", "frage", "freeze-rare"])
+def test_state_dict_round_trip_continues_identically(name):
+    kw = dict(counts=make_counts(6) + 1)
+    if name.startswith("agg"):
+        kw.update(alpha=0.4, window=4)
+    if name == "agg-static":
+        kw.update(static_after=5)
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randint(0, V, (30,), generator=g) for _ in range(8)]
+    h, w, _ = inputs(seed=6, T=30)
+    a = agg.build_method(name, V, **kw)
+    for y in batches[:4]:
+        a.observe(y)
+        grads(a, h, w, y)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = agg.build_method(name, V, **kw)
+    b.load_state_dict(torch.load(buf))
+    for y in batches[4:]:
+        a.observe(y)
+        b.observe(y)
+        for x, z in zip(grads(a, h, w, y), grads(b, h, w, y)):
+            assert torch.equal(x, z)
+        if name.startswith("agg"):
+            assert torch.equal(a.gates(y)[0], b.gates(y)[0])
+
+
+def test_state_dict_refuses_another_method():
+    with pytest.raises(ValueError, match="agps"):
+        agg.build_method("agg", V).load_state_dict(agg.build_method("agps", V, counts=torch.ones(V)).state_dict())
+
+
+def test_build_method_errors_list_valid_choices():
+    with pytest.raises(ValueError, match="agg-no-g1"):
+        agg.build_method("agg2", V)
+    with pytest.raises(ValueError, match="alpha"):
+        agg.build_method("agg", V, alpah=0.1)
+    with pytest.raises(ValueError, match="counts"):
+        agg.build_method("agps", V)
+
+
+def literal_algorithm_1(h, w, y, counts, rare, mu1, mu2):
+    """AGPS Algorithm 1 line by line (rare = the words from index i_r on, in frequency order)."""
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    c_clip = counts.double().clamp(max=mu1)  # 1
+    f1 = c_clip / mu1  # 2
+    f2 = (c_clip / mu2).clamp(max=1)  # 3
+    m_word = torch.zeros(V, dtype=torch.float64)  # 4
+    m_word[y] = 1  # 5
+    m_word[~rare] = 1  # 6
+    m_wordrev = (1 - m_word) * f2  # 7
+    m_word = (m_word + f1).clamp(max=1)  # 8
+    w_mask = m_word[:, None] * w + (1 - m_word[:, None]) * w.detach()  # 9
+    w_maskrev = m_wordrev[:, None] * w + (1 - m_wordrev[:, None]) * w.detach()  # 10
+    z = -F.log_softmax(h @ w_mask.T, dim=1)  # 11
+    rare_tgt = rare[y].nonzero().squeeze(1)  # 12-13
+    z_rare = -F.log_softmax(h.detach()[rare_tgt] @ w_maskrev.T, dim=1)  # 14-15
+    l1 = z.gather(1, y[:, None]).squeeze(1)  # 16
+    l2 = z_rare.gather(1, y[rare_tgt][:, None]).squeeze(1)  # 17
+    ((l1.sum() + l2.sum()) / len(y)).backward()  # 18, mean reduction
+    return h.grad, w.grad
+
+
+def test_agps_follows_algorithm_1():
+    counts = torch.arange(V, 0, -1) * 7  # index order = frequency order, as Algorithm 1 assumes
+    method = agg.build_method("agps", V, counts=counts, rare_fraction=0.4, mu1=150.0, mu2=60.0)
+    rare = torch.arange(V) >= 24  # i_r = 24
+    assert torch.equal(method.rare_mask(), rare)
+    h, w, y = inputs(seed=7, T=25)
+    y[:5] = torch.tensor([30, 31, 35, 2, 39])  # some rare words in the batch
+    _, gh, gw = grads(method, h, w, y)
+    ref_gh, ref_gw = literal_algorithm_1(h, w, y, counts, rare, 150.0, 60.0)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("parts", ["b", "c", "bc"])
+def test_gradient_part_freezing_drops_parts_of_eq_4(parts):
+    counts = torch.arange(V, 0, -1)
+    method = agg.build_method(f"freeze-{parts}", V, counts=counts, rare_fraction=0.5)
+    rare = method.rare_mask()
+    h, w, y = inputs(seed=8)
+    _, _, gw = grads(method, h, w, y)
+    p = torch.softmax(h @ w.T, dim=1)
+    onehot = F.one_hot(y, V).double()
+    expected = (p - onehot).T @ h / len(y)  # MLE
+    for r in rare.nonzero().squeeze(1):
+        part_a = ((p[:, r] - 1) * (y == r))[:, None] * h
+        part_b = (p[:, r] * ~rare[y])[:, None] * h
+        part_c = (p[:, r] * (rare[y] & (y != r)))[:, None] * h
+        expected[r] = (part_a + part_b * ("b" not in parts) + part_c * ("c" not in parts)).sum(0) / len(y)
+    torch.testing.assert_close(gw, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_freeze_rare_freezes_whole_rows_until_step():
+    counts = torch.arange(V, 0, -1)
+    method = agg.build_method("freeze-rare", V, counts=counts, until=2)
+    emb = torch.nn.Embedding(V, D)
+    x = torch.arange(V)[None, :]  # every token is also an input: the input side must be frozen too
+    y = torch.arange(V)[None, :].roll(1, 1)
+    for step in range(3):
+        method.observe(y)
+        emb.zero_grad()
+        method.loss(torch.tanh(emb(x)), emb.weight, y).backward()
+        rare_grad = emb.weight.grad[method.rare_mask()].abs().sum()
+        assert (rare_grad == 0) == (step < 1), step  # steps seen: 1, 2, 3; frozen while steps < until
+        assert emb.weight.grad[~method.rare_mask()].abs().sum() > 0
+
+
+def test_cosreg_equals_quadratic_definition():
+    w = torch.randn(15, D, dtype=torch.float64, requires_grad=True)
+    unit = w / w.norm(dim=1, keepdim=True)
+    cos = unit @ unit.T
+    quadratic = (cos.sum() - cos.diagonal().sum()) / 15 ** 2  # CosReg Eq. 6
+    method = agg.build_method("cosreg", 15, gamma=2.0)
+    h, y = torch.randn(4, D, dtype=torch.float64), torch.tensor([1, 2, 3, 4])
+    loss = method.loss(h, w, y)
+    torch.testing.assert_close(loss - F.cross_entropy(h @ w.T, y), 2.0 * quadratic)
+    torch.testing.assert_close(agg.mean_cosine(w), float(quadratic.detach()))
+    grad, = torch.autograd.grad(method.regulariser(h, w, y, -100), w)
+    ref, = torch.autograd.grad(2.0 * quadratic.float(), w)
+    torch.testing.assert_close(grad, ref.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_frage_discriminator_learns_and_generator_fools_it():
+    torch.manual_seed(0)
+    counts = torch.arange(50, 0, -1)
+    method = agg.build_method("frage", 50, counts=counts, lambda_=1.0, disc_lr=0.05)
+    popular = torch.zeros(50, dtype=torch.bool)
+    popular[:10] = True  # top 20%
+    w = torch.randn(50, D) * 0.3
+    w[popular, 0] += 1.0  # separable along the first axis
+    h, y = torch.randn(8, D), torch.randint(0, 50, (8,))
+    method.observe(y)
+    method.loss(h, w, y)
+    acc_start = method.disc_accuracy(w)
+    for _ in range(60):
+        method.observe(y)
+        method.loss(h, w, y)
+    acc_trained = method.disc_accuracy(w)
+    assert acc_trained > max(acc_start, 0.9)
+    # generator: gradient descent on the model's term -lambda * L_D moves the embeddings to fool the discriminator
+    disc_before = [p.detach().clone() for p in method.disc.parameters()]
+    w_gen = w.clone().requires_grad_()
+    for _ in range(30):  # no observe(): no discriminator step is pending, so D stays fixed
+        g, = torch.autograd.grad(method.regulariser(h, w_gen, y, -100), w_gen)
+        w_gen = (w_gen - 0.5 * g * 50).detach().requires_grad_()
+    assert method.disc_accuracy(w_gen) < acc_trained - 0.2
+    assert all(torch.equal(a, b) for a, b in zip(disc_before, method.disc.parameters()))
+
+
+def test_unlikelihood_hand_computed():
+    torch.manual_seed(0)
+    y = torch.tensor([[3, 1, 3, 2, -100], [2, 2, 0, 1, 4]])
+    h = torch.randn(2, 5, D)
+    w = torch.randn(5, D)
+    p = torch.softmax(h @ w.T, dim=-1)
+    # candidates: distinct earlier targets of the same sequence, minus the current target
+    cands = {(0, 1): [3], (0, 2): [1], (0, 3): [3, 1],
+             (1, 2): [2], (1, 3): [2, 0], (1, 4): [2, 0, 1]}
+    expected = sum(-torch.log(1 - p[b, t, c]) for (b, t), cs in cands.items() for c in cs) / 9
+    torch.testing.assert_close(agg.unlikelihood(h, w, y), expected)
+    method = agg.build_method("ul", 5, alpha_ul=0.5)
+    nll = F.cross_entropy((h @ w.T).reshape(-1, 5), y.reshape(-1))
+    torch.testing.assert_close(method.loss(h, w, y), nll + 0.5 * expected)
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        method.loss(h[0], w, y[0])
+
+
+def test_isotropy_metric():
+    g = torch.Generator().manual_seed(0)
+    gaussian = torch.randn(20000, 16, generator=g)
+    assert agg.isotropy(gaussian) > 0.9
+    cone = torch.randn(2000, 16, generator=g) * 0.1 + 3.0 * torch.randn(16, generator=g)
+    assert agg.isotropy(cone) < 0.01
+    huge = torch.nn.functional.normalize(torch.randn(500, 16, generator=g), dim=1) * 1e3
+    value = agg.isotropy(huge)
+    assert 0.0 <= value <= 1.0 and value == value
+
+
+def test_spectrum_and_frequency_groups():
+    s = agg.singular_spectrum(torch.randn(30, 5))
+    assert s[0] == 1 and torch.all(s[1:] <= s[:-1])
+    counts = torch.tensor([5, 100, 1, 50, 7, 3, 0, 20, 9, 2])
+    freq, med, rare = agg.frequency_groups(counts)
+    assert freq.tolist() == [1, 3, 7] and sorted(rare.tolist()) == [2, 6] and len(med) == 5
+
+
+def _dist_worker(rank, world, init_file, batch, out_file):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    method = agg.build_method("agg", V, alpha=ALPHA, window=3)
+    for step in batch:
+        half = len(step) // world
+        method.observe(step[rank * half:(rank + 1) * half])
+    col_gate, _, group_gate = method.gates(torch.arange(V))
+    torch.save({"rare": method.rare_mask(), "g1": col_gate, "g2": group_gate}, f"{out_file}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_distributed_ranks_see_the_gates_of_the_whole_batch(tmp_path):
+    g = torch.Generator().manual_seed(9)
+    batch = [torch.randint(0, V, (40,), generator=g) for _ in range(4)]
+    torch.multiprocessing.spawn(_dist_worker, args=(2, str(tmp_path / "init"), batch, str(tmp_path / "out")), nprocs=2)
+    single = agg.build_method("agg", V, alpha=ALPHA, window=3)
+    for step in batch:
+        single.observe(step)
+    col_gate, _, group_gate = single.gates(torch.arange(V))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out.{rank}")
+        assert torch.equal(got["rare"], single.rare_mask())
+        assert torch.equal(got["g1"], col_gate) and torch.equal(got["g2"], group_gate)
+
+
+def test_bf16_autocast_runs_and_stays_close():
+    counts = make_counts(10)
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    h, w, y = inputs(seed=10)
+    h, w = h.float(), w.float()
+    _, gh, gw = grads(method, h, w, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, gh16, gw16 = grads(method, h, w, y)
+    assert gh16.dtype == torch.float32 and gw16.dtype == torch.float32
+    torch.testing.assert_close(gh16, gh, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(gw16, gw, rtol=0.05, atol=0.02)
