@@ -54,25 +54,29 @@ class GatedSoftmaxCE(torch.autograd.Function):
             for s in range(0, n, step):
                 hs, ys = h_mm[s:s + step], y[s:s + step]
                 logits = (hs @ w_mm.T).to(acc_dtype)
-                lse = torch.logsumexp(logits, dim=1)
-                nll = lse - logits.gather(1, ys[:, None]).squeeze(1)
+                target_logit = logits.gather(1, ys[:, None]).squeeze(1)
+                mean_logit = logits.mean(dim=1) if smoothing else None
+                row_max = logits.amax(dim=1, keepdim=True)
+                exp = logits.sub_(row_max).exp_()  # in place: the one chunk x V buffer (logsumexp would add another)
+                sum_exp = exp.sum(dim=1)
+                lse = row_max.squeeze(1) + sum_exp.log()
+                nll = lse - target_logit
                 nll_sum += nll.sum()
                 if smoothing:  # same value as F.cross_entropy(label_smoothing=smoothing)
-                    loss_sum += ((1 - smoothing) * nll + smoothing * (lse - logits.mean(dim=1))).sum()
+                    loss_sum += ((1 - smoothing) * nll + smoothing * (lse - mean_logit)).sum()
                 else:
                     loss_sum += nll.sum()
                 if not need_grad and mass_cols is None:
                     continue
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax in place: the one chunk x V buffer
+                grad = exp.div_(sum_exp[:, None] * n)  # softmax / n: the mean reduction folded in
                 if mass_cols is not None:
-                    mass_sum += (probs @ mass_cols).sum()
+                    mass_sum += (grad @ mass_cols).sum() * n
                 if not need_grad:
                     continue
-                grad = probs  # G = p - q, q = (1 - eps) onehot(y) + eps / V
-                grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), smoothing - 1.0))
+                # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
+                grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
                 if smoothing:
-                    grad.sub_(smoothing / V)
-                grad.div_(n)
+                    grad.sub_(smoothing / (V * n))
                 grad_h[s:s + step] = grad.to(mm_dtype) @ w_mm
                 _gate_(grad, ys, col_gate, None if group_rows is None else group_rows[s:s + step], group_gate)
                 g = grad.to(mm_dtype)
@@ -185,17 +189,19 @@ class MLE:
         col_gate, group_rows, group_gate = self.gates(y)
         rare = self.rare_mask()
         acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-        mass_cols = None if rare is None else rare.to(h.device, acc_dtype)
-        cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
         need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls only
+        mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype)
+        cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
         loss, nll, rare_mass = GatedSoftmaxCE.apply(h, weight, y, cast(col_gate), group_rows, cast(group_gate),
                                                     mass_cols, float(label_smoothing), chunk_size, need_grad)
         self._stats = {"nll": nll.detach()}
         if rare is not None:
             rare = rare.to(y.device)
             self._stats.update(rare_count=rare.sum(), rare_fraction=rare.float().mean(),
-                               rare_pred_mass=rare_mass.detach(),  # predicted probability of the rare set
                                rare_true_mass=rare[y].float().mean() if len(y) else torch.zeros(()))
+            if mass_cols is not None:
+                self._stats["rare_pred_mass"] = rare_mass  # mean predicted probability of the rare set
         reg = self.regulariser(hidden, weight, targets, ignore_index)
         if reg is not None:
             self._stats["regulariser"] = reg.detach()
@@ -204,7 +210,10 @@ class MLE:
 
     @property
     def stats(self):
-        """Floats from the last loss() call (converted lazily: reading them syncs the GPU, computing them does not)."""
+        """Floats from the last loss() call: nll; for methods with a rare group also rare_count, rare_fraction (of the
+        vocabulary), rare_true_mass (share of targets that are rare) and, on no-grad calls, rare_pred_mass (mean
+        predicted probability of the rare set); regulariser where one is added. Converted lazily: reading them
+        syncs the GPU, computing them does not."""
         return {k: float(v) for k, v in self._stats.items()}
 
     def state_dict(self):

@@ -443,3 +443,19 @@ def test_bf16_autocast_runs_and_stays_close():
     assert gh16.dtype == torch.float32 and gw16.dtype == torch.float32
     torch.testing.assert_close(gh16, gh, rtol=0.05, atol=0.02)
     torch.testing.assert_close(gw16, gw, rtol=0.05, atol=0.02)
+
+
+def test_stats_report_the_rare_group_and_its_probability_mass():
+    counts = make_counts(11)
+    rare, _, _ = paper_gates(counts)
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    h, w, y = inputs(seed=11)
+    with torch.no_grad():
+        loss = method.loss(h, w, y)
+    stats = method.stats
+    p = torch.softmax(h @ w.T, dim=1)
+    assert stats["rare_count"] == rare.sum() and stats["rare_fraction"] == pytest.approx(rare.double().mean())
+    assert stats["rare_true_mass"] == pytest.approx(rare[y].double().mean())
+    assert stats["rare_pred_mass"] == pytest.approx(float(p[:, rare].sum(1).mean()))
+    assert stats["nll"] == pytest.approx(float(loss))
