@@ -248,7 +248,7 @@ class AGG(MLE):
         ids = step_counts.nonzero().squeeze(1)
         self.history.append((ids, step_counts[ids]))
         if len(self.history) > self.hparams["window"]:
-            old_ids, old_counts = self.history.popleft()
+            old_ids, old_counts = (t.to(step_counts.device) for t in self.history.popleft())
             self.appearances.index_add_(0, old_ids, -old_counts)
         self.steps += 1
         if self.hparams["static_after"] is not None and self.steps == self.hparams["static_after"]:
