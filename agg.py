@@ -39,8 +39,7 @@ class GatedSoftmaxCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad):
-        n, d = h.shape
-        V = weight.shape[0]
+        n = h.shape[0]
         device = h.device.type
         # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
         mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
@@ -48,47 +47,18 @@ class GatedSoftmaxCE(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             h_mm, w_mm = h.to(mm_dtype), weight.to(mm_dtype)
             grad_h = torch.empty_like(h) if need_grad else None
-            grad_w = torch.zeros(V, d, dtype=acc_dtype, device=h.device) if need_grad else None
-            loss_sum, nll_sum, mass_sum = (torch.zeros((), dtype=acc_dtype, device=h.device) for _ in range(3))
+            grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device) if need_grad else None
+            sums = torch.zeros(3, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability
             step = chunk_size or max(n, 1)
             for s in range(0, n, step):
-                hs, ys = h_mm[s:s + step], y[s:s + step]
-                logits = (hs @ w_mm.T).to(acc_dtype)
-                target_logit = logits.gather(1, ys[:, None]).squeeze(1)
-                mean_logit = logits.mean(dim=1) if smoothing else None
-                row_max = logits.amax(dim=1, keepdim=True)
-                exp = logits.sub_(row_max).exp_()  # in place: the one chunk x V buffer (logsumexp would add another)
-                sum_exp = exp.sum(dim=1)
-                lse = row_max.squeeze(1) + sum_exp.log()
-                nll = lse - target_logit
-                nll_sum += nll.sum()
-                if smoothing:  # same value as F.cross_entropy(label_smoothing=smoothing)
-                    loss_sum += ((1 - smoothing) * nll + smoothing * (lse - mean_logit)).sum()
-                else:
-                    loss_sum += nll.sum()
-                if not need_grad and mass_cols is None:
-                    continue
-                grad = exp.div_(sum_exp[:, None] * n)  # softmax / n: the mean reduction folded in
-                if mass_cols is not None:
-                    mass_sum += (grad @ mass_cols).sum() * n
-                if not need_grad:
-                    continue
-                # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
-                grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
-                if smoothing:
-                    grad.sub_(smoothing / (V * n))
-                grad_h[s:s + step] = grad.to(mm_dtype) @ w_mm
-                _gate_(grad, ys, col_gate, None if group_rows is None else group_rows[s:s + step], group_gate)
-                g = grad.to(mm_dtype)
-                if g.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.T, hs)
-                else:
-                    grad_w += g.T @ hs
+                rows = slice(s, s + step)
+                sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols,
+                                    None if grad_h is None else grad_h[rows], grad_w,
+                                    col_gate, None if group_rows is None else group_rows[rows], group_gate)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
-        n = max(n, 1)
-        nll_mean, mass_mean = nll_sum / n, mass_sum / n
-        ctx.mark_non_differentiable(nll_mean, mass_mean)
-        return loss_sum / n, nll_mean, mass_mean
+        loss, nll, rare_mass = (sums / max(n, 1)).unbind()
+        ctx.mark_non_differentiable(nll, rare_mass)
+        return loss, nll, rare_mass
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -97,7 +67,41 @@ class GatedSoftmaxCE(torch.autograd.Function):
         if grad_h is None:
             raise RuntimeError("GatedSoftmaxCE: forward ran without need_grad=True, so there is nothing to backpropagate")
         ctx.grads = None  # free the buffers
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None, None, None, None, None
+        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None
+
+
+def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate):
+    """One chunk of GatedSoftmaxCE: returns the sums of (loss, nll, rare-set probability) over its rows, writes
+    grad_h (its rows) and adds its part to grad_w. Its chunk x V buffer is freed when it returns."""
+    V = w_mm.shape[0]
+    logits = (hs @ w_mm.T).to(acc_dtype)
+    target_logit = logits.gather(1, ys[:, None]).squeeze(1)
+    mean_logit = logits.mean(dim=1) if smoothing else None
+    row_max = logits.amax(dim=1, keepdim=True)
+    exp = logits.sub_(row_max).exp_()  # in place: the one chunk x V buffer (logsumexp would add another)
+    sum_exp = exp.sum(dim=1)
+    lse = row_max.squeeze(1) + sum_exp.log()
+    nll = lse - target_logit
+    loss = (1 - smoothing) * nll + smoothing * (lse - mean_logit) if smoothing else nll  # = F.cross_entropy's value
+    rare_mass = torch.zeros((), dtype=acc_dtype, device=hs.device)
+    if grad_h is None and mass_cols is None:
+        return torch.stack([loss.sum(), nll.sum(), rare_mass])
+    grad = exp.div_(sum_exp[:, None] * n)  # softmax / n: the mean reduction folded in
+    if mass_cols is not None:
+        rare_mass = (grad @ mass_cols).sum() * n
+    if grad_h is not None:
+        # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
+        grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
+        if smoothing:
+            grad.sub_(smoothing / (V * n))
+        grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
+        _gate_(grad, ys, col_gate, group_rows, group_gate)
+        g = grad.to(w_mm.dtype)
+        if g.dtype == grad_w.dtype:
+            grad_w.addmm_(g.T, hs)  # dL/dW = (G * gate)^T h
+        else:
+            grad_w += g.T @ hs
+    return torch.stack([loss.sum(), nll.sum(), rare_mass])
 
 
 def _gate_(grad, ys, col_gate, group_rows, group_gate):
