@@ -420,10 +420,15 @@ class FRAGE(MLE):
         self.popular = ~self.rare
         self.popular[self.special_ids] = False
         self.disc, self.disc_opt, self._disc_pending = None, None, False
+        self._saved_disc = None  # a loaded discriminator state, restored on the device of the first loss() call
 
     def _build_disc(self, d, device):
         self.disc = torch.nn.Linear(d, 1).to(device)
         self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=self.hparams["disc_lr"])
+        if self._saved_disc is not None:
+            self.disc.load_state_dict(self._saved_disc["model"])
+            self.disc_opt.load_state_dict(self._saved_disc["opt"])  # moves Adam's state to the parameters' device
+            self._saved_disc = None
 
     def disc_loss(self, weight, disc_weight, disc_bias):
         """L_D (FRAGE Eq. 2), "the loss of the discriminator": class-balanced binary cross-entropy of
@@ -457,17 +462,14 @@ class FRAGE(MLE):
         return reg
 
     def state_dict(self):
-        disc = None if self.disc is None else {"d": self.disc.in_features, "model": self.disc.state_dict(),
-                                               "opt": self.disc_opt.state_dict()}
+        disc = self._saved_disc if self.disc is None else {"model": self.disc.state_dict(),
+                                                           "opt": self.disc_opt.state_dict()}
         return {**super().state_dict(), "disc": disc, "disc_pending": self._disc_pending}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self._disc_pending = state["disc_pending"]
-        if state["disc"] is not None:
-            self._build_disc(state["disc"]["d"], "cpu")
-            self.disc.load_state_dict(state["disc"]["model"])
-            self.disc_opt.load_state_dict(state["disc"]["opt"])
+        self.disc, self.disc_opt, self._saved_disc = None, None, state["disc"]
 
 
 def unlikelihood(hidden, weight, targets, ignore_index=-100):

@@ -1,0 +1,427 @@
+#!/usr/bin/env python
+"""Evaluate trained runs side by side: the task metrics and the geometry of the tied embedding matrix.
+
+    python eval.py out/lm-mle-seed0 out/lm-agg-seed0 --out out/report
+
+Each run folder holds ckpt.pt; its config's "task" picks the evaluation:
+  lm  (train_lm.py): test PPL total and per frequency group, Uniq (distinct argmax next-token predictions) total and
+      per group with the human reference (distinct targets), greedy continuations of test prefixes with Uniq per
+      sample (AGG Table 14), word similarity (Spearman of cosine vs human scores; AGG Table 5);
+  nmt (train_nmt.py): BLEU with its sacrebleu signature (train_nmt.evaluate).
+Both: I(W) total and per group (AGG Eq. 3), mean cosine S(w) (AGPS Eq. 9), normalised singular values (plot),
+2-D SVD projection coloured by group (plot, AGG Fig. 1/3), top-5 cosine neighbours of rare tokens (AGG Tables 12-13).
+Frequency groups: 30% frequent / 50% medium / 20% rare of the vocabulary by training counts (AGG Sec. 3.1).
+Writes REPORT/metrics.json ({run label: metrics}), REPORT/report.md and the PNG plots.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import agg
+import train_lm
+
+GROUPS = ("freq", "med", "rare")
+GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}  # as AGG Fig. 1
+
+
+def gensim_test_data(name):
+    import gensim
+    return os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", name)
+
+
+WORDSIM = {"ws353": "wordsim353.tsv", "simlex999": "simlex999.txt"}  # shipped in the gensim wheel
+
+
+# ------------------------------------------------------------------------------------------------- word similarity
+def load_word_pairs(path):
+    """(word1, word2, score) triples from WordSim353 / SimLex-999 / MEN / RG65 / RW style files: the first two fields
+    are the words, the third the human score; fields split by tabs, semicolons or spaces; '#' lines are comments.
+    MEN's lemma file suffixes (-n, -v, -j) are dropped."""
+    if not os.path.exists(path):
+        raise SystemExit(f"word-similarity file {path} not found: check the path")
+    pairs = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            fields = [x for x in re.split(r"[\t;]|\s+", line) if x]
+            if len(fields) < 3:
+                continue
+            try:
+                score = float(fields[2])
+            except ValueError:
+                continue  # a header line
+            w1, w2 = (re.sub(r"-[nvja]$", "", w) for w in fields[:2])
+            pairs.append((w1, w2, score))
+    if not pairs:
+        raise SystemExit(f"{path}: no 'word1 word2 score' lines found")
+    return pairs
+
+
+def word_vector(word, weight, tokenizer, kind):
+    """Mean of the word's subword embeddings (BPE: the word as it appears in running text, after a space);
+    None when the word is out of the vocabulary (word-level tokenizer)."""
+    if kind == "bpe":
+        ids = tokenizer.encode(" " + word).ids
+    else:
+        i = tokenizer.token_to_id(word)
+        if i is None:
+            i = tokenizer.token_to_id(word.capitalize())
+        ids = [] if i is None else [i]
+    return weight[ids].mean(0) if ids else None
+
+
+def word_similarity(weight, tokenizer, kind, datasets):
+    """{name: (spearman, pairs used, pairs total)} of cosine similarity vs human scores."""
+    from scipy.stats import spearmanr
+    out = {}
+    for name, path in datasets.items():
+        pairs = load_word_pairs(path)
+        human, model = [], []
+        for w1, w2, score in pairs:
+            a, b = word_vector(w1, weight, tokenizer, kind), word_vector(w2, weight, tokenizer, kind)
+            if a is None or b is None:
+                continue
+            human.append(score)
+            model.append(float(torch.nn.functional.cosine_similarity(a, b, dim=0)))
+        rho = float(spearmanr(human, model).statistic) if len(human) > 2 else float("nan")
+        out[name] = (rho, len(human), len(pairs))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- geometry
+def group_index(counts):
+    """Tensor (V,) of group ids 0/1/2 (freq/med/rare) and the three index tensors (AGG Sec. 3.1)."""
+    groups = agg.frequency_groups(counts)
+    gid = torch.empty(len(counts), dtype=torch.long)
+    for g, idx in enumerate(groups):
+        gid[idx] = g
+    return gid, groups
+
+
+def geometry(weight, counts):
+    W = weight.detach().float().cpu()
+    _, groups = group_index(counts)
+    return dict(isotropy=agg.isotropy(W), isotropy_groups={g: agg.isotropy(W[i]) for g, i in zip(GROUPS, groups)},
+                mean_cosine=agg.mean_cosine(W),
+                mean_cosine_groups={g: agg.mean_cosine(W[i]) for g, i in zip(GROUPS, groups)})
+
+
+def pick_rare_tokens(counts, tokens, n, src_counts=None):
+    """A few rare-group tokens to show neighbours of: word-like tokens (letters, >= 4 chars), the most frequent of
+    the rare group (the rare tokens the model saw most, as AGG Table 12's examples) - or, for NMT, the target-side
+    rare tokens most frequent on the source side (AGG Table 13)."""
+    gid, _ = group_index(counts)
+    key = counts if src_counts is None else torch.as_tensor(src_counts)
+    cands = [i for i in torch.argsort(key.double(), descending=True, stable=True).tolist()
+             if gid[i] == 2 and key[i] > 0 and re.fullmatch(r"[^\W\d_]{4,}", tokens[i].strip())]
+    words = [i for i in cands if tokens[i].startswith(" ")]  # byte-level BPE: word-initial tokens are whole words
+    return (words if len(words) >= n else cands)[:n]
+
+
+def neighbours(weight, ids, k=5):
+    W = torch.nn.functional.normalize(weight.detach().float().cpu(), dim=1)
+    sims = W[ids] @ W.T
+    sims[torch.arange(len(ids)), ids] = -2  # not itself
+    return sims.topk(k, dim=1).indices.tolist()
+
+
+def plot_singular_values(spectra, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, s in spectra.items():
+        ax.plot(np.arange(1, len(s) + 1), s, label=label)
+    ax.set_xlabel("index")
+    ax.set_ylabel("normalised singular value")
+    ax.set_title("Singular values of the tied embedding")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_svd(weights, counts, path):
+    """2-D projection on the top two right singular vectors of W (uncentred, so a common direction shows)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n = len(weights)
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 4), squeeze=False)
+    for ax, (label, W) in zip(axes[0], weights.items()):
+        W = W.detach().double().cpu()
+        _, _, vh = torch.linalg.svd(W, full_matrices=False)
+        P = (W @ vh[:2].T).numpy()
+        gid, _ = group_index(counts[label])
+        for g in (0, 1, 2):  # frequent drawn last, on top
+            m = (gid == 2 - g).numpy()
+            name = GROUPS[2 - g]
+            ax.scatter(P[m, 0], P[m, 1], s=2, alpha=0.5, c=GROUP_COLOURS[name], label=name, rasterized=True)
+        ax.set_title(label, fontsize=9)
+        ax.set_aspect("equal", adjustable="datalim")
+    axes[0][0].legend(markerscale=5, fontsize=8)
+    fig.suptitle("2-D SVD projection of the tied embedding (red rare, green medium, blue frequent)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------------- LM
+@torch.no_grad()
+def evaluate_lm(out_dir, ck, args, device):
+    cfg = dict(ck["config"])
+    if args.cache_dir:
+        cfg["cache_dir"] = args.cache_dir
+    data = train_lm.prepare_data(cfg, log=lambda *a: None)
+    V = data["vocab_size"]
+    model = train_lm.build_model(cfg, V)
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise SystemExit(f"{out_dir}/ckpt.pt does not fit the model of its own config ({str(e)[:200]}); "
+                         f"the checkpoint or its data cache is inconsistent: retrain or check --cache-dir") from None
+    model.to(device).eval()
+    autocast = train_lm.autocast_ctx(cfg, device)
+    gid, _ = group_index(data["counts"])
+    gid_d = gid.to(device)
+    ids = data["ids"][args.split]
+    block, n = cfg["block_size"], len(ids) - 1
+    if args.max_tokens:
+        n = min(n, args.max_tokens)
+    nll_sum, cnt = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+    preds, targets = [], []
+    starts = list(range(0, n, block))
+    batch = max(1, cfg["micro_batch"])
+    for i in tqdm(range(0, len(starts), batch), desc=f"{os.path.basename(out_dir)} {args.split}", leave=False):
+        for L, group in _by_length([(s, min(block, n - s)) for s in starts[i:i + batch]]):
+            t = torch.from_numpy(np.stack([np.asarray(ids[s:s + L + 1], dtype=np.int64) for s in group])).to(device)
+            x, y = t[:, :-1], t[:, 1:]
+            with autocast():
+                logits = model.logits(x)
+            logp = torch.log_softmax(logits.float(), -1)
+            nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+            g = gid_d[y]
+            for k in range(3):
+                nll_sum[k] += nll[g == k].double().sum().cpu()
+                cnt[k] += int((g == k).sum())
+            preds.append(logits.argmax(-1).flatten().cpu())
+            targets.append(y.flatten().cpu())
+    preds, targets = torch.cat(preds), torch.cat(targets)
+    ppl = lambda s, c: math.exp(min(50.0, float(s) / max(1, int(c)))) if c > 0 else float("nan")
+    up, ut = preds.unique(), targets.unique()
+    m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=out_dir, split=args.split,
+             tokens=int(cnt.sum()), ppl=ppl(nll_sum.sum(), cnt.sum()),
+             ppl_groups={g: ppl(nll_sum[k], cnt[k]) for k, g in enumerate(GROUPS)},
+             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(GROUPS)},
+             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(GROUPS)})
+
+    # greedy continuations of test prefixes (AGG Table 14: 50-token prefix, 100 new tokens)
+    gens, tok = [], data["tokenizer"]
+    span = args.prefix_len + args.gen_len
+    if len(ids) > span and args.n_samples:
+        for j in range(args.n_samples):
+            s = j * (len(ids) - span) // max(1, args.n_samples)
+            prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
+            cont = train_lm.generate(model, prefix, args.gen_len, autocast)[0].tolist()
+            human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
+            gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
+                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human))))
+    m["generations"] = gens
+    m["gen_uniq"] = float(np.mean([g["uniq"] for g in gens])) if gens else float("nan")
+    m["gen_uniq_human"] = float(np.mean([g["uniq_human"] for g in gens])) if gens else float("nan")
+
+    W = model.tok_emb.weight.detach().float().cpu()
+    sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
+    sims.update({k: getattr(args, k) for k in ("men", "rg65", "rw") if getattr(args, k)})
+    ws = word_similarity(W, tok, cfg["tokenizer"], sims)
+    m["word_similarity"] = {k: v[0] for k, v in ws.items()}
+    m["word_similarity_pairs"] = {k: [v[1], v[2]] for k, v in ws.items()}
+    tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
+    return m, W, data["counts"], None, tokens
+
+
+def _by_length(windows):
+    """Group (start, length) windows by length (only the last window can be shorter)."""
+    out = {}
+    for s, L in windows:
+        out.setdefault(L, []).append(s)
+    return sorted(out.items(), reverse=True)
+
+
+# ------------------------------------------------------------------------------------------------------------ NMT
+def evaluate_nmt(out_dir, args):
+    try:
+        import train_nmt
+    except ImportError as e:
+        raise SystemExit(f"{out_dir} holds an NMT checkpoint but train_nmt.py cannot be imported ({e}): run eval.py "
+                         f"from the repository root that has train_nmt.py") from None
+    res = train_nmt.evaluate(out_dir, device=args.device, beam=args.beam)
+    m = dict(res["metrics"])
+    m.setdefault("task", "nmt")
+    m.setdefault("out_dir", out_dir)
+    return m, res["weight"].detach().float().cpu(), torch.as_tensor(res["counts"]), res.get("src_counts"), \
+        list(res["tokens"])
+
+
+# --------------------------------------------------------------------------------------------------------- driver
+def read_checkpoint(out_dir):
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path}: no checkpoint. Pass run folders written by train_lm.py / train_nmt.py --out.")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        task = ck["config"].get("task") or ck.get("task")
+        if task is None:  # older checkpoints: the run folder's config.json names the task
+            with open(os.path.join(out_dir, "config.json")) as f:
+                task = json.load(f)["task"]
+    except Exception as e:
+        raise SystemExit(f"{path}: corrupted or not a training checkpoint ({type(e).__name__}: {str(e)[:200]}). "
+                         f"Retrain the run or restore a good copy.") from None
+    return ck, task
+
+
+def labels_for(out_dirs):
+    labels = [os.path.basename(os.path.normpath(d)) for d in out_dirs]
+    if len(set(labels)) < len(labels):
+        labels = [os.path.relpath(os.path.normpath(d)) for d in out_dirs]
+    return labels
+
+
+def fmt(x, nd=2):
+    if isinstance(x, float):
+        return "nan" if math.isnan(x) else (f"{x:.{nd}f}" if abs(x) < 1e5 else f"{x:.3g}")
+    return str(x)
+
+
+def write_report(path, metrics, extras, args, argv):
+    L = ["# Evaluation report", "", f"`python eval.py {' '.join(argv)}`", ""]
+    lm = [k for k, m in metrics.items() if m["task"] == "lm"]
+    nmt = [k for k, m in metrics.items() if m["task"] == "nmt"]
+    if lm:
+        split = metrics[lm[0]]["split"]
+        L += [f"## Language modelling ({split} split; groups: 30% frequent / 50% medium / 20% rare by train counts)",
+              "", "| run | method | step | PPL freq | PPL med | PPL rare | PPL total | Uniq freq | Uniq med | Uniq rare "
+              "| Uniq total | I(W) | I freq | I med | I rare | mean cos | " +
+              " | ".join(metrics[lm[0]]["word_similarity"]) + " |",
+              "|" + " --- |" * (16 + len(metrics[lm[0]]["word_similarity"]))]
+        for k in lm:
+            m = metrics[k]
+            L.append(f"| {k} | {m['method']} | {m['step']} | " +
+                     " | ".join(fmt(m["ppl_groups"][g]) for g in GROUPS) + f" | {fmt(m['ppl'])} | " +
+                     " | ".join(str(m["uniq_groups"][g]) for g in GROUPS) + f" | {m['uniq']} | {fmt(m['isotropy'], 3)} | " +
+                     " | ".join(fmt(m["isotropy_groups"][g], 3) for g in GROUPS) + f" | {fmt(m['mean_cosine'], 3)} | " +
+                     " | ".join(fmt(v, 3) for v in m["word_similarity"].values()) + " |")
+        h = metrics[lm[0]]
+        L.append("| human | - | - | - | - | - | - | " + " | ".join(str(h["uniq_human_groups"][g]) for g in GROUPS) +
+                 f" | {h['uniq_human']} |" + " - |" * (5 + len(h["word_similarity"])))
+        L += ["", "Word similarity: Spearman correlation of the cosine of mean subword embeddings with human scores "
+              "(pairs used / total: " + "; ".join(f"{n} {u}/{t}" for n, (u, t) in
+                                                   h["word_similarity_pairs"].items()) + ").", ""]
+        L += ["Greedy continuations (Uniq = distinct tokens in 100 generated tokens):", "",
+              "| run | mean Uniq per sample |", "| --- | --- |"]
+        L += [f"| {k} | {fmt(metrics[k]['gen_uniq'], 1)} |" for k in lm]
+        L += [f"| human | {fmt(h['gen_uniq_human'], 1)} |", ""]
+        for j, g in enumerate(h["generations"][:args.show_samples]):
+            L += [f"**Sample {j + 1}** prefix: {_md(g['prefix'])}", "",
+                  f"- human (Uniq {g['uniq_human']}): {_md(g['human'])}"]
+            L += [f"- {k} (Uniq {metrics[k]['generations'][j]['uniq']}): "
+                  f"{_md(metrics[k]['generations'][j]['continuation'])}" for k in lm]
+            L.append("")
+    if nmt:
+        L += ["## Machine translation", "", "| run | method | BLEU | I(W) | I freq | I med | I rare | mean cos | "
+              "signature |", "|" + " --- |" * 9]
+        for k in nmt:
+            m = metrics[k]
+            L.append(f"| {k} | {m.get('method', '?')} | {fmt(m.get('bleu', float('nan')))} | {fmt(m['isotropy'], 3)} "
+                     f"| " + " | ".join(fmt(m["isotropy_groups"][g], 3) for g in GROUPS) +
+                     f" | {fmt(m['mean_cosine'], 3)} | `{m.get('bleu_signature', '')}` |")
+        L.append("")
+    L += ["## Top-5 cosine neighbours of rare tokens (AGG Tables 12-13; * = neighbour in the rare group)", ""]
+    for k, (rows, _) in extras.items():
+        L += [f"**{k}**", "", "| token | top-5 neighbours |", "| --- | --- |"]
+        L += [f"| {_md(t)} | {', '.join(_md(n) for n in ns)} |" for t, ns in rows.items()]
+        L.append("")
+    L += ["## Plots", "", "![singular values](singular_values.png)", "", "![SVD projection](svd_projection.png)", "",
+          "Tokens that never occur in training receive (almost) no gradient under the gated methods and stay near "
+          "their initialisation: they form a cluster at the origin of the projection.", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(L))
+
+
+def _md(s):
+    return str(s).replace("|", "\\|").replace("\n", " ⏎ ").strip()
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dirs", nargs="+", help="run folders (each with ckpt.pt)")
+    p.add_argument("--out", default=os.path.join(train_lm.ROOT, "out", "report"), help="report folder")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")
+    p.add_argument("--cache-dir", default=None, help="LM data cache (default: the run's own)")
+    p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
+    p.add_argument("--show-samples", type=int, default=2, help="continuations printed in report.md")
+    p.add_argument("--prefix-len", type=int, default=50)
+    p.add_argument("--gen-len", type=int, default=100)
+    p.add_argument("--n-rare-tokens", type=int, default=6, help="rare tokens whose neighbours are listed")
+    p.add_argument("--men", default=None, help="MEN word-similarity file (word1 word2 score)")
+    p.add_argument("--rg65", default=None, help="RG65 word-similarity file")
+    p.add_argument("--rw", default=None, help="Stanford Rare Words file")
+    p.add_argument("--beam", type=int, default=4, help="NMT beam size")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    os.makedirs(args.out, exist_ok=True)
+    metrics, weights, counts, extras = {}, {}, {}, {}
+    loaded = [(d, *read_checkpoint(d)) for d in args.out_dirs]  # fail on a bad folder before any long work
+    picks = {}
+    for label, (out_dir, ck, task) in zip(labels_for(args.out_dirs), loaded):
+        if task == "lm":
+            m, W, c, src_c, tokens = evaluate_lm(out_dir, ck, args, device)
+        elif task == "nmt":
+            del ck
+            m, W, c, src_c, tokens = evaluate_nmt(out_dir, args)
+        else:
+            raise SystemExit(f"{out_dir}/ckpt.pt: unknown task {task!r} (expected 'lm' or 'nmt')")
+        m.update(geometry(W, c))
+        m["singular_values"] = agg.singular_spectrum(W).tolist()
+        # the same probe tokens for runs on the same data (same counts), chosen from the first such run
+        key = (task, int(c.sum()), len(c))
+        if key not in picks:
+            picks[key] = pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c)
+        gid, _ = group_index(c)
+        ids = picks[key]
+        rows = {}
+        if ids:
+            for i, ns in zip(ids, neighbours(W, ids)):
+                rows[tokens[i].strip()] = [tokens[j].strip() + ("*" if gid[j] == 2 else "") for j in ns]
+        m["neighbours"] = rows
+        metrics[label], weights[label], counts[label], extras[label] = m, W, c, (rows, ids)
+        print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in ("ppl", "bleu", "isotropy", "mean_cosine")
+                                         if k in m))
+    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
+    plot_singular_values({k: m["singular_values"] for k, m in metrics.items()},
+                         os.path.join(args.out, "singular_values.png"))
+    plot_svd(weights, counts, os.path.join(args.out, "svd_projection.png"))
+    write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv)
+    print(f"wrote {args.out}/metrics.json, report.md, singular_values.png, svd_projection.png")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

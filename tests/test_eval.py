@@ -1,0 +1,180 @@
+"""eval.py: every metrics key on tiny checkpoints, values checked against independent computations, NMT dispatch."""
+import json
+import math
+import os
+import random
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import eval as ev  # noqa: E402
+import train_lm  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models: extra threads only spin on a shared 2-core machine
+
+TINY = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--block-size", "16",
+        "--vocab-size", "300", "--tokens-per-step", "128", "--micro-batch", "4", "--lr", "3e-3", "--warmup", "2",
+        "--device", "cpu", "--preset", "cpu", "--max-steps", "3", "--eval-interval", "3"]
+KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "isotropy_groups", "mean_cosine",
+        "word_similarity"]
+
+
+def write_corpus(folder, seed=0):
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    weights = [1 / (i + 1) ** 1.1 for i in range(len(words))]
+    os.makedirs(folder, exist_ok=True)
+    for split, n in (("train", 600), ("valid", 60), ("test", 60)):
+        with open(os.path.join(folder, f"{split}.txt"), "w") as f:
+            for _ in range(n):
+                f.write(" ".join(rng.choices(words, weights, k=rng.randint(5, 20))).capitalize() + " .\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ev")
+    data, cache = write_corpus(str(base / "data")), str(base / "cache")
+    out = {}
+    for method, extra in (("mle", []), ("agg", ["--alpha", "0.5"])):
+        out[method] = str(base / method)
+        train_lm.main(["--data-dir", data, "--cache-dir", cache, "--out", out[method], "--method", method, *TINY,
+                       *extra])
+    return out
+
+
+def test_eval_lm_writes_every_key_and_correct_values(runs, tmp_path):
+    report = tmp_path / "report"
+    metrics = ev.main([runs["mle"], runs["agg"], "--out", str(report), "--device", "cpu", "--n-samples", "2",
+                       "--prefix-len", "8", "--gen-len", "12"])
+    on_disk = json.load(open(report / "metrics.json"))
+    assert set(on_disk) == {"mle", "agg"}
+    for label, m in on_disk.items():
+        for k in KEYS:
+            assert k in m, (label, k)
+        for k in ("ppl_groups", "uniq_groups", "isotropy_groups"):
+            assert set(m[k]) == {"freq", "med", "rare"}
+        assert set(m["word_similarity"]) == {"ws353", "simlex999"}
+        assert all(-1 <= v <= 1 for v in m["word_similarity"].values())
+        assert m["uniq"] == sum(m["uniq_groups"].values()) and 0 < m["uniq"] <= m["tokens"]
+        assert m["uniq_human"] == sum(m["uniq_human_groups"].values())
+        assert 0 < m["isotropy"] <= 1 and -1 <= m["mean_cosine"] <= 1
+        finite = [v for v in m["ppl_groups"].values() if math.isfinite(v)]
+        assert min(finite) <= m["ppl"] <= max(finite)
+        assert len(m["generations"]) == 2 and all(0 < g["uniq"] <= 12 for g in m["generations"])
+        assert m["singular_values"][0] == pytest.approx(1.0)
+    assert on_disk["agg"]["method"] == "agg" and on_disk["agg"]["step"] == 3
+    assert metrics["mle"]["ppl"] == on_disk["mle"]["ppl"]
+
+    # PPL and human Uniq recomputed independently from the checkpoint and the cached test ids
+    ck = torch.load(os.path.join(runs["mle"], "ckpt.pt"), weights_only=False)
+    data = train_lm.prepare_data(ck["config"], log=lambda *a: None)
+    model = train_lm.build_model(ck["config"], data["vocab_size"])
+    model.load_state_dict(ck["model"])
+    model.eval()
+    ids = torch.from_numpy(np.asarray(data["ids"]["test"], dtype=np.int64))
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, len(ids) - 1, 16):
+            x, y = ids[s:s + 16 + 1][:-1], ids[s + 1:s + 16 + 1]
+            x = x[:len(y)]
+            nll += F.cross_entropy(model.logits(x[None])[0], y, reduction="sum").item()
+            n += len(y)
+    assert on_disk["mle"]["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+    assert on_disk["mle"]["uniq_human"] == len(ids[1:].unique())
+
+    md = (report / "report.md").read_text()
+    assert "| mle | mle | 3 |" in md and "| agg | agg | 3 |" in md and "| human |" in md
+    for png in ("singular_values.png", "svd_projection.png"):
+        assert (report / png).stat().st_size > 5000
+
+
+def test_word_pair_loaders_and_spearman(tmp_path):
+    (tmp_path / "men.txt").write_text("sun-n sunlight-n 50.000000\ncar-n automobile-n 48.0\n")
+    (tmp_path / "rg65.csv").write_text("cord;smile;0.02\nrooster;voyage;0.04\n")
+    (tmp_path / "rw.txt").write_text("word1\tword2\tscore\nsquishing\tsquirt\t5.88\t7\t6\n")
+    assert ev.load_word_pairs(str(tmp_path / "men.txt")) == [("sun", "sunlight", 50.0), ("car", "automobile", 48.0)]
+    assert ev.load_word_pairs(str(tmp_path / "rg65.csv"))[1] == ("rooster", "voyage", 0.04)
+    assert ev.load_word_pairs(str(tmp_path / "rw.txt")) == [("squishing", "squirt", 5.88)]
+    ws = ev.load_word_pairs(ev.gensim_test_data(ev.WORDSIM["ws353"]))
+    assert len(ws) == 353 and ws[0] == ("love", "sex", 6.77)
+    assert len(ev.load_word_pairs(ev.gensim_test_data(ev.WORDSIM["simlex999"]))) == 999
+
+    # word-level vocabulary whose cosines rank the pairs exactly as the human scores do -> Spearman 1
+    vocab = {"a": 0, "b": 1, "c": 2, "d": 3}
+    tok = types.SimpleNamespace(token_to_id=lambda w: vocab.get(w))
+    W = torch.tensor([[1.0, 0.0], [1.0, 0.1], [1.0, 1.0], [-1.0, 0.2]])
+    (tmp_path / "pairs.txt").write_text("a b 9\na c 5\na d 1\nb d 2\nzz a 3\n")
+    rho, used, total = ev.word_similarity(W, tok, "word", {"x": str(tmp_path / "pairs.txt")})["x"]
+    assert rho == pytest.approx(1.0) and (used, total) == (4, 5)  # 'zz' is out of vocabulary
+
+
+def test_neighbours_and_rare_token_choice():
+    W = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [-1.0, 0.0]])
+    assert ev.neighbours(W, [0, 2], k=2) == [[1, 3], [3, 1]]
+    counts = torch.tensor([100, 90, 80, 5, 4, 3, 2, 1, 0, 0])
+    tokens = [" the", " a", " of", " x", " y", "zz", " wordy", " rarely", " never", " nope"]
+    gid, groups = ev.group_index(counts)
+    assert gid[:3].tolist() == [0, 0, 0] and set(groups[2].tolist()) == {8, 9}
+    counts2 = torch.tensor([100, 90, 80, 70, 60, 50, 40, 3, 2, 0])
+    assert ev.pick_rare_tokens(counts2, tokens, 3) == [8]  # rare group {8, 9}: 9 never seen in training
+    assert ev.pick_rare_tokens(counts2, tokens, 3, src_counts=torch.tensor([0] * 7 + [1, 5, 9])) == [9, 8]
+
+
+def test_bad_run_folder_errors(tmp_path, runs):
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        ev.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "r")])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "ckpt.pt").write_bytes(b"garbage")
+    with pytest.raises(SystemExit, match=r"bad/ckpt.pt: corrupted"):
+        ev.main([runs["mle"], str(bad), "--out", str(tmp_path / "r")])
+
+
+def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
+    """eval.py hands NMT runs to train_nmt.evaluate and adds the geometry itself (a stand-in train_nmt here)."""
+    V, d = 60, 8
+    torch.manual_seed(0)
+    weight = torch.randn(V, d)
+    calls = []
+    tokens = ["w" + "".join("abcdefghij"[int(c)] for c in f"{i:02d}") + "xx" for i in range(V)]
+
+    def evaluate(out_dir, device="cpu", beam=4):
+        calls.append((out_dir, str(device), beam))
+        return {"metrics": {"bleu": 12.5, "bleu_signature": "nrefs:1|case:mixed|tok:13a", "method": "agg"},
+                "weight": weight, "counts": torch.arange(V).flip(0), "src_counts": torch.arange(V),
+                "tokens": tokens}
+
+    monkeypatch.setitem(sys.modules, "train_nmt", types.SimpleNamespace(evaluate=evaluate))
+    run = tmp_path / "nmt-run"
+    run.mkdir()
+    torch.save({"config": {"task": "nmt"}, "step": 5}, run / "ckpt.pt")
+    m = ev.main([str(run), "--out", str(tmp_path / "r"), "--device", "cpu"])["nmt-run"]
+    assert calls == [(str(run), "cpu", 4)]
+    assert m["bleu"] == 12.5 and m["bleu_signature"].startswith("nrefs")
+    assert m["isotropy"] == pytest.approx(ev.agg.isotropy(weight)) and set(m["isotropy_groups"]) == {"freq", "med",
+                                                                                                     "rare"}
+    assert m["mean_cosine"] == pytest.approx(ev.agg.mean_cosine(weight))
+    # neighbours of target-rare tokens most frequent on the source side (ids 59, 58, ... are target-rare)
+    assert list(m["neighbours"])[:2] == [tokens[59], tokens[58]]
+    assert "## Machine translation" in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "train_nmt.py")), reason="train_nmt.py not written yet")
+def test_nmt_end_to_end_with_train_nmt(tmp_path):
+    import train_nmt
+    out = str(tmp_path / "nmt")
+    train_nmt.main(["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
+                    "--d-model", "16", "--n-heads", "2", "--d-ff", "32", "--max-steps", "2", "--eval-interval", "2",
+                    "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
+                    "--no-test", "--device", "cpu", "--out", out])
+    m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
+    for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine"):
+        assert k in m
+    assert 0 <= m["bleu"] <= 100 and 0 < m["isotropy"] <= 1

@@ -1,0 +1,799 @@
+#!/usr/bin/env python
+"""Language modelling with AGG and its peers: a pre-LN GPT decoder with tied input/output embeddings.
+
+    python train_lm.py --method agg --alpha 0.075            # offline default corpus, cpu preset on CPU
+    python train_lm.py --dataset wikitext-103 --preset paper-6l --method agg --alpha 0.03
+    torchrun --nproc_per_node 8 train_lm.py --dataset wikitext-103 --preset gpt2-medium --method agg
+
+Everything a run needs is in its --out folder: config.json (full config, versions, git commit), log.jsonl (one JSON
+object per line: train and valid records) and ckpt.pt (written atomically; --resume continues it exactly).
+The training methods themselves live in agg.py; this file only feeds them (hidden, tied weight, targets).
+"""
+import argparse
+import bz2
+import contextlib
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CACHE = os.path.join(ROOT, "data_cache", "lm")
+OFFLINE_DATASET = "gensim-wiki"  # the shortened English Wikipedia dump shipped in the gensim wheel
+GENSIM_WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+HUB_DATASETS = {"wikitext-103": "wikitext-103-raw-v1", "wikitext-2": "wikitext-2-raw-v1"}
+EOS, PAD, UNK = "<|endoftext|>", "<pad>", "<unk>"
+DATA_VERSION = 1  # bump when the cleaning / encoding below changes, so caches are rebuilt
+
+# Presets. paper-6l: 001 Table 11 "empirical study"; gpt2-medium: 001 Table 11 "language modeling" column.
+# cpu: the prototype of agg-findings.md section 3 (1.9M params), sized to finish in ~10 min on 2 cores.
+PRESETS = {
+    "cpu": dict(n_layer=4, d_model=128, n_head=4, d_ff=512, dropout=0.1, block_size=128, vocab_size=8192,
+                tokens_per_step=4096, micro_batch=32, lr=2e-3, warmup=30, max_steps=600, eval_interval=50,
+                weight_decay=0.01),
+    "paper-6l": dict(n_layer=6, d_model=512, n_head=8, d_ff=2048, dropout=0.1, block_size=512, vocab_size=44256,
+                     tokens_per_step=32768, micro_batch=16, lr=7e-4, warmup=4000, max_steps=40000,
+                     eval_interval=1000, weight_decay=0.01),
+    "gpt2-medium": dict(n_layer=24, d_model=1024, n_head=16, d_ff=4096, dropout=0.1, block_size=1024,
+                        vocab_size=44256, tokens_per_step=32768, micro_batch=8, lr=7e-4, warmup=4000,
+                        max_steps=50000, eval_interval=1000, weight_decay=0.01),
+}
+MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
+# command-line flag -> agg.build_method keyword (passed only when given, so agg's defaults rule; --window excepted)
+METHOD_FLAGS = {"alpha": "alpha", "window": "window", "gamma": "gamma", "lambda_": "lambda_", "alpha_ul": "alpha_ul",
+                "mu1": "mu1", "mu2": "mu2", "rare_fraction": "rare_fraction", "until": "until",
+                "static_after": "static_after", "popular_fraction": "popular_fraction", "disc_lr": "disc_lr"}
+# config keys that may change when a run is resumed; any other difference is a mismatch
+RUN_CONTROL = {"max_steps", "stop_at", "eval_interval", "log_interval", "device", "compile", "dtype", "resume",
+               "out", "micro_batch", "cache_dir", "overwrite", "eval_tokens"}
+
+
+# ----------------------------------------------------------------------------------------------------------- config
+def build_parser(suppress=False):
+    """suppress=True gives a parser whose namespace holds only the flags given explicitly (used by --resume)."""
+    def d(value):
+        return argparse.SUPPRESS if suppress else value
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=d(OFFLINE_DATASET),
+                   help=f"{OFFLINE_DATASET} (offline default) | wikitext-103 | wikitext-2 (hub) ; ignored with --data-dir")
+    g.add_argument("--data-dir", default=d(None), help="folder with train.txt, valid.txt, test.txt")
+    g.add_argument("--tokenizer", default=d("bpe"), choices=["bpe", "word"],
+                   help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
+    g.add_argument("--vocab-size", type=int, default=d(None), help="BPE / word vocabulary size (preset default)")
+    g.add_argument("--cache-dir", default=d(DEFAULT_CACHE), help="tokenizer + token-id cache")
+    g = p.add_argument_group("model (override any preset field)")
+    g.add_argument("--preset", default=d(None), choices=sorted(PRESETS), help="default: cpu on CPU, paper-6l on CUDA")
+    g.add_argument("--n-layer", type=int, default=d(None))
+    g.add_argument("--d-model", type=int, default=d(None))
+    g.add_argument("--n-head", type=int, default=d(None))
+    g.add_argument("--d-ff", type=int, default=d(None))
+    g.add_argument("--dropout", type=float, default=d(None))
+    g.add_argument("--block-size", type=int, default=d(None), help="context length")
+    g = p.add_argument_group("method (agg.METHODS); hyper-parameters are passed only when given")
+    g.add_argument("--method", default=d("mle"))
+    g.add_argument("--alpha", type=float, default=d(None), help="AGG Eq. 5 rarity threshold")
+    g.add_argument("--window", type=int, default=d(None), help="AGG counter memory K in steps (default: steps/epoch)")
+    g.add_argument("--static-after", type=int, default=d(None), help="agg-static: freeze the rare group after N steps")
+    g.add_argument("--gamma", type=float, default=d(None), help="cosreg weight (Gao et al. Eq. 6)")
+    g.add_argument("--lambda", dest="lambda_", type=float, default=d(None), help="frage adversarial weight")
+    g.add_argument("--popular-fraction", type=float, default=d(None), help="frage popular share")
+    g.add_argument("--disc-lr", type=float, default=d(None), help="frage discriminator learning rate")
+    g.add_argument("--alpha-ul", type=float, default=d(None), help="unlikelihood weight")
+    g.add_argument("--mu1", type=float, default=d(None), help="agps mu1 (AGPS Eq. 14)")
+    g.add_argument("--mu2", type=float, default=d(None), help="agps mu2 (AGPS Eq. 15)")
+    g.add_argument("--rare-fraction", type=float, default=d(None), help="static rare share for agps / freeze-*")
+    g.add_argument("--until", type=int, default=d(None), help="freeze-rare: unfreeze after this step")
+    g = p.add_argument_group("training")
+    g.add_argument("--out", default=d(None), help="run folder (default out/lm-METHOD-seedN)")
+    g.add_argument("--seed", type=int, default=d(0))
+    g.add_argument("--device", default=d(None), help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--max-steps", type=int, default=d(None), help="optimizer steps (also the LR schedule length)")
+    g.add_argument("--stop-at", type=int, default=d(None),
+                   help="checkpoint and stop after this step without changing the schedule (split a run into jobs)")
+    g.add_argument("--resume", action="store_true", default=d(False), help="continue OUT/ckpt.pt")
+    g.add_argument("--overwrite", action="store_true", default=d(False), help="start afresh over an existing OUT")
+    g.add_argument("--tokens-per-step", type=int, default=d(None), help="tokens per optimizer step, all ranks")
+    g.add_argument("--micro-batch", type=int, default=d(None), help="sequences per micro-batch (gradient accumulation)")
+    g.add_argument("--lr", type=float, default=d(None))
+    g.add_argument("--weight-decay", type=float, default=d(None))
+    g.add_argument("--warmup", type=int, default=d(None), help="linear warm-up steps, then cosine decay to 0.1 lr")
+    g.add_argument("--eval-interval", type=int, default=d(None), help="validate + checkpoint every N steps")
+    g.add_argument("--eval-tokens", type=int, default=d(None), help="cap on validation tokens (default all)")
+    g.add_argument("--log-interval", type=int, default=d(10))
+    g.add_argument("--compile", action="store_true", default=d(False), help="torch.compile the model (CUDA)")
+    g.add_argument("--dtype", default=d(None), choices=["float32", "bfloat16"],
+                   help="autocast dtype (default bfloat16 on CUDA, float32 on CPU)")
+    return p
+
+
+def resolve_config(args, explicit=None):
+    """Fill preset defaults into the parsed flags; returns a plain dict (the run's config)."""
+    cfg = dict(vars(args))
+    if cfg["device"] is None:
+        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg["preset"] is None:
+        cfg["preset"] = "cpu" if cfg["device"] == "cpu" else "paper-6l"
+    for k, v in PRESETS[cfg["preset"]].items():
+        if cfg.get(k) is None:
+            cfg[k] = v
+    if cfg["tokenizer"] == "word" and (explicit is None or "vocab_size" not in explicit):
+        cfg["vocab_size"] = 0  # word level: keep every word of the train split (WikiText's closed vocabulary)
+    if cfg["dtype"] is None:
+        cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
+    if cfg["data_dir"]:
+        cfg["dataset"] = "dir"
+    if cfg["out"] is None:
+        cfg["out"] = os.path.join(ROOT, "out", f"lm-{cfg['method']}-seed{cfg['seed']}")
+    if cfg["d_model"] % cfg["n_head"]:
+        raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
+    cfg["task"] = "lm"
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------------- data
+def clean_wiki_article(markup):
+    """Wikipedia markup -> plain paragraphs (one per line), with gensim.corpora.wikicorpus.filter_wiki."""
+    from gensim.corpora.wikicorpus import filter_wiki
+    text = filter_wiki(markup)
+    lines = []
+    for line in text.split("\n"):
+        line = line.replace("'''", "").replace("''", "").strip()
+        m = re.match(r"^(=+)\s*(.*?)\s*\1$", line)
+        if m:  # section heading, WikiText style " = = Heading = = "
+            line = " ".join(["="] * len(m.group(1)) + [m.group(2)] + ["="] * len(m.group(1)))
+        line = re.sub(r"\s+", " ", line).strip()
+        if line and not re.fullmatch(r"[\W_]*", line):
+            lines.append(line)
+    return lines
+
+
+def load_gensim_wiki():
+    """The 106-article Wikipedia sample from the gensim wheel, split by article: 6 valid, 5 test, the rest train.
+    The split is deterministic: articles are ordered by the SHA-1 of their title."""
+    from gensim.corpora.wikicorpus import extract_pages
+    path = gensim_wiki_path()
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} not found: install the gensim wheel (pip install gensim) or pass --data-dir DIR")
+    articles = []
+    with bz2.open(path) as f:
+        for title, markup, _pid in extract_pages(f):
+            if markup.lstrip().lower().startswith("#redirect"):
+                continue
+            lines = clean_wiki_article(markup)
+            if lines:
+                articles.append((hashlib.sha1(title.encode()).hexdigest(), lines))
+    articles.sort()
+    split = {"valid": articles[:6], "test": articles[6:11], "train": articles[11:]}
+    return {k: [line for _h, lines in v for line in lines] for k, v in split.items()}
+
+
+def load_text_dir(data_dir):
+    out = {}
+    for split in ("train", "valid", "test"):
+        path = os.path.join(data_dir, f"{split}.txt")
+        if not os.path.exists(path):
+            raise SystemExit(f"--data-dir {data_dir}: missing {split}.txt (need train.txt, valid.txt and test.txt)")
+        with open(path, encoding="utf-8") as f:
+            out[split] = [line.strip() for line in f if line.strip()]
+    return out
+
+
+def hub_reachable(timeout=3.0):
+    import urllib.request
+    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/") + "/api/datasets/Salesforce/wikitext"
+    try:
+        urllib.request.urlopen(url, timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
+def load_hub(name):
+    """WikiText through `datasets` (raw configs). Fails in seconds when the hub is unreachable and nothing is cached."""
+    if not hub_reachable():
+        os.environ["HF_HUB_OFFLINE"] = "1"  # only a local cache can help now: do not let datasets retry for 25 s
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        import datasets
+        ds = datasets.load_dataset("Salesforce/wikitext", HUB_DATASETS[name])
+    except Exception as e:
+        raise SystemExit(
+            f"--dataset {name}: cannot load it through `datasets` (Hugging Face hub unreachable and no local cache: "
+            f"{type(e).__name__}: {str(e)[:200]}).\nFix: put train.txt, valid.txt and test.txt in a folder and pass "
+            f"--data-dir DIR, or leave --dataset out to use the offline default '{OFFLINE_DATASET}' (the Wikipedia "
+            f"sample shipped in the gensim wheel).") from None
+    return {k: [t.strip() for t in ds[s]["text"] if t.strip()]
+            for k, s in (("train", "train"), ("valid", "validation"), ("test", "test"))}
+
+
+def gensim_wiki_path():
+    import gensim
+    return os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", GENSIM_WIKI)
+
+
+def source_files(cfg):
+    """The local files a corpus is read from (their hash keys the cache), or None for hub datasets."""
+    if cfg.get("data_dir"):
+        files = [os.path.join(cfg["data_dir"], f"{s}.txt") for s in ("train", "valid", "test")]
+    elif cfg["dataset"] == OFFLINE_DATASET:
+        files = [gensim_wiki_path()]
+    else:
+        return None
+    return files if all(os.path.exists(f) for f in files) else None
+
+
+def load_corpus(cfg):
+    if cfg.get("data_dir"):
+        return load_text_dir(cfg["data_dir"])
+    if cfg["dataset"] == OFFLINE_DATASET:
+        return load_gensim_wiki()
+    if cfg["dataset"] in HUB_DATASETS:
+        return load_hub(cfg["dataset"])
+    raise SystemExit(f"unknown --dataset {cfg['dataset']!r}: use {OFFLINE_DATASET}, "
+                     f"{', '.join(HUB_DATASETS)} or --data-dir DIR")
+
+
+def train_tokenizer(lines, kind, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    if kind == "bpe":  # GPT-2 style byte-level BPE
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = Tokenizer(models.WordLevel(unk_token=UNK))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size or 10 ** 8, special_tokens=[EOS, PAD, UNK],
+                                            show_progress=False)
+    tok.train_from_iterator(lines, trainer)
+    return tok
+
+
+def encode_lines(tok, lines, eos_id, desc):
+    """Each line (paragraph) followed by EOS, concatenated."""
+    parts = []
+    for i in tqdm(range(0, len(lines), 20000), desc=f"encode {desc}", disable=len(lines) < 50000, leave=False):
+        for enc in tok.encode_batch(lines[i:i + 20000]):
+            parts.append(np.asarray(enc.ids + [eos_id], dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def prepare_data(cfg, log=print):
+    """Corpus -> tokenizer -> token-id memmaps + train counts, cached under cache_dir/<hash of corpus and tokenizer>.
+    Returns dict(ids={split: np.memmap}, counts=LongTensor (V,), tokenizer, vocab_size, eos_id, pad_id, dir, reused)."""
+    from tokenizers import Tokenizer
+    corpus, h = None, hashlib.sha256()
+    h.update(json.dumps([DATA_VERSION, cfg["tokenizer"], cfg["vocab_size"]]).encode())
+    files = source_files(cfg)
+    if files:  # local sources: hash the files, so a cache hit needs no parsing
+        for path in files:
+            with open(path, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+    else:  # hub datasets: hash the text
+        corpus = load_corpus(cfg)
+        for split in ("train", "valid", "test"):
+            h.update(f"\0{split}\0".encode())
+            for line in corpus[split]:
+                h.update(line.encode("utf-8"))
+                h.update(b"\n")
+    name = cfg["dataset"] if cfg["dataset"] != "dir" else "dir"
+    cdir = os.path.join(cfg["cache_dir"], f"{name}-{cfg['tokenizer']}{cfg['vocab_size'] or ''}-{h.hexdigest()[:16]}")
+    meta_path = os.path.join(cdir, "meta.json")
+    reused = os.path.exists(meta_path)
+    if not reused:
+        log(f"building tokenizer + token ids in {cdir}")
+        os.makedirs(cdir, exist_ok=True)
+        corpus = corpus or load_corpus(cfg)
+        tok = train_tokenizer(corpus["train"], cfg["tokenizer"], cfg["vocab_size"])
+        V, eos_id, pad_id = tok.get_vocab_size(), tok.token_to_id(EOS), tok.token_to_id(PAD)
+        dtype = np.uint16 if V <= 65535 else np.uint32
+        meta = dict(vocab_size=V, eos_id=eos_id, pad_id=pad_id, dtype=np.dtype(dtype).name, tokens={},
+                    dataset=name, tokenizer=cfg["tokenizer"], lines={k: len(v) for k, v in corpus.items()})
+        for split in ("train", "valid", "test"):
+            ids = encode_lines(tok, corpus[split], eos_id, split)
+            if split == "train":
+                np.save(os.path.join(cdir, "counts.npy"), np.bincount(ids, minlength=V).astype(np.int64))
+            tmp = os.path.join(cdir, f"{split}.bin.tmp")
+            ids.astype(dtype).tofile(tmp)
+            os.replace(tmp, os.path.join(cdir, f"{split}.bin"))
+            meta["tokens"][split] = int(len(ids))
+        tok.save(os.path.join(cdir, "tokenizer.json"))
+        with open(meta_path + ".tmp", "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(meta_path + ".tmp", meta_path)  # meta.json last: its presence marks a complete cache
+    else:
+        log(f"reusing cached tokenizer + token ids in {cdir}")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    ids = {s: np.memmap(os.path.join(cdir, f"{s}.bin"), dtype=meta["dtype"], mode="r", shape=(meta["tokens"][s],))
+           for s in ("train", "valid", "test")}
+    return dict(ids=ids, counts=torch.from_numpy(np.load(os.path.join(cdir, "counts.npy"))), meta=meta,
+                tokenizer=Tokenizer.from_file(os.path.join(cdir, "tokenizer.json")), vocab_size=meta["vocab_size"],
+                eos_id=meta["eos_id"], pad_id=meta["pad_id"], dir=cdir, reused=reused)
+
+
+class Sequences:
+    """The train stream cut into non-overlapping (block+1)-token windows, reshuffled every epoch by (seed, epoch).
+    Global sequence number g -> (epoch g // n, window perm_epoch[g % n]): the data position is just a counter."""
+
+    def __init__(self, ids, block_size, seed):
+        self.ids, self.block, self.seed = ids, block_size, seed
+        self.n = (len(ids) - 1) // block_size
+        if self.n < 1:
+            raise SystemExit(f"the train split has {len(ids)} tokens, fewer than --block-size {block_size} + 1: "
+                             f"use a larger corpus or a smaller --block-size")
+        self._perm = (None, None)
+
+    def perm(self, epoch):
+        if self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.n, generator=g).numpy())
+        return self._perm[1]
+
+    def get(self, start, count):
+        rows = []
+        for g in range(start, start + count):
+            w = int(self.perm(g // self.n)[g % self.n]) * self.block
+            rows.append(np.asarray(self.ids[w:w + self.block + 1], dtype=np.int64))
+        t = torch.from_numpy(np.stack(rows))
+        return t[:, :-1], t[:, 1:]
+
+
+# ------------------------------------------------------------------------------------------------------------ model
+class SelfAttention(nn.Module):
+    def __init__(self, d_model, n_head, dropout):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, n_head, d_ff, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, n_head, dropout)
+        self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout))
+
+    def forward(self, x):  # pre-LN
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Pre-LN decoder. The output layer is the input embedding (tied): logits = features(x) @ tok_emb.weight.T.
+    forward(x) returns the features (the input of the tied head), so DDP wraps the call that agg's losses need."""
+
+    def __init__(self, vocab_size, n_layer, d_model, n_head, d_ff, dropout, block_size):
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(block_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 L)
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def features(self, x):
+        T = x.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.block_size}")
+        h = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device)))
+        for blk in self.blocks:
+            h = blk(h)
+        return self.ln_f(h)
+
+    def forward(self, x):
+        return self.features(x)
+
+    def logits(self, x):
+        return self.features(x) @ self.tok_emb.weight.t()
+
+
+def build_model(cfg, vocab_size):
+    return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS})
+
+
+@torch.no_grad()
+def generate(model, prefix, n_new, autocast=contextlib.nullcontext):
+    """Greedy continuation of a (B, T) prefix, cropping the context to block_size."""
+    x = prefix
+    for _ in range(n_new):
+        with autocast():
+            logits = model.features(x[:, -model.block_size:])[:, -1] @ model.tok_emb.weight.t()
+        x = torch.cat([x, logits.float().argmax(-1, keepdim=True)], dim=1)
+    return x[:, prefix.shape[1]:]
+
+
+# --------------------------------------------------------------------------------------------------------- training
+def autocast_ctx(cfg, device):
+    if cfg["dtype"] == "bfloat16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def method_hparams(cfg, agg, steps_per_epoch):
+    name = cfg["method"]
+    if name not in agg.METHODS:
+        raise SystemExit(f"unknown --method {name!r}; valid: {', '.join(agg.METHODS)}")
+    accepted = agg.METHODS[name].defaults
+    hp = {}
+    for flag, key in METHOD_FLAGS.items():
+        if cfg.get(flag) is None:
+            continue
+        if key not in accepted:
+            raise SystemExit(f"--{flag.rstrip('_').replace('_', '-')} does not apply to --method {name} "
+                             f"(its hyper-parameters: {', '.join(accepted) or 'none'})")
+        hp[key] = cfg[flag]
+    if "window" in accepted and "window" not in hp:
+        hp["window"] = max(1, int(round(steps_per_epoch)))  # AGG's K = steps per epoch, as in the paper
+    return hp
+
+
+def lr_lambda(warmup, max_steps):
+    def f(step):  # linear warm-up, then cosine decay to 10% of the peak
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def rng_state():
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                numpy=list(np.random.get_state()), python=random.getstate())
+
+
+def set_rng_state(s):
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    np.random.set_state(tuple(s["numpy"]))
+    random.setstate(s["python"])
+
+
+def git_commit():
+    try:
+        c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        d = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        return (c.stdout.strip() or None), bool(d.stdout.strip())
+    except Exception:
+        return None, None
+
+
+def versions():
+    import tokenizers
+    return dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
+                tokenizers=tokenizers.__version__, platform=platform.platform())
+
+
+def load_checkpoint(path, cfg=None, explicit=()):
+    """Read a checkpoint with clear errors; with cfg, also check that the run being resumed matches it."""
+    if not os.path.exists(path):
+        raise SystemExit(f"{path}: no checkpoint there. Check --out, or start a new run without --resume.")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        missing = [k for k in ("model", "optimizer", "scheduler", "method", "step", "rng", "config") if k not in ck]
+        if missing:
+            raise KeyError(f"missing entries {missing}")
+    except Exception as e:
+        raise SystemExit(f"{path}: corrupted or not a train_lm checkpoint ({type(e).__name__}: {str(e)[:200]}). "
+                         f"Delete it (or start with --overwrite) and train again, or restore a good copy.") from None
+    old = ck["config"]
+    if old.get("task") != "lm":
+        raise SystemExit(f"{path} is a checkpoint of task {old.get('task')!r}, not 'lm': use the script of that "
+                         f"task, or give train_lm.py a different --out.")
+    if cfg is not None:
+        for k in sorted(set(old) | set(cfg)):
+            if k in RUN_CONTROL or old.get(k) == cfg.get(k):
+                continue
+            if k in explicit or k not in old:
+                raise SystemExit(
+                    f"{path} was written with {k}={old.get(k)!r} but this run asks for {k}={cfg.get(k)!r}. "
+                    f"Resume with the original flags (saved in {os.path.join(os.path.dirname(path), 'config.json')})"
+                    f", or start a separate run with a new --out.")
+    return ck
+
+
+def save_checkpoint(path, state):
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a half checkpoint under the real name
+
+
+@torch.no_grad()
+def validate(model, ids, cfg, device, autocast, groups, agg, max_tokens=None, method_rare=None):
+    """Valid PPL over non-overlapping block windows, I(W), and the predicted vs true probability mass of the rare
+    group (static 20% by train counts) and of the method's own rare set if it has one (agg-findings section 2:
+    AGG can push the rare set's predicted mass far above its true mass)."""
+    model.eval()
+    block, n = cfg["block_size"], len(ids) - 1
+    if max_tokens:
+        n = min(n, max_tokens)
+    rare = torch.zeros(model.tok_emb.weight.shape[0], dtype=torch.bool, device=device)
+    rare[groups[2].to(device)] = True
+    dyn = None if method_rare is None else method_rare.to(device)
+    dyn_pred, dyn_true = 0.0, 0
+    full = [s for s in range(0, n - block + 1, block)]
+    batches = [full[i:i + cfg["micro_batch"]] for i in range(0, len(full), cfg["micro_batch"])]
+    tail = len(full) * block
+    nll, count, rare_pred, rare_true = 0.0, 0, 0.0, 0
+    for starts, L in [(b, block) for b in batches] + ([([tail], n - tail)] if n - tail > 0 else []):
+        t = torch.from_numpy(np.stack([np.asarray(ids[s:s + L + 1], dtype=np.int64) for s in starts])).to(device)
+        x, y = t[:, :-1], t[:, 1:]
+        with autocast():
+            logits = model.logits(x)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        nll += -logp.gather(-1, y.unsqueeze(-1)).sum().item()
+        count += y.numel()
+        rare_pred += logp[..., rare].exp().sum().item()
+        rare_true += rare[y].sum().item()
+        if dyn is not None:
+            dyn_pred += logp[..., dyn].exp().sum().item()
+            dyn_true += dyn[y].sum().item()
+    W = model.tok_emb.weight.detach().float()
+    model.train()
+    loss = nll / max(1, count)
+    out = dict(loss=loss, ppl=math.exp(min(loss, 50)), tokens=count, isotropy=float(agg.isotropy(W)),
+               isotropy_rare=float(agg.isotropy(W[groups[2].to(W.device)])), mean_cosine=float(agg.mean_cosine(W)),
+               rare_mass_pred=rare_pred / max(1, count), rare_mass_true=rare_true / max(1, count))
+    if dyn is not None:
+        out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / max(1, count),
+                   method_rare_mass_true=dyn_true / max(1, count))
+    return out
+
+
+def method_to_device(method, device):
+    """agg's method states are loaded on the CPU; move the tensors a resumed run keeps updating to `device`
+    (AGG's counter memory, FRAGE's discriminator and its Adam state)."""
+    if hasattr(method, "appearances"):
+        method.appearances = method.appearances.to(device)
+        method.history = type(method.history)((i.to(device), c.to(device)) for i, c in method.history)
+    if getattr(method, "disc", None) is not None:
+        method.disc.to(device)
+        for st in method.disc_opt.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    st[k] = v.to(device)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
+    cfg = resolve_config(args, explicit)
+
+    # -- distributed (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    ddp = world > 1
+    if ddp:
+        import torch.distributed as dist
+        backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
+        if backend == "nccl":
+            cfg["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(cfg["device"])
+        dist.init_process_group(backend)
+    device = torch.device(cfg["device"])
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    out = cfg["out"]
+    ckpt_path = os.path.join(out, "ckpt.pt")
+
+    # -- resume: the checkpoint's config, overridden only by the flags given now (checked for mismatches)
+    ck = None
+    if cfg["resume"] and os.path.exists(ckpt_path):
+        ck = load_checkpoint(ckpt_path)
+        merged = dict(ck["config"])
+        merged.update({k: cfg[k] for k in explicit})
+        for k in ("device", "dtype", "resume", "stop_at", "overwrite"):  # these follow the machine / this invocation
+            merged[k] = cfg[k]
+        cfg = merged
+        load_checkpoint(ckpt_path, cfg, explicit)  # raises on a mismatch with a flag given now
+        device = torch.device(cfg["device"])
+        log(f"resuming {ckpt_path} at step {ck['step']}")
+    elif cfg["resume"]:
+        log(f"--resume: no checkpoint in {out} yet, starting a new run")
+    elif os.path.exists(ckpt_path) and not cfg["overwrite"]:
+        raise SystemExit(f"{ckpt_path} already exists: pass --resume to continue it, --overwrite to start afresh, "
+                         f"or choose another --out")
+    if master:
+        os.makedirs(out, exist_ok=True)
+
+    import agg  # the methods (AGG and peers) live there
+
+    torch.manual_seed(cfg["seed"] + rank)
+    np.random.seed(cfg["seed"] + rank)
+    random.seed(cfg["seed"] + rank)
+
+    # -- data (rank 0 builds the cache, the others then read it)
+    if ddp and not master:
+        dist.barrier()
+    data = prepare_data(cfg, log=log)
+    if ddp and master:
+        dist.barrier()
+    V = data["vocab_size"]
+    seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
+    seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
+    if seqs_per_step % world:
+        raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
+                         f"{cfg['block_size']} tokens, not divisible by {world} processes: change --tokens-per-step")
+    local_seqs = seqs_per_step // world
+    tokens_per_step = seqs_per_step * cfg["block_size"]
+    steps_per_epoch = seq.n / seqs_per_step
+    groups = agg.frequency_groups(data["counts"])
+
+    # -- model, method, optimizer
+    model = build_model(cfg, V).to(device)
+    hp = method_hparams(cfg, agg, steps_per_epoch)
+    method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"],
+                              special_ids=[data["pad_id"], data["eos_id"]], **hp)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg["lr"], betas=(0.9, 0.98), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["warmup"], cfg["max_steps"]))
+    step = 0
+    if ck is not None:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        sched.lr_lambdas = [lr_lambda(cfg["warmup"], cfg["max_steps"])] * len(opt.param_groups)
+        method.load_state_dict(ck["method"])
+        method_to_device(method, device)
+        step = ck["step"]
+        rngs = ck["rng"]
+        if len(rngs) == world:
+            set_rng_state(rngs[rank])
+        else:
+            log(f"warning: checkpoint has RNG states of {len(rngs)} processes, this run has {world}: "
+                f"dropout noise will differ from an uninterrupted run")
+        if ck.get("data_position", {}).get("sequences") != step * seqs_per_step:
+            raise SystemExit(f"{ckpt_path}: data position {ck.get('data_position')} does not match step {step} x "
+                             f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
+    raw = model
+    if cfg["compile"]:
+        model = torch.compile(model)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = autocast_ctx(cfg, device)
+
+    n_params = sum(p.numel() for p in raw.parameters())
+    if master:
+        commit, dirty = git_commit()
+        info = dict(cfg, versions=versions(), git_commit=commit, git_dirty=dirty, argv=argv, world_size=world,
+                    n_params=n_params, vocab_size_actual=V, data_cache=data["dir"], data_tokens=data["meta"]["tokens"],
+                    tokens_per_step_actual=tokens_per_step, steps_per_epoch=steps_per_epoch, method_hparams=hp,
+                    resumed_from_step=step if ck is not None else None)
+        with open(os.path.join(out, "config.json.tmp"), "w") as f:
+            json.dump(info, f, indent=1, default=str)
+        os.replace(os.path.join(out, "config.json.tmp"), os.path.join(out, "config.json"))
+        log_path = os.path.join(out, "log.jsonl")
+        if ck is not None and os.path.exists(log_path):  # drop records of an interrupted run after its checkpoint
+            with open(log_path) as f:
+                keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= step]
+            with open(log_path, "w") as f:
+                f.writelines(keep)
+        elif ck is None:
+            open(log_path, "w").close()
+        log(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs/process x "
+            f"{world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}")
+
+    def write_log(rec):
+        if master:
+            with open(os.path.join(out, "log.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def checkpoint():
+        rngs = [rng_state()]
+        if ddp:
+            rngs = [None] * world
+            dist.all_gather_object(rngs, rng_state())
+        if master:
+            save_checkpoint(ckpt_path, dict(model=raw.state_dict(), optimizer=opt.state_dict(),
+                                            scheduler=sched.state_dict(), method=method.state_dict(), step=step,
+                                            rng=rngs, data_position=dict(sequences=step * seqs_per_step,
+                                                                         epoch=step * seqs_per_step // seq.n),
+                                            config=cfg, task="lm"))
+
+    def run_validation():
+        if master:
+            v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, agg, cfg.get("eval_tokens"),
+                         method.rare_mask() if method.steps else None)
+            write_log(dict(step=step, split="valid", **v))
+            tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f}  I(W) {v['isotropy']:.3f}  rare mass pred/true "
+                       f"{v['rare_mass_pred']:.4f}/{v['rare_mass_true']:.4f}")
+        if ddp:
+            dist.barrier()
+
+    stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
+    bar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, dynamic_ncols=True, mininterval=1.0)
+    t0, tokens_seen = time.time(), 0
+    model.train()
+    while step < stop:
+        x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
+        x_all, y_all = x_all.to(device), y_all.to(device)
+        method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
+        loss_sum, nll_sum = 0.0, 0.0
+        mbs = list(range(0, local_seqs, cfg["micro_batch"]))
+        for j, s in enumerate(mbs):
+            x, y = x_all[s:s + cfg["micro_batch"]], y_all[s:s + cfg["micro_batch"]]
+            sync = model.no_sync() if ddp and j < len(mbs) - 1 else contextlib.nullcontext()
+            with sync:
+                with autocast():
+                    hidden = model(x)  # = raw.features(x), the input of the tied head
+                    loss = method.loss(hidden, raw.tok_emb.weight, y)
+                (loss * (y.numel() / y_all.numel())).backward()
+            loss_sum += loss.item() * y.numel()
+            nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += tokens_per_step
+        stats = {k: float(v) for k, v in method.stats.items() if isinstance(v, (int, float)) or torch.is_tensor(v)}
+        if ddp:
+            t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=device)
+            dist.all_reduce(t)
+            loss_sum, nll_sum = t.tolist()
+        loss_mean, nll_mean = loss_sum / (y_all.numel() * world), nll_sum / (y_all.numel() * world)
+        if not math.isfinite(loss_mean):
+            raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's hyper-parameters")
+        tps = tokens_seen / max(1e-9, time.time() - t0)
+        post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
+        if "rare_fraction" in stats:
+            post["rare"] = f"{stats['rare_fraction']:.3f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+        if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
+            rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
+                       lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
+                       **{k: v for k, v in stats.items() if k != "nll"})  # method stats of the last micro-batch
+            if "rare_count" in stats:
+                rec["R_over_B"] = stats["rare_count"] / tokens_per_step
+            write_log(rec)
+        if step % cfg["eval_interval"] == 0 or step == stop:
+            run_validation()
+            checkpoint()
+    bar.close()
+    if ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+    log(f"done: step {step}, checkpoint {ckpt_path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
