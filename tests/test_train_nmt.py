@@ -15,14 +15,14 @@ import train_nmt as T  # noqa: E402
 
 # a tiny model on the synthetic task (Zipfian lexicon, adjacent words swapped); vocab 600 holds every word whole
 TINY = ["--dataset", "synthetic", "--synthetic-size", "2000", "--vocab-size", "600", "--enc-layers", "2",
-        "--dec-layers", "2", "--d-model", "64", "--n-heads", "4", "--d-ff", "256", "--tokens-per-step", "1024",
+        "--dec-layers", "2", "--d-model", "64", "--n-head", "4", "--d-ff", "256", "--tokens-per-step", "1024",
         "--lr", "1e-2", "--warmup", "30", "--log-interval", "50", "--valid-bleu-sents", "20", "--beam", "2",
         "--device", "cpu"]
 
 
 def tiny_model(V=40, seed=0, dropout=0.0):
     torch.manual_seed(seed)
-    return T.Transformer(V, d_model=32, n_heads=4, d_ff=64, enc_layers=2, dec_layers=2, dropout=dropout).eval()
+    return T.Transformer(V, d_model=32, n_head=4, d_ff=64, enc_layers=2, dec_layers=2, dropout=dropout).eval()
 
 
 class PrefixLM:
