@@ -1,0 +1,159 @@
+"""Tests of bench.py: the official-AGG reference against agg.py, and the benchmark's outputs (no timing assertions)."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import agg  # noqa: E402
+import bench  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread avoids waiting on a busy second core (restored afterwards for other test files)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def zipf_batches(V, n, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
+    return [torch.multinomial(p, shape[0] * shape[1], replacement=True, generator=g).view(shape) for _ in range(n)]
+
+
+def grads(method, h, w, y):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    method.loss(h, w, y).backward()
+    return h.grad, w.grad
+
+
+@pytest.mark.parametrize("window", [3, 50])  # 3: the counter memory wraps around during the test
+def test_official_ref_gradients_equal_agg(window):
+    """The literal three-logit criterion (dense gates, T x T counts) and agg.py's one-logit head give the same
+    gradients wrt hidden and weight, step after step, with a dynamic rare group and both gates active."""
+    V, d, alpha = 60, 8, 0.6
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 24, d, generator=g, dtype=torch.float64)
+    w = torch.randn(V, d, generator=g, dtype=torch.float64)
+    ours = agg.build_method("agg", vocab_size=V, alpha=alpha, window=window, special_ids=[0])
+    ref = bench.OfficialAGGRef(V, alpha=alpha, window=window, special_ids=[0])
+    mle = agg.build_method("mle", vocab_size=V)
+    checked = 0
+    for y in zipf_batches(V, 8, (2, 24), seed=2):
+        ours.observe(y)
+        rare = ours.rare_mask()
+        gh_ours, gw_ours = grads(ours, h, w, y)
+        gh_ref, gw_ref = grads(ref, h, w, y)
+        gh_mle, gw_mle = grads(mle, h, w, y)
+        torch.testing.assert_close(gh_ref, gh_ours, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(gw_ref, gw_ours, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(gh_ours, gh_mle, rtol=1e-10, atol=1e-12)  # the hidden gradient is never gated
+        if rare.any() and rare[y].any() and (~rare[y]).any():
+            assert not torch.allclose(gw_ours, gw_mle)  # the gates really act on this step
+            checked += 1
+    assert checked >= 4, "too few steps with both rare- and non-rare-target rows: the test checks nothing"
+
+
+def test_official_ref_counts_like_agg():
+    """The T x T counting into a dense (K, V) memory yields agg.py's rare group and a_k, including after wrap."""
+    V, window = 30, 4
+    ours = agg.build_method("agg", vocab_size=V, alpha=0.8, window=window)
+    ref = bench.OfficialAGGRef(V, alpha=0.8, window=window)
+    h, w = torch.zeros(1, 10, 4), torch.zeros(V, 4)
+    for y in zipf_batches(V, 7, (1, 10), seed=3):
+        ours.observe(y)
+        ref.loss(h, w, y)
+        torch.testing.assert_close(ref.memory.sum(0).long(), ours.appearances)
+
+
+def test_prefill_equals_counting_steps():
+    """prefill() (set-up only, bincount) leaves the memory exactly as the timed counting path would."""
+    V, window = 40, 5
+    batches = zipf_batches(V, 7, (2, 8), seed=4)
+    a = bench.OfficialAGGRef(V, alpha=0.5, window=window)
+    b = bench.OfficialAGGRef(V, alpha=0.5, window=window)
+    a.prefill(batches)
+    for y in batches:
+        b.loss(torch.zeros(2, 8, 3), torch.zeros(V, 3), y)
+    assert a.itr == b.itr
+    torch.testing.assert_close(a.memory, b.memory)
+
+
+def test_torch_ce_is_plain_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 5, 4, generator=g), torch.randn(11, 4, generator=g)
+    y = torch.randint(0, 11, (2, 5), generator=g)
+    expected = F.cross_entropy((h @ w.T).reshape(-1, 11), y.reshape(-1))
+    torch.testing.assert_close(bench.TorchCE().loss(h, w, y), expected)
+    torch.testing.assert_close(agg.build_method("mle", vocab_size=11).loss(h, w, y), expected)
+
+
+def test_make_data_rare_share_and_shapes():
+    data = bench.make_data(V=2000, T=1024, d=8, seq_len=64, seed=0, rare_fraction=0.2, window=20, device="cpu")
+    assert data["hidden"].shape == (16, 64, 8) and data["batches"][0].shape == (16, 64)
+    assert 0.15 < data["rare_vocab"] < 0.25  # close to the asked 20%
+    assert 0 < data["rare_rows"] < 0.1  # Zipf: rare tokens are a small share of the targets
+    m = bench.build_candidate("agg", data)
+    assert abs(float(m.rare_mask().double().mean()) - data["rare_vocab"]) < 0.02  # agg sees that rare group
+
+
+def test_cpu_peak_memory_sees_the_logits_and_chunks_shrink_it():
+    """The fresh-process RSS measurement: T x V = 128 MiB of float32 logits show up, chunk_size=32 removes them
+    (4 MiB chunks; glibc keeps a few freed chunks resident), F.cross_entropy keeps ~3 such buffers."""
+    kw = dict(V=32768, T=1024, d=8, seq_len=1024, seed=0, rare_fraction=0.2, window=5)
+    full = bench.cpu_peak_mb("mle", **kw)
+    chunked = bench.cpu_peak_mb("mle", chunk_size=32, **kw)
+    torch_ce = bench.cpu_peak_mb("torch-ce", **kw)
+    assert full > 120  # at least the one 128 MiB logits buffer
+    assert chunked < full - 64
+    assert torch_ce > full + 100
+
+
+def test_quick_run_writes_every_key(tmp_path):
+    """A --quick run on tiny sizes writes bench.json with the issue's keys for every method and official-ref."""
+    out = tmp_path / "b"
+    bench.main(["--quick", "--out", str(out), "--vocab", "128", "--tokens", "32", "--d-model", "8", "--seq-len", "16",
+                "--repeats", "1", "--window", "5", "--chunk-vocab", "256", "--chunk-tokens", "32", "--chunk-d", "4",
+                "--chunk-sizes", "0", "8", "--threads", "1"])
+    result = json.loads((out / "bench.json").read_text())
+    keys = {"method", "V", "device", "ms", "ms_ratio_vs_mle", "peak_mb", "mem_ratio_vs_mle"}
+    cases = result["cases"]
+    assert {c["method"] for c in cases} == set(agg.METHODS) | {"official-ref", "torch-ce"}
+    for c in cases:
+        assert set(c) == keys
+        assert c["V"] == 128 and c["device"] == "cpu" and c["ms"] > 0 and c["peak_mb"] >= 0
+    mle = next(c for c in cases if c["method"] == "mle")
+    assert mle["ms_ratio_vs_mle"] == 1.0
+    assert {(r["method"], r["chunk_size"]) for r in result["chunked"]} == {("mle", None), ("mle", 8), ("agg", None),
+                                                                          ("agg", 8)}
+    assert (out / "bench.md").read_text().count("| official-ref |") == 1
+
+
+def test_lm_section_skips_with_a_reason_when_train_lm_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "train_lm", None)  # makes `import train_lm` fail
+    logged = []
+    res = bench.bench_lm(bench.build_parser().parse_args([]), logged.append)
+    assert res["skipped"].startswith("skipped: train_lm.py is not usable")
+    assert logged == [res["skipped"]]
+
+
+def test_lm_trainer_runs_train_lm_step():
+    """The lm section's step (train_lm's model, AdamW, observe + micro-batches) trains: weights move, AGG counts."""
+    train_lm = pytest.importorskip("train_lm")
+    cfg = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, dropout=0.0, block_size=8, weight_decay=0.01, lr=1e-2,
+               micro_batch=2)
+    V = 50
+    t = bench.LMTrainer(train_lm, cfg, "agg", V, torch.arange(V), [0], dict(alpha=0.5, window=3))
+    x = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, dims=1)
+    before = t.model.tok_emb.weight.detach().clone()
+    t.step(x, y)
+    t.step(x, y)
+    assert t.method.steps == 2
+    assert not torch.equal(before, t.model.tok_emb.weight.detach())
