@@ -423,10 +423,13 @@ class FRAGE(MLE):
         self._saved_disc = None  # a loaded discriminator state, restored on the device of the first loss() call
 
     def _build_disc(self, d, device):
-        self.disc = torch.nn.Linear(d, 1).to(device)
+        if self._saved_disc is None:
+            self.disc = torch.nn.Linear(d, 1, device=device)
+        else:  # restore without drawing random numbers, so a resumed run keeps its random stream exactly
+            self.disc = torch.nn.utils.skip_init(torch.nn.Linear, d, 1, device=device)
+            self.disc.load_state_dict(self._saved_disc["model"])
         self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=self.hparams["disc_lr"])
         if self._saved_disc is not None:
-            self.disc.load_state_dict(self._saved_disc["model"])
             self.disc_opt.load_state_dict(self._saved_disc["opt"])  # moves Adam's state to the parameters' device
             self._saved_disc = None
 

@@ -171,7 +171,7 @@ def test_nmt_end_to_end_with_train_nmt(tmp_path):
     import train_nmt
     out = str(tmp_path / "nmt")
     train_nmt.main(["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
-                    "--d-model", "16", "--n-heads", "2", "--d-ff", "32", "--max-steps", "2", "--eval-interval", "2",
+                    "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "2", "--eval-interval", "2",
                     "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
                     "--no-test", "--device", "cpu", "--out", out])
     m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
