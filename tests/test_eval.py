@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import random
 import sys
 import types
 
@@ -15,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import eval as ev  # noqa: E402
 import train_lm  # noqa: E402
+from test_train_lm import write_corpus  # noqa: E402  (the same tiny Zipfian corpus)
 
 torch.set_num_threads(1)  # tiny models: extra threads only spin on a shared 2-core machine
 
@@ -23,18 +23,6 @@ TINY = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--d-ff", "32", "-
         "--device", "cpu", "--preset", "cpu", "--max-steps", "3", "--eval-interval", "3"]
 KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "isotropy_groups", "mean_cosine",
         "word_similarity"]
-
-
-def write_corpus(folder, seed=0):
-    rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) for _ in range(400)]
-    weights = [1 / (i + 1) ** 1.1 for i in range(len(words))]
-    os.makedirs(folder, exist_ok=True)
-    for split, n in (("train", 600), ("valid", 60), ("test", 60)):
-        with open(os.path.join(folder, f"{split}.txt"), "w") as f:
-            for _ in range(n):
-                f.write(" ".join(rng.choices(words, weights, k=rng.randint(5, 20))).capitalize() + " .\n")
-    return folder
 
 
 @pytest.fixture(scope="module")
