@@ -63,6 +63,10 @@ class GatedSoftmaxCE(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_nll, _grad_mass):
+        if ctx.grads is None:
+            raise RuntimeError("GatedSoftmaxCE: a second backward through the same loss. The head computes its "
+                               "gradients in forward and frees them after the first backward; call method.loss() "
+                               "again for another backward (retain_graph=True does not keep them)")
         grad_h, grad_w = ctx.grads
         if grad_h is None:
             raise RuntimeError("GatedSoftmaxCE: forward ran without need_grad=True, so there is nothing to backpropagate")
@@ -129,6 +133,45 @@ def _all_reduce_(t):
     return t
 
 
+def alpha_for_rare_share(counts, rare_share, tokens_per_step, special_ids=()):
+    """The AGG alpha (Eq. 5: token k is rare iff a_k / K < alpha) whose rare group, at the training split's average
+    rates, is the `rare_share` least frequent share of the vocabulary (special ids excluded).
+
+    alpha counts appearances per optimizer step, so the paper's alpha 0.03 (set at ~32k tokens per step on
+    WikiText-103) marks a different rare group at any other batch size or corpus; a share of the vocabulary means
+    the same everywhere. counts: training-split token counts (V,); tokens_per_step: target tokens per optimizer step
+    over all ranks. Tokens with equal counts fall on the same side, so the returned alpha is the midpoint between
+    two neighbouring per-step rates whose share of rare tokens is closest to `rare_share` (see
+    `rare_share_of_alpha` for the share reached)."""
+    if not 0 < rare_share < 1:
+        raise ValueError(f"rare_share must be in (0, 1), got {rare_share}")
+    rate = _per_step_rate(counts, tokens_per_step, special_ids).unique()  # sorted distinct rates
+    rate_all = _per_step_rate(counts, tokens_per_step, special_ids)
+    cuts = torch.cat([(rate[:-1] + rate[1:]) / 2, rate[-1:] + 1.0])  # between each rate and the next
+    shares = (rate_all[None, :] < cuts[:, None]).double().mean(1)
+    return float(cuts[(shares - rare_share).abs().argmin()])
+
+
+def alpha_for_frequency(rel_freq, tokens_per_step):
+    """The AGG alpha that marks as rare every token whose relative frequency (share of all target tokens) is below
+    `rel_freq`: a_k / K is the token's appearances per step, so alpha = rel_freq * tokens_per_step."""
+    if rel_freq <= 0:
+        raise ValueError(f"rel_freq must be > 0, got {rel_freq}")
+    return float(rel_freq * tokens_per_step)
+
+
+def rare_share_of_alpha(counts, alpha, tokens_per_step, special_ids=()):
+    """Share of the (non-special) vocabulary that AGG's Eq. 5 marks rare at the training split's average rates."""
+    return float((_per_step_rate(counts, tokens_per_step, special_ids) < alpha).double().mean())
+
+
+def _per_step_rate(counts, tokens_per_step, special_ids):
+    counts = torch.as_tensor(counts).double().reshape(-1)
+    keep = torch.ones(len(counts), dtype=torch.bool)
+    keep[list(special_ids)] = False
+    return counts[keep] / counts.sum().clamp(min=1) * tokens_per_step
+
+
 def least_frequent_mask(counts, fraction, special_ids=()):
     """Bool mask (V,) of the `fraction` least frequent tokens by `counts` (ties by id); special ids never included."""
     counts = torch.as_tensor(counts).double().clone()
@@ -151,6 +194,11 @@ class MLE:
             raise ValueError(f"method {self.name!r}: unknown hyper-parameter(s) {unknown}; "
                              f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
         self.hparams = {**self.defaults, **hparams}
+        for key in ("alpha", "rare_fraction", "popular_fraction", "gamma", "lambda_", "alpha_ul"):
+            if key in self.hparams and self.hparams[key] is not None and self.hparams[key] < 0:
+                raise ValueError(f"method {self.name!r}: {key} must be >= 0, got {self.hparams[key]}")
+        if "window" in self.hparams and not self.hparams["window"] >= 1:
+            raise ValueError(f"method {self.name!r}: window must be >= 1 optimizer step, got {self.hparams['window']}")
         self.vocab_size = vocab_size
         self.counts = None if counts is None else torch.as_tensor(counts).reshape(-1).long().cpu()
         if self.counts is not None and len(self.counts) != vocab_size:
@@ -158,10 +206,22 @@ class MLE:
         self.special_ids = sorted({int(i) for i in special_ids})
         self.steps = 0  # optimizer steps observed
         self._stats = {}
+        self._pass = {}  # token-weighted sums of the stats since reset_pass() (see pass_stats)
 
     def observe(self, targets, ignore_index=-100):
         """Call once per optimizer step with all target ids of that step (never with validation batches)."""
+        self._check_ids(targets, ignore_index)
         self.steps += 1
+
+    def _check_ids(self, targets, ignore_index):
+        t = targets[targets != ignore_index]
+        if len(t) and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+            bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+            raise ValueError(f"method {self.name!r}: target id {bad} is outside [0, vocab_size={self.vocab_size}) "
+                             f"and is not ignore_index={ignore_index}")
+
+    def after_step(self, weight):
+        """Call after each optimizer.step(): lets freeze-rare undo what the optimizer did to frozen rows."""
 
     def rare_mask(self):
         """Bool (V,) of the current rare group, or None for methods without one."""
@@ -180,6 +240,8 @@ class MLE:
 
         hidden (..., d) is the input of the tied softmax layer, weight (V, d) the tied embedding, targets (...) long.
         chunk_size: rows per chunk of the head (peak memory ~ chunk_size x V instead of T x V; same gradients).
+        A batch whose targets are all ignore_index gives 0.0 with zero gradients (F.cross_entropy gives nan), so an
+        all-padding micro-batch cannot poison an accumulated step.
         """
         d = hidden.shape[-1]
         if weight.dim() != 2 or weight.shape != (self.vocab_size, d):
@@ -203,29 +265,52 @@ class MLE:
         if rare is not None:
             rare = rare.to(y.device)
             self._stats.update(rare_count=rare.sum(), rare_fraction=rare.float().mean(),
-                               rare_true_mass=rare[y].float().mean() if len(y) else torch.zeros(()))
+                               rare_mass_true=rare[y].float().mean() if len(y) else torch.zeros(()))
             if mass_cols is not None:
-                self._stats["rare_pred_mass"] = rare_mass  # mean predicted probability of the rare set
+                self._stats["rare_mass_pred"] = rare_mass  # mean predicted probability of the rare set
         reg = self.regulariser(hidden, weight, targets, ignore_index)
         if reg is not None:
             self._stats["regulariser"] = reg.detach()
             loss = loss + reg
+        n = len(y)
+        self._pass["tokens"] = self._pass.get("tokens", 0) + n
+        for k, v in self._stats.items():
+            if k not in ("rare_count", "rare_fraction"):
+                self._pass[k] = self._pass.get(k, 0) + v.detach().double() * n
         return loss
+
+    def reset_pass(self):
+        """Start a new pass for pass_stats (e.g. before a validation loop)."""
+        self._pass = {}
+
+    @property
+    def pass_stats(self):
+        """Token-weighted means of the stats over every loss() call since reset_pass() (e.g. a whole validation
+        pass: rare_mass_pred vs rare_mass_true of the method's rare set), plus the number of tokens."""
+        n = self._pass.get("tokens", 0)
+        return {"tokens": n, **{k: float(v) / max(1, n) for k, v in self._pass.items() if k != "tokens"}}
 
     @property
     def stats(self):
         """Floats from the last loss() call: nll; for methods with a rare group also rare_count, rare_fraction (of the
-        vocabulary), rare_true_mass (share of targets that are rare) and, on no-grad calls, rare_pred_mass (mean
+        vocabulary), rare_mass_true (share of targets that are rare) and, on no-grad calls, rare_mass_pred (mean
         predicted probability of the rare set); regulariser where one is added. Converted lazily: reading them
         syncs the GPU, computing them does not."""
         return {k: float(v) for k, v in self._stats.items()}
 
     def state_dict(self):
-        return {"name": self.name, "steps": self.steps}
+        return {"name": self.name, "steps": self.steps, "vocab_size": self.vocab_size, "hparams": dict(self.hparams)}
 
     def load_state_dict(self, state):
+        """Restore a state_dict(); refuses one made for another method, vocabulary size or hyper-parameters."""
         if state.get("name") != self.name:
             raise ValueError(f"state_dict is for method {state.get('name')!r}, not {self.name!r}")
+        if "vocab_size" in state and state["vocab_size"] != self.vocab_size:
+            raise ValueError(f"state_dict is for vocab_size {state['vocab_size']}, this method has {self.vocab_size}")
+        for key, value in state.get("hparams", {}).items():
+            if self.hparams.get(key) != value:
+                raise ValueError(f"state_dict is for {key}={value!r}, this method has {key}={self.hparams.get(key)!r}:"
+                                 f" build the method with the hyper-parameters of the run it comes from")
         self.steps = state["steps"]
 
 
@@ -234,9 +319,13 @@ class AGG(MLE):
 
     The result equals the three-logit construction of Eq. 9-10 (gradient wrt hidden: MLE's; wrt weight: Eq. 23)
     computed with one logit matrix.
+
+    Beyond the paper, `continuous_g1=True` (method "agg-continuous") uses g1 = min(a_k / (alpha K), 1): the gate is
+    1 at the rarity threshold instead of alpha, so a token's push does not jump when it crosses the threshold, and
+    rare tokens near it are pushed more (their predicted mass is over-estimated less).
     """
     name = "agg"
-    defaults = dict(alpha=0.03, window=1000, use_g1=True, use_g2=True, static_after=None)
+    defaults = dict(alpha=0.03, window=1000, use_g1=True, use_g2=True, static_after=None, continuous_g1=False)
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -246,7 +335,8 @@ class AGG(MLE):
 
     def observe(self, targets, ignore_index=-100):
         t = targets.reshape(-1)
-        t = t[(t != ignore_index) & (t >= 0)]
+        t = t[t != ignore_index]
+        self._check_ids(t, ignore_index)
         step_counts = _all_reduce_(torch.bincount(t, minlength=self.vocab_size)[:self.vocab_size].long())
         self.appearances = self.appearances.to(step_counts.device) + step_counts
         ids = step_counts.nonzero().squeeze(1)
@@ -276,7 +366,10 @@ class AGG(MLE):
         if not bool(rare.any()):
             return None, None, None
         a = self.appearances.to(y.device).double()
-        g1 = self.mean_counts().to(y.device).clamp(max=1.0)  # AGG Eq. 7: a_k / K (g in [0, 1])
+        g1 = self.mean_counts().to(y.device)  # AGG Eq. 7: a_k / K (g in [0, 1])
+        if self.hparams["continuous_g1"] and self.hparams["alpha"] > 0:
+            g1 = g1 / self.hparams["alpha"]  # agg-continuous: a_k / (alpha K), 1 at the rarity threshold
+        g1 = g1.clamp(max=1.0)
         g2 = (a / a[rare].mean().clamp(min=1e-12)).clamp(max=1.0)  # AGG Eq. 8: min(a_k / mean_rare(a), 1)
         one = torch.ones_like(g1)
         col_gate = torch.where(rare, g1, one) if self.hparams["use_g1"] else None  # rows whose target is not rare
@@ -348,27 +441,37 @@ class AGPS(StaticGroupMethod):
 
 class FreezeRare(StaticGroupMethod):
     """Rare embeddings frozen (AGG Table 1 / Fig. 2, AGPS Table 1): the rare rows of weight's gradient are zeroed
-    until step `until` (None: never). A gradient hook on `weight` zeroes the whole gradient of those rows, so the
-    input-embedding use is frozen too. (Decoupled weight decay in the optimizer still shrinks them.)"""
+    until step `until` (None: never). Each loss() call puts a one-shot gradient hook on `weight` that zeroes the
+    whole gradient of those rows in the next backward (the input-embedding use is frozen too) and then removes
+    itself, so the weight trains normally under any other method. Decoupled weight decay would still shrink the
+    rows: after_step(weight) puts them back to the values they had at the first loss() call ("in their initial
+    states", AGG Table 1)."""
     name = "freeze-rare"
     defaults = dict(rare_fraction=0.2, until=None)
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
-        self._hooked = None  # the weight tensor our hook sits on
+        self._initial_rows = None  # the frozen rows as first seen by loss()
+
+    @torch.no_grad()
+    def after_step(self, weight):
+        if self.frozen() and self._initial_rows is not None:
+            weight[self.rare.to(weight.device)] = self._initial_rows.to(weight.device, weight.dtype)
 
     def frozen(self):
         return self.hparams["until"] is None or self.steps < self.hparams["until"]
 
-    def _mask_grad(self, grad):
-        if not self.frozen():
-            return None
-        return grad * (~self.rare).to(grad.device, grad.dtype)[:, None]
-
     def loss(self, hidden, weight, targets, **kw):
-        if weight.requires_grad and self._hooked is not weight:
-            weight.register_hook(self._mask_grad)
-            self._hooked = weight
+        if weight.requires_grad and torch.is_grad_enabled() and self.frozen():
+            if self._initial_rows is None:
+                self._initial_rows = weight.detach()[self.rare.to(weight.device)].clone()
+            keep = (~self.rare).to(weight.device)[:, None]
+            handle = None
+
+            def mask_once(grad):
+                handle.remove()
+                return grad * keep.to(grad.dtype)
+            handle = weight.register_hook(mask_once)
         return super().loss(hidden, weight, targets, **kw)
 
 
@@ -487,7 +590,8 @@ def unlikelihood(hidden, weight, targets, ignore_index=-100):
     before = torch.ones(T, T, dtype=torch.bool, device=targets.device).tril(-1)  # j < t
     first = valid & ~(same & before & valid[:, None, :]).any(-1)  # y_j occurs for the first time at j
     cand = before & first[:, None, :] & valid[:, :, None] & ~same
-    logp = F.log_softmax((hidden @ weight.T).float(), dim=-1)
+    logits = hidden @ weight.T
+    logp = F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     cand_logp = logp.gather(2, targets.clamp(min=0)[:, None, :].expand(B, T, T))  # [b, t, j] = log p_t(y_j)
     penalty = -torch.log((1 - cand_logp.exp()).clamp(min=1e-5))
     return (penalty * cand).sum() / valid.sum().clamp(min=1)
@@ -513,6 +617,7 @@ METHODS = {cls.name: cls for cls in [
     MLE, AGG,
     _variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False),
     _variant(AGG, "agg-static", static_after=1000),
+    _variant(AGG, "agg-continuous", continuous_g1=True),
     AGPS, FreezeRare,
     _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts,
     CosReg, FRAGE, UL, ULAGG,
@@ -547,6 +652,13 @@ def isotropy(weight):
 def mean_cosine(weight):
     """S(w) = (1/N^2) sum_i sum_{j != i} cos(w_i, w_j) (AGPS Eq. 9)."""
     return float(_pairwise_cosine(weight.detach().double()))
+
+
+@torch.no_grad()
+def mean_cosine_between(a, b):
+    """Mean cosine between the rows of a and the rows of b (e.g. rare vs frequent embeddings, AGG Fig. 2)."""
+    ua, ub = F.normalize(a.detach().double(), dim=1), F.normalize(b.detach().double(), dim=1)
+    return float(ua.sum(0) @ ub.sum(0) / max(1, len(ua) * len(ub)))
 
 
 @torch.no_grad()

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import agg
+import runlib
 
 EXTRA = ["official-ref", "torch-ce"]  # candidates that are not agg.METHODS entries
 SPECIAL_IDS = [0]  # never rare (like pad/eos)
@@ -443,31 +444,22 @@ def lm_setup(args, log):
 
 
 class LMTrainer:
-    """One method's model + optimizer + method, and train_lm.py's training step (its main loop, one optimizer step:
-    observe, micro-batches of features -> method.loss -> backward, clip, AdamW step)."""
+    """One method's model + optimizer + method, stepped by train_lm.train_step: the training step of train_lm.py's
+    main loop (observe, micro-batches of features -> method.loss -> backward, clip, AdamW step)."""
 
     def __init__(self, train_lm, cfg, name, V, counts, special, hp):
         torch.manual_seed(0)  # same initial model for every method
+        self.train_lm = train_lm
         self.model = train_lm.build_model(cfg, V)
         self.model.train()
         self.method = agg.build_method(name, vocab_size=V, counts=counts, special_ids=special, **hp)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg["lr"], betas=(0.9, 0.98),
-                                     eps=1e-8)
+        self.opt = runlib.make_optimizer(self.model, cfg["lr"], cfg["weight_decay"])
         self.micro_batch = cfg["micro_batch"]
+        self.autocast = runlib.autocast(cfg)
 
     def step(self, x_all, y_all):
-        self.method.observe(y_all)
-        for s in range(0, len(x_all), self.micro_batch):
-            x, y = x_all[s:s + self.micro_batch], y_all[s:s + self.micro_batch]
-            loss = self.method.loss(self.model(x), self.model.tok_emb.weight, y)
-            (loss * (y.numel() / y_all.numel())).backward()
-            _ = loss.item(), self.method.stats  # train_lm reads both every micro-batch (a sync on GPU)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.train_lm.train_step(self.model, self.model, self.method, self.opt, x_all, y_all, self.micro_batch,
+                                 self.autocast)
 
 
 def bench_lm(args, log):
@@ -475,7 +467,7 @@ def bench_lm(args, log):
     try:
         train_lm, cfg, ids, V, counts, special, source = lm_setup(args, log)
         train_lm.build_model  # the parts used here must exist
-        train_lm.method_hparams
+        train_lm.train_step
     except Exception as e:  # noqa: BLE001 - any failure means: skip with the reason
         msg = f"skipped: train_lm.py is not usable ({type(e).__name__}: {e})"
         log(msg)
@@ -496,7 +488,7 @@ def bench_lm(args, log):
     K = max(1, int(round(steps_per_epoch)))
     for name in names:
         cfg_m = dict(cfg, method=name, alpha=args.lm_alpha if "alpha" in agg.METHODS[name].defaults else None)
-        hp = train_lm.method_hparams(cfg_m, agg, steps_per_epoch)  # window = steps per epoch, as train_lm
+        hp = runlib.method_hparams(cfg_m, steps_per_epoch, counts, tps, special)  # window = steps per epoch
         trainers[name] = LMTrainer(train_lm, cfg, name, V, counts, special, hp)
         for s in range(K if "window" in hp else 0):  # a full counter window, as after the first epoch
             trainers[name].method.observe(batch(s)[1])

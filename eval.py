@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 import agg
+import runlib
 import train_lm
 
 GROUPS = ("freq", "med", "rare")
@@ -190,7 +191,7 @@ def evaluate_lm(out_dir, ck, args, device):
         raise SystemExit(f"{out_dir}/ckpt.pt does not fit the model of its own config ({str(e)[:200]}); "
                          f"the checkpoint or its data cache is inconsistent: retrain or check --cache-dir") from None
     model.to(device).eval()
-    autocast = train_lm.autocast_ctx(cfg, device)
+    autocast = runlib.autocast(dict(cfg, device=str(device)))
     gid, _ = group_index(data["counts"])
     gid_d = gid.to(device)
     ids = data["ids"][args.split]
@@ -274,18 +275,14 @@ def evaluate_nmt(out_dir, args):
 
 # --------------------------------------------------------------------------------------------------------- driver
 def read_checkpoint(out_dir):
+    """(checkpoint, task) of a run folder, loaded as data only (runlib.load_checkpoint: weights_only=True)."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no checkpoint. Pass run folders written by train_lm.py / train_nmt.py --out.")
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-        task = ck["config"].get("task") or ck.get("task")
-        if task is None:  # older checkpoints: the run folder's config.json names the task
-            with open(os.path.join(out_dir, "config.json")) as f:
-                task = json.load(f)["task"]
-    except Exception as e:
-        raise SystemExit(f"{path}: corrupted or not a training checkpoint ({type(e).__name__}: {str(e)[:200]}). "
-                         f"Retrain the run or restore a good copy.") from None
+    ck = runlib.load_checkpoint(path)
+    task = ck.get("task") or ck["config"].get("task")
+    if task not in ("lm", "nmt"):
+        raise SystemExit(f"{path}: unknown task {task!r} (expected 'lm' or 'nmt')")
     return ck, task
 
 
@@ -385,18 +382,19 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
-    os.makedirs(args.out, exist_ok=True)
     metrics, weights, counts, extras = {}, {}, {}, {}
-    loaded = [(d, *read_checkpoint(d)) for d in args.out_dirs]  # fail on a bad folder before any long work
+    for d in args.out_dirs:  # fail on a bad folder before any long work; one checkpoint in memory at a time
+        read_checkpoint(d)
+    os.makedirs(args.out, exist_ok=True)
     picks = {}
-    for label, (out_dir, ck, task) in zip(labels_for(args.out_dirs), loaded):
+    for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
+        ck, task = read_checkpoint(out_dir)
         if task == "lm":
             m, W, c, src_c, tokens = evaluate_lm(out_dir, ck, args, device)
-        elif task == "nmt":
+        else:
             del ck
             m, W, c, src_c, tokens = evaluate_nmt(out_dir, args)
-        else:
-            raise SystemExit(f"{out_dir}/ckpt.pt: unknown task {task!r} (expected 'lm' or 'nmt')")
+        ck = None
         m.update(geometry(W, c))
         m["singular_values"] = agg.singular_spectrum(W).tolist()
         # the same probe tokens for runs on the same data (same counts), chosen from the first such run

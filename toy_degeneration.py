@@ -258,6 +258,7 @@ def train_one(label, name, hparams, data, args):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        method.after_step(W)
         if step % args.log_every == 0 or step == args.steps - 1:
             history.append(snapshot(step + 1, W.detach(), groups, method))
             bar.set_postfix(nll=f"{method.stats['nll']:.3f}", IW=f"{history[-1]['isotropy']:.2f}", refresh=False)
@@ -269,7 +270,7 @@ def train_one(label, name, hparams, data, args):
     result.update(method=name, hparams=hparams,
                   rare_count=None if rare is None else int(rare.sum()),
                   rare_fraction=None if rare is None else float(rare.float().mean()),
-                  rare_per_token=None if rare is None else int(rare.sum()) / tokens_per_step,  # R/B
+                  R_over_B=None if rare is None else int(rare.sum()) / tokens_per_step,  # R/B
                   history=history)
     return result, W.detach().clone()
 
@@ -288,8 +289,8 @@ def evaluate(model, method, data, args, chunk_seqs=128):
         preds.append(logits.argmax(1))
         if method.rare_mask() is not None:  # the method's own group: its stats carry the masses
             method.loss(h, W, y)
-            pred_mass.append(method.stats["rare_pred_mass"] * y.numel())
-            true_mass.append(method.stats["rare_true_mass"] * y.numel())
+            pred_mass.append(method.stats["rare_mass_pred"] * y.numel())
+            true_mass.append(method.stats["rare_mass_true"] * y.numel())
     nll, y_all = torch.cat(nll).double(), val[:, 2:].reshape(-1)
     tgt_group = group_of[y_all]
     out = {"ppl": math.exp(float(nll.mean())),
@@ -297,7 +298,7 @@ def evaluate(model, method, data, args, chunk_seqs=128):
                           for i, g in enumerate(GROUPS)},  # None: no held-out target in that group
            "uniq": int(torch.cat(preds).unique().numel())}
     if pred_mass:
-        out.update(rare_pred_mass=sum(pred_mass) / len(nll), rare_true_mass=sum(true_mass) / len(nll))
+        out.update(rare_mass_pred=sum(pred_mass) / len(nll), rare_mass_true=sum(true_mass) / len(nll))
     return out
 
 
@@ -331,8 +332,8 @@ def table(results):
     for label, r in results.items():
         ig, cg, pg = r["isotropy_groups"], r["mean_cosine_groups"], r["ppl_groups"]
         group_ppl = "/".join("-" if pg[g] is None else f"{pg[g]:.0f}" for g in GROUPS)
-        rare = "-" if r["rare_count"] is None else f"{r['rare_count']} ({r['rare_per_token']:.3f})"
-        mass = "-" if "rare_pred_mass" not in r else f"{r['rare_pred_mass']:.4f}/{r['rare_true_mass']:.4f}"
+        rare = "-" if r["rare_count"] is None else f"{r['rare_count']} ({r['R_over_B']:.3f})"
+        mass = "-" if "rare_mass_pred" not in r else f"{r['rare_mass_pred']:.4f}/{r['rare_mass_true']:.4f}"
         lines.append(f"| {label} | {r['isotropy']:.3f} | {ig['freq']:.2f}/{ig['med']:.2f}/{ig['rare']:.2f} "
                      f"| {r['mean_cosine']:.3f} | {cg['freq']:.2f}/{cg['med']:.2f}/{cg['rare']:.2f} "
                      f"| {r['ppl']:.1f} | {group_ppl} | {r['uniq']} "
@@ -493,10 +494,10 @@ def plot_alpha_sweep(sweep, reference, path):
     ax.legend(fontsize=8)
 
     ax = axes[2]
-    ax.plot(x, [r["rare_pred_mass"] for r in sweep], marker="s", color=GROUP_COLOURS["rare"],
+    ax.plot(x, [r["rare_mass_pred"] for r in sweep], marker="s", color=GROUP_COLOURS["rare"],
             label="probability AGG predicts for its rare set")
-    ax.plot(x, [r["rare_true_mass"] for r in sweep], marker="o", color="0.4", label="true frequency of that set")
-    ax.plot(x, [r["rare_per_token"] for r in sweep], ls="--", color=GROUP_COLOURS["rare"], lw=1,
+    ax.plot(x, [r["rare_mass_true"] for r in sweep], marker="o", color="0.4", label="true frequency of that set")
+    ax.plot(x, [r["R_over_B"] for r in sweep], ls="--", color=GROUP_COLOURS["rare"], lw=1,
             label="R / B (rare-set size / tokens per step)")
     ax.set_xlabel("AGG's rare group at the end of training (% of vocabulary)")
     ax.set_ylabel("probability mass (held-out)")

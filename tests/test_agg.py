@@ -1,14 +1,11 @@
 """Tests of agg.py: gradients against the papers' closed forms and literal reference implementations."""
 import io
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import agg  # noqa: E402
+import agg
 
 V, D, WINDOW, ALPHA = 40, 6, 10, 0.45
 
@@ -66,7 +63,7 @@ def paper_gates(counts, window=WINDOW, alpha=ALPHA):
     return rare, g1, g2
 
 
-@pytest.mark.parametrize("variant", ["agg", "agg-no-g1", "agg-no-g2"])
+@pytest.mark.parametrize("variant", ["agg", "agg-no-g1", "agg-no-g2", "agg-continuous"])
 def test_agg_matches_literal_eq_9_10(variant):
     counts = make_counts()
     rare, g1, g2 = paper_gates(counts)
@@ -75,6 +72,9 @@ def test_agg_matches_literal_eq_9_10(variant):
         g1 = torch.ones(V, dtype=torch.float64)
     if variant == "agg-no-g2":
         g2 = torch.ones(V, dtype=torch.float64)
+    if variant == "agg-continuous":  # g1 = min(a_k / (alpha K), 1): 1 at the rarity threshold
+        g1 = (counts.double() / WINDOW / ALPHA).clamp(max=1)
+        assert (g1[rare] > paper_gates(counts)[1][rare]).any()
     method = agg.build_method(variant, V, alpha=ALPHA, window=WINDOW)
     observe_counts(method, counts)
     h, w, y = inputs(ignore=(3, 17))
@@ -162,6 +162,7 @@ def static_kw():
 
 @pytest.mark.parametrize("name,kw", [
     ("agg", dict(alpha=0.0)), ("agg-no-g1", dict(alpha=0.0)), ("agg-no-g2", dict(alpha=0.0)),
+    ("agg-continuous", dict(alpha=0.0)),
     ("agg-static", dict(alpha=0.0, static_after=2)), ("ul+agg", dict(alpha=0.0, alpha_ul=0.0)),
     ("agps", dict(rare_fraction=0.0)), ("freeze-rare", dict(rare_fraction=0.0)), ("freeze-b", dict(rare_fraction=0.0)),
     ("freeze-c", dict(rare_fraction=0.0)), ("freeze-bc", dict(rare_fraction=0.0)),
@@ -456,6 +457,119 @@ def test_stats_report_the_rare_group_and_its_probability_mass():
     stats = method.stats
     p = torch.softmax(h @ w.T, dim=1)
     assert stats["rare_count"] == rare.sum() and stats["rare_fraction"] == pytest.approx(rare.double().mean())
-    assert stats["rare_true_mass"] == pytest.approx(rare[y].double().mean())
-    assert stats["rare_pred_mass"] == pytest.approx(float(p[:, rare].sum(1).mean()))
+    assert stats["rare_mass_true"] == pytest.approx(rare[y].double().mean())
+    assert stats["rare_mass_pred"] == pytest.approx(float(p[:, rare].sum(1).mean()))
     assert stats["nll"] == pytest.approx(float(loss))
+
+
+# --------------------------------------------------------------------------------- the practitioner's contract
+
+
+def test_rarity_helpers_turn_a_share_or_a_frequency_into_alpha():
+    counts = torch.tensor([0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 500, 1000])
+    tokens_per_step = 4096
+    for share in (0.1, 0.25, 0.6):
+        alpha = agg.alpha_for_rare_share(counts, share, tokens_per_step, special_ids=[11])
+        rate = counts[:11].double() / counts.sum() * tokens_per_step
+        assert (rate < alpha).sum() == round(share * 11)  # the share of the non-special vocabulary
+        assert agg.rare_share_of_alpha(counts, alpha, tokens_per_step, [11]) == pytest.approx(round(share * 11) / 11)
+        # the same share at another batch size marks the same tokens: alpha scales with tokens per step
+        assert agg.alpha_for_rare_share(counts, share, 8 * tokens_per_step, [11]) == pytest.approx(8 * alpha)
+    assert agg.alpha_for_frequency(1e-4, 32768) == pytest.approx(3.2768)
+    with pytest.raises(ValueError, match="rare_share"):
+        agg.alpha_for_rare_share(counts, 1.5, 100)
+    # an AGG whose window has seen exactly the training rates marks that share rare (Eq. 5 unchanged)
+    alpha = agg.alpha_for_rare_share(counts, 0.25, int(counts.sum()))
+    method = agg.build_method("agg", len(counts), alpha=alpha, window=1)
+    method.observe(torch.repeat_interleave(torch.arange(len(counts)), counts))
+    assert int(method.rare_mask().sum()) == 3
+
+
+def test_load_state_dict_refuses_another_vocabulary_or_hyper_parameters():
+    a = agg.build_method("agg", V, alpha=0.1, window=6)
+    a.observe(torch.arange(V))
+    with pytest.raises(ValueError, match="window=6.*window=3"):
+        agg.build_method("agg", V, alpha=0.1, window=3).load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match=f"vocab_size {V}.*{V + 1}"):
+        agg.build_method("agg", V + 1, alpha=0.1, window=6).load_state_dict(a.state_dict())
+    agg.build_method("agg", V, alpha=0.1, window=6).load_state_dict(a.state_dict())  # the matching one loads
+
+
+def test_observe_rejects_ids_outside_the_vocabulary_and_build_rejects_bad_hparams():
+    for name in ("mle", "agg"):
+        method = agg.build_method(name, V)
+        with pytest.raises(ValueError, match=f"target id {V} is outside"):
+            method.observe(torch.tensor([0, V]))
+        with pytest.raises(ValueError, match="target id -3"):
+            method.observe(torch.tensor([0, -3]))
+        method.observe(torch.tensor([0, -100]))  # ignore_index is fine
+    with pytest.raises(ValueError, match="alpha must be >= 0"):
+        agg.build_method("agg", V, alpha=-0.1)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        agg.build_method("agg", V, window=0)
+
+
+def test_second_backward_through_one_loss_says_what_to_do():
+    method = agg.build_method("mle", V)
+    h, w, y = inputs()
+    h.requires_grad_()
+    loss = method.loss(h, w, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="call method.loss"):
+        loss.backward()
+
+
+def test_all_ignored_batch_gives_zero_loss_and_zero_gradients():
+    method = agg.build_method("mle", V)
+    h, w, _ = inputs(T=5)
+    loss, gh, gw = grads(method, h, w, torch.full((5,), -100))
+    assert float(loss) == 0.0 and torch.all(gh == 0) and torch.all(gw == 0)
+
+
+def test_freeze_rare_hook_lasts_one_backward_and_after_step_undoes_weight_decay():
+    counts = torch.arange(V, 0, -1)
+    emb = torch.nn.Embedding(V, D)
+    x, y = torch.arange(V)[None, :], torch.arange(V)[None, :].roll(1, 1)
+    frozen = agg.build_method("freeze-rare", V, counts=counts)
+    rare = frozen.rare_mask()
+    opt = torch.optim.AdamW(emb.parameters(), lr=0.1, weight_decay=0.5)
+    initial = emb.weight.detach().clone()
+    for _ in range(3):
+        frozen.observe(y)
+        frozen.loss(torch.tanh(emb(x)), emb.weight, y).backward()
+        assert torch.all(emb.weight.grad[rare] == 0)
+        opt.step()
+        frozen.after_step(emb.weight)
+        opt.zero_grad()
+    assert torch.equal(emb.weight[rare], initial[rare]) and not torch.equal(emb.weight[~rare], initial[~rare])
+    mle = agg.build_method("mle", V)  # the same weight under another method (frozen is still alive) trains fully
+    mle.observe(y)
+    mle.loss(torch.tanh(emb(x)), emb.weight, y).backward()
+    assert emb.weight.grad[rare].abs().sum() > 0
+
+
+def test_unlikelihood_keeps_float64():
+    y = torch.tensor([[3, 1, 3, 2]])
+    h, w = torch.randn(1, 4, D, dtype=torch.float64), torch.randn(5, D, dtype=torch.float64)
+    assert agg.unlikelihood(h, w, y).dtype == torch.float64
+
+
+def test_pass_stats_accumulate_a_whole_validation_pass():
+    counts = make_counts(12)
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    rare = method.rare_mask()
+    method.reset_pass()
+    pred, true, n = 0.0, 0.0, 0
+    with torch.no_grad():
+        for seed, T in ((20, 30), (21, 50)):
+            h, w, y = inputs(seed=seed, T=T)
+            method.loss(h, w, y)
+            pred += float(torch.softmax(h @ w.T, 1)[:, rare].sum())
+            true += float(rare[y].sum())
+            n += T
+    s = method.pass_stats
+    assert s["tokens"] == n and s["rare_mass_pred"] == pytest.approx(pred / n) and \
+        s["rare_mass_true"] == pytest.approx(true / n)
+    method.reset_pass()
+    assert method.pass_stats == {"tokens": 0}

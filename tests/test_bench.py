@@ -1,15 +1,13 @@
 """Tests of bench.py: the official-AGG reference against agg.py, and the benchmark's outputs (no timing assertions)."""
 import json
-import os
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import agg  # noqa: E402
-import bench  # noqa: E402
+import agg
+import bench
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +145,7 @@ def test_lm_trainer_runs_train_lm_step():
     """The lm section's step (train_lm's model, AdamW, observe + micro-batches) trains: weights move, AGG counts."""
     train_lm = pytest.importorskip("train_lm")
     cfg = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, dropout=0.0, block_size=8, weight_decay=0.01, lr=1e-2,
-               micro_batch=2)
+               micro_batch=2, device="cpu", dtype="float32")
     V = 50
     t = bench.LMTrainer(train_lm, cfg, "agg", V, torch.arange(V), [0], dict(alpha=0.5, window=3))
     x = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(0))

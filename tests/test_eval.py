@@ -10,30 +10,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import eval as ev  # noqa: E402
-import train_lm  # noqa: E402
-from test_train_lm import write_corpus  # noqa: E402  (the same tiny Zipfian corpus)
+import eval as ev
+import train_lm
 
-torch.set_num_threads(1)  # tiny models: extra threads only spin on a shared 2-core machine
-
-TINY = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--block-size", "16",
-        "--vocab-size", "300", "--tokens-per-step", "128", "--micro-batch", "4", "--lr", "3e-3", "--warmup", "2",
-        "--device", "cpu", "--preset", "cpu", "--max-steps", "3", "--eval-interval", "3"]
 KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "isotropy_groups", "mean_cosine",
         "word_similarity"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, corpus, lm_tiny):
     base = tmp_path_factory.mktemp("ev")
-    data, cache = write_corpus(str(base / "data")), str(base / "cache")
     out = {}
     for method, extra in (("mle", []), ("agg", ["--alpha", "0.5"])):
         out[method] = str(base / method)
-        train_lm.main(["--data-dir", data, "--cache-dir", cache, "--out", out[method], "--method", method, *TINY,
-                       *extra])
+        train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out[method],
+                       "--method", method, *lm_tiny, "--max-steps", "3", "--eval-interval", "3", *extra])
     return out
 
 
@@ -61,7 +52,7 @@ def test_eval_lm_writes_every_key_and_correct_values(runs, tmp_path):
     assert metrics["mle"]["ppl"] == on_disk["mle"]["ppl"]
 
     # PPL and human Uniq recomputed independently from the checkpoint and the cached test ids
-    ck = torch.load(os.path.join(runs["mle"], "ckpt.pt"), weights_only=False)
+    ck = torch.load(os.path.join(runs["mle"], "ckpt.pt"), weights_only=True)
     data = train_lm.prepare_data(ck["config"], log=lambda *a: None)
     model = train_lm.build_model(ck["config"], data["vocab_size"])
     model.load_state_dict(ck["model"])
@@ -142,7 +133,7 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "train_nmt", types.SimpleNamespace(evaluate=evaluate))
     run = tmp_path / "nmt-run"
     run.mkdir()
-    torch.save({"config": {"task": "nmt"}, "step": 5}, run / "ckpt.pt")
+    torch.save({"config": {"task": "nmt"}, "task": "nmt", "model": {}, "step": 5}, run / "ckpt.pt")
     m = ev.main([str(run), "--out", str(tmp_path / "r"), "--device", "cpu"])["nmt-run"]
     assert calls == [(str(run), "cpu", 4)]
     assert m["bleu"] == 12.5 and m["bleu_signature"].startswith("nrefs")
@@ -154,7 +145,6 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
     assert "## Machine translation" in (tmp_path / "r" / "report.md").read_text()
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "train_nmt.py")), reason="train_nmt.py not written yet")
 def test_nmt_end_to_end_with_train_nmt(tmp_path):
     import train_nmt
     out = str(tmp_path / "nmt")

@@ -4,15 +4,12 @@ Run: .venv/bin/python -m pytest tests/test_toy.py -q
 """
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import agg  # noqa: E402
-import toy_degeneration as toy  # noqa: E402
+import agg
+import toy_degeneration as toy
 
 # A reduced configuration: full vocabulary and model, fewer steps, a smaller corpus and held-out set, one thread
 # (deterministic, and not slowed down by other jobs fighting for the second core).

@@ -1,8 +1,7 @@
 """train_lm.py: every method trains, resume == uninterrupted, 2-process gloo == 1 process, clear errors, caches.
-A tiny model on a tiny Zipfian corpus: each test takes seconds."""
+A tiny model on a tiny Zipfian corpus (tests/conftest.py): each test takes seconds."""
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -11,51 +10,16 @@ import time
 import pytest
 import torch
 
+import agg
+import runlib
+import train_lm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import agg  # noqa: E402
-import train_lm  # noqa: E402
-
-torch.set_num_threads(1)  # tiny models: extra threads only spin on a shared 2-core machine
-
-TINY = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--block-size", "16",
-        "--vocab-size", "300", "--tokens-per-step", "128", "--micro-batch", "4", "--lr", "3e-3", "--warmup", "2",
-        "--device", "cpu", "--preset", "cpu", "--log-interval", "1"]
-
-
-def write_corpus(folder, n_lines=(600, 60, 60), seed=0):
-    """Zipfian pseudo-words in sentences: enough structure for BPE and a few training steps."""
-    rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) for _ in range(400)]
-    weights = [1 / (i + 1) ** 1.1 for i in range(len(words))]
-    os.makedirs(folder, exist_ok=True)
-    for split, n in zip(("train", "valid", "test"), n_lines):
-        with open(os.path.join(folder, f"{split}.txt"), "w") as f:
-            for _ in range(n):
-                f.write(" ".join(rng.choices(words, weights, k=rng.randint(5, 20))).capitalize() + " .\n")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    base = tmp_path_factory.mktemp("lm")
-    return dict(data=write_corpus(str(base / "data")), cache=str(base / "cache"))
-
-
-def run(corpus, out, *extra, steps=2):
-    argv = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(out), "--max-steps",
-            str(steps), "--eval-interval", "2", *TINY, *extra]
-    return train_lm.main([str(a) for a in argv])
-
-
-def read_log(out):
-    with open(os.path.join(out, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("method", sorted(agg.METHODS))
-def test_every_method_trains_with_finite_loss(corpus, tmp_path, method):
-    run(corpus, tmp_path / method, "--method", method)
+def test_every_method_trains_with_finite_loss(lm_run, read_log, tmp_path, method):
+    lm_run(tmp_path / method, "--method", method)
     log = read_log(tmp_path / method)
     train = [r for r in log if r["split"] == "train"]
     valid = [r for r in log if r["split"] == "valid"]
@@ -64,52 +28,55 @@ def test_every_method_trains_with_finite_loss(corpus, tmp_path, method):
     assert valid and valid[-1]["step"] == 2 and 0 < valid[-1]["isotropy"] <= 1
     assert 0 < valid[-1]["ppl"] < 1e5
     if method.startswith("agg") or method in ("ul+agg", "agps", "freeze-rare", "freeze-b", "freeze-c", "freeze-bc"):
-        assert 0 < train[-1]["rare_fraction"] < 1 and train[-1]["rare_count"] >= 1  # R logged
+        assert 0 < train[-1]["method_rare_fraction"] < 1 and train[-1]["method_rare_count"] >= 1  # R logged
         assert "R_over_B" in train[-1] and "method_rare_mass_pred" in valid[-1]
-    ck = torch.load(os.path.join(tmp_path / method, "ckpt.pt"), weights_only=False)
+    ck = torch.load(os.path.join(tmp_path / method, "ckpt.pt"), weights_only=True)
     assert ck["config"]["task"] == "lm" and ck["config"]["method"] == method and ck["step"] == 2
     cfg = json.load(open(os.path.join(tmp_path / method, "config.json")))
-    assert cfg["task"] == "lm" and "torch" in cfg["versions"] and "git_commit" in cfg
+    assert cfg["task"] == "lm" and "torch" in cfg["versions"]
+    for key in ("git_commit", "git_dirty", "argv", "agg_sha256"):
+        assert key in cfg, key
 
 
-def test_window_defaults_to_steps_per_epoch_and_flags_pass_through(corpus, tmp_path):
-    run(corpus, tmp_path / "a", "--method", "agg", "--alpha", "0.5")
+def test_window_defaults_to_steps_per_epoch_and_flags_pass_through(lm_run, tmp_path):
+    lm_run(tmp_path / "a", "--method", "agg", "--alpha", "0.5")
     cfg = json.load(open(tmp_path / "a" / "config.json"))
     assert cfg["method_hparams"] == {"alpha": 0.5, "window": round(cfg["steps_per_epoch"])}
-    run(corpus, tmp_path / "b", "--method", "agg", "--window", "7")
+    lm_run(tmp_path / "b", "--method", "agg", "--window", "7")
     assert json.load(open(tmp_path / "b" / "config.json"))["method_hparams"]["window"] == 7
     with pytest.raises(SystemExit, match="--gamma does not apply to --method agg"):
-        run(corpus, tmp_path / "c", "--method", "agg", "--gamma", "1.0")
-    with pytest.raises(SystemExit, match="unknown --method"):
-        run(corpus, tmp_path / "d", "--method", "nope")
+        lm_run(tmp_path / "c", "--method", "agg", "--gamma", "1.0")
+    with pytest.raises(SystemExit):  # argparse lists the valid methods
+        lm_run(tmp_path / "d", "--method", "nope")
 
 
-@pytest.mark.parametrize("method", ["agg", "frage"])
-def test_resume_equals_uninterrupted(corpus, tmp_path, method):
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["agg", "frage", "freeze-rare"])
+def test_resume_equals_uninterrupted(lm_run, read_log, tmp_path, method):
     """Stop after 3 of 6 steps (dropout on, so RNG states matter), resume, compare with one uninterrupted run."""
     extra = ["--method", method, "--dropout", "0.2", "--eval-interval", "3"]
-    run(corpus, tmp_path / "full", *extra, steps=6)
-    run(corpus, tmp_path / "split", *extra, "--stop-at", "3", steps=6)
-    assert torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["step"] == 3
-    run(corpus, tmp_path / "split", *extra, "--resume", steps=6)
-    a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=False)
-    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)
+    lm_run(tmp_path / "full", *extra, steps=6)
+    lm_run(tmp_path / "split", *extra, "--stop-at", "3", steps=6)
+    assert torch.load(tmp_path / "split" / "ckpt.pt", weights_only=True)["step"] == 3
+    lm_run(tmp_path / "split", *extra, "--resume", steps=6)
+    a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=True)
     assert a["step"] == b["step"] == 6
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     if method == "agg":
         assert torch.equal(a["method"]["appearances"], b["method"]["appearances"])
-    else:
+    if method == "frage":
         assert torch.equal(a["method"]["disc"]["model"]["weight"], b["method"]["disc"]["model"]["weight"])
     la, lb = read_log(tmp_path / "full"), read_log(tmp_path / "split")
     assert [(r["step"], r["split"]) for r in la] == [(r["step"], r["split"]) for r in lb]
     assert la[-1]["ppl"] == pytest.approx(lb[-1]["ppl"], rel=1e-9)
 
 
-def test_resume_without_flags_uses_saved_config(corpus, tmp_path):
-    run(corpus, tmp_path / "r", "--method", "agg", "--alpha", "0.4", "--stop-at", "2", steps=4)
+def test_resume_without_flags_uses_saved_config(lm_run, corpus, tmp_path):
+    lm_run(tmp_path / "r", "--method", "agg", "--alpha", "0.4", "--stop-at", "2", steps=4)
     train_lm.main(["--out", str(tmp_path / "r"), "--resume", "--cache-dir", corpus["cache"], "--device", "cpu"])
-    ck = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
     assert ck["step"] == 4 and ck["config"]["method"] == "agg" and ck["config"]["alpha"] == 0.4
 
 
@@ -126,15 +93,16 @@ def _ddp_worker(rank, world, port, argv):
     train_lm.main(argv)
 
 
-def test_two_process_gloo_matches_one_process(corpus, tmp_path):
+@pytest.mark.slow
+def test_two_process_gloo_matches_one_process(lm_run, lm_tiny, corpus, tmp_path):
     """DDP splits each step's sequences over 2 ranks; with dropout off the result must equal a 1-process run."""
     extra = ["--method", "agg", "--alpha", "0.5", "--dropout", "0"]
-    run(corpus, tmp_path / "one", *extra, steps=3)
+    lm_run(tmp_path / "one", *extra, steps=3)
     argv = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(tmp_path / "two"),
-            "--max-steps", "3", "--eval-interval", "3", *TINY, *extra]
+            "--max-steps", "3", "--eval-interval", "3", *lm_tiny, *extra]
     torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), argv), nprocs=2, join=True)
-    a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
-    b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
+    a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=True)
     assert len(b["rng"]) == 2 and b["step"] == 3
     assert torch.equal(a["method"]["appearances"], b["method"]["appearances"])  # observe() all-reduced
     for k in a["model"]:
@@ -155,38 +123,38 @@ def test_hub_dataset_fails_fast_with_offline_hint(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def test_corrupted_checkpoint_gives_clear_error(corpus, tmp_path):
-    run(corpus, tmp_path / "c", steps=2)
+def test_corrupted_checkpoint_gives_clear_error(lm_run, tmp_path):
+    lm_run(tmp_path / "c", steps=2)
     path = tmp_path / "c" / "ckpt.pt"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # truncated, as by an interrupted copy
     with pytest.raises(SystemExit) as e:
-        run(corpus, tmp_path / "c", "--resume", steps=4)
+        lm_run(tmp_path / "c", "--resume", steps=4)
     assert str(path) in str(e.value) and "corrupted" in str(e.value) and "--overwrite" in str(e.value)
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit, match="corrupted"):
-        train_lm.load_checkpoint(str(path))
+        runlib.load_checkpoint(str(path))
 
 
-def test_mismatched_checkpoint_gives_clear_error(corpus, tmp_path):
-    run(corpus, tmp_path / "m", "--method", "agg", steps=2)
+def test_mismatched_checkpoint_gives_clear_error(lm_run, tmp_path):
+    lm_run(tmp_path / "m", "--method", "agg", steps=2)
     with pytest.raises(SystemExit) as e:
-        run(corpus, tmp_path / "m", "--method", "agg", "--d-model", "32", "--resume", steps=4)
+        lm_run(tmp_path / "m", "--method", "agg", "--d-model", "32", "--resume", steps=4)
     msg = str(e.value)
     assert "d_model=16" in msg and "d_model=32" in msg and "config.json" in msg and "ckpt.pt" in msg
     with pytest.raises(SystemExit, match="method='agg'.*method='mle'"):
-        run(corpus, tmp_path / "m", "--method", "mle", "--resume", steps=4)
+        lm_run(tmp_path / "m", "--method", "mle", "--resume", steps=4)
     with pytest.raises(SystemExit, match="already exists: pass --resume"):
-        run(corpus, tmp_path / "m", "--method", "agg", steps=4)
-    ck = torch.load(tmp_path / "m" / "ckpt.pt", weights_only=False)
-    ck["config"]["task"] = "nmt"
+        lm_run(tmp_path / "m", "--method", "agg", steps=4)
+    ck = torch.load(tmp_path / "m" / "ckpt.pt", weights_only=True)
+    ck["config"]["task"] = ck["task"] = "nmt"
     torch.save(ck, tmp_path / "m" / "ckpt.pt")
     with pytest.raises(SystemExit, match="task 'nmt', not 'lm'"):
-        run(corpus, tmp_path / "m", "--method", "agg", "--resume", steps=4)
+        lm_run(tmp_path / "m", "--method", "agg", "--resume", steps=4)
 
 
-def test_tokenizer_cache_is_reused_and_keyed(corpus, tmp_path):
-    folder = write_corpus(str(tmp_path / "data"), seed=1)
+def test_tokenizer_cache_is_reused_and_keyed(corpus_writer, tmp_path):
+    folder = corpus_writer(str(tmp_path / "data"), seed=1)
     cfg = dict(data_dir=folder, dataset="dir", tokenizer="bpe", vocab_size=300, cache_dir=str(tmp_path / "cache"))
     a = train_lm.prepare_data(cfg, log=lambda *a: None)
     mtime = os.path.getmtime(os.path.join(a["dir"], "tokenizer.json"))
@@ -227,3 +195,65 @@ def test_model_features_feed_the_tied_head_and_are_causal():
     assert not torch.allclose(m.features(x2)[:, 5:], h[:, 5:])
     g = train_lm.generate(m, x[:, :3], 4)
     assert g.shape == (2, 4) and torch.equal(g[:, 0], m.logits(x[:, :3])[:, -1].argmax(-1))
+
+
+def test_rare_share_resolves_alpha_and_the_cpu_preset_uses_it(lm_run, corpus, read_log, tmp_path):
+    lm_run(tmp_path / "a", "--method", "agg", "--rare-share", "0.9")  # the tiny corpus: 79% never occur
+    cfg = json.load(open(tmp_path / "a" / "config.json"))
+    counts = torch.from_numpy(__import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy")))
+    special = [1, 0]  # <pad>, <|endoftext|>
+    alpha = agg.alpha_for_rare_share(counts, 0.9, cfg["tokens_per_step_actual"], special)
+    assert cfg["method_hparams"]["alpha"] == pytest.approx(alpha)
+    assert abs(cfg["method_rare_share"] - 0.9) < 0.03
+    lm_run(tmp_path / "b", "--method", "agg")  # no flag: the cpu preset states the rare group as a share
+    cfg_b = json.load(open(tmp_path / "b" / "config.json"))
+    assert cfg_b["method_hparams"]["alpha"] == pytest.approx(agg.alpha_for_rare_share(
+        counts, train_lm.PRESET_METHOD["cpu"]["rare_share"], cfg["tokens_per_step_actual"], special))
+    lm_run(tmp_path / "c", "--method", "agg", "--alpha", "0.7")  # an explicit alpha wins over the preset
+    assert json.load(open(tmp_path / "c" / "config.json"))["method_hparams"]["alpha"] == 0.7
+    with pytest.raises(SystemExit, match="not both"):
+        lm_run(tmp_path / "d", "--method", "agg", "--alpha", "0.7", "--rare-share", "0.2")
+    with pytest.raises(SystemExit, match="AGG family only"):
+        lm_run(tmp_path / "e", "--method", "mle", "--rare-share", "0.2")
+    # validation records carry the per-group numbers of AGG Fig. 2
+    valid = [r for r in read_log(tmp_path / "a") if r["split"] == "valid"][-1]
+    for key in ("ppl_freq", "ppl_med", "ppl_rare", "isotropy_freq", "isotropy_med", "isotropy_rare",
+                "cosine_rare_freq", "group_rare_mass_pred", "group_rare_mass_true", "method_rare_mass_pred"):
+        assert key in valid, key
+
+
+def test_freeze_rare_rows_stay_exactly_at_init_under_weight_decay(lm_run, tmp_path):
+    for steps in (1, 4):
+        lm_run(tmp_path / f"s{steps}", "--method", "freeze-rare", "--weight-decay", "0.5", steps=steps)
+    a, b = (torch.load(tmp_path / f"s{n}" / "ckpt.pt", weights_only=True) for n in (1, 4))
+    cfg = json.load(open(tmp_path / "s1" / "config.json"))
+    counts = torch.from_numpy(__import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy")))
+    rare = agg.least_frequent_mask(counts, 0.2, [1, 0])
+    wa, wb = a["model"]["tok_emb.weight"], b["model"]["tok_emb.weight"]
+    torch.manual_seed(0)  # the initial model of seed 0 (train_lm seeds, then builds the model)
+    init = train_lm.build_model(dict(cfg), len(counts)).tok_emb.weight.detach()
+    assert torch.equal(wb[rare], init[rare]) and torch.equal(wa[rare], init[rare])
+    assert not torch.equal(wb[~rare], init[~rare])
+
+
+@pytest.mark.parametrize("files", ["empty", "tiny"])
+def test_unusable_data_files_give_a_clear_error_and_write_nothing(tmp_path, files):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        (data / f"{split}.txt").write_text("" if files == "empty" and split == "valid" else "a b c .\n")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_lm.py"), "--data-dir", str(data), "--out",
+                        str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    if files == "empty":
+        assert "valid.txt" in p.stderr and "empty" in p.stderr
+    else:
+        assert "--data-dir" in p.stderr and "--block-size" in p.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_context_too_large_for_memory_is_refused(lm_run, tmp_path):
+    with pytest.raises(SystemExit, match="--block-size.*GiB.*lower --block-size or --micro-batch"):
+        lm_run(tmp_path / "big", "--block-size", "20000", "--micro-batch", "16", "--tokens-per-step", "320000")
+    assert not (tmp_path / "big").exists()

@@ -1,23 +1,15 @@
 """Tests of train_nmt.py: decoding, the loss with label smoothing and padding, learning, resume, errors, evaluate()."""
 import math
 import re
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import agg  # noqa: E402
-import train_nmt as T  # noqa: E402
-
-# a tiny model on the synthetic task (Zipfian lexicon, adjacent words swapped); vocab 600 holds every word whole
-TINY = ["--dataset", "synthetic", "--synthetic-size", "2000", "--vocab-size", "600", "--enc-layers", "2",
-        "--dec-layers", "2", "--d-model", "64", "--n-head", "4", "--d-ff", "256", "--tokens-per-step", "1024",
-        "--lr", "1e-2", "--warmup", "30", "--log-interval", "50", "--valid-bleu-sents", "20", "--beam", "2",
-        "--device", "cpu"]
+import agg
+import runlib
+import train_nmt as T
 
 
 def tiny_model(V=40, seed=0, dropout=0.0):
@@ -141,13 +133,13 @@ def test_agg_gates_only_the_embedding_gradient_of_the_smoothed_loss():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, nmt_tiny):
     """The synthetic task with MLE and with AGG: (out_dir, test result) per method."""
     runs = {}
     for method in ("mle", "agg"):
         out = tmp_path_factory.mktemp(method)
         t0 = time.time()
-        res = T.main(TINY + ["--method", method, "--out", str(out), "--max-steps", "250", "--eval-interval", "250",
+        res = T.main(nmt_tiny + ["--method", method, "--out", str(out), "--max-steps", "250", "--eval-interval", "250",
                              "--dropout", "0"])
         runs[method] = (out, res, time.time() - t0)
     return runs
@@ -161,7 +153,7 @@ def test_synthetic_task_learns(trained, method):
     lines = [l for l in (out / "log.jsonl").read_text().splitlines()]
     assert any('"split": "valid"' in l for l in lines) and any('"split": "train"' in l for l in lines)
     if method == "agg":
-        assert '"rare_fraction"' in lines[0]
+        assert '"method_rare_fraction"' in lines[0] and '"R_over_B"' in lines[0]
 
 
 def test_evaluate_returns_the_contract(trained):
@@ -183,32 +175,36 @@ def test_evaluate_returns_the_contract(trained):
     assert '"task": "nmt"' in (out / "config.json").read_text()
 
 
-def test_resume_equals_uninterrupted(tmp_path):
-    args = TINY + ["--method", "agg", "--dropout", "0.1", "--eval-interval", "3", "--no-test", "--valid-bleu-sents", "4"]
-    T.main(args + ["--out", str(tmp_path / "full"), "--max-steps", "6"])
-    T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "3"])
-    T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "6", "--resume"])
+@pytest.mark.slow
+def test_resume_equals_uninterrupted(tmp_path, nmt_tiny):
+    """Stopped with --stop-at (dropout on), resumed with `--out DIR --resume` alone: the same weights as one run."""
+    args = nmt_tiny + ["--method", "agg", "--dropout", "0.1", "--eval-interval", "3", "--no-test",
+                       "--valid-bleu-sents", "4", "--max-steps", "6"]
+    T.main(args + ["--out", str(tmp_path / "full")])
+    T.main(args + ["--out", str(tmp_path / "part"), "--stop-at", "4"])
+    assert torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)["step"] == 4
+    T.main(["--out", str(tmp_path / "part"), "--resume", "--device", "cpu"])
     a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
     b = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)
     assert a["step"] == b["step"] == 6
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert torch.equal(a["method"]["appearances"], b["method"]["appearances"])
-    # a mismatched command and a corrupted file give errors that name the file and the fix
-    with pytest.raises(SystemExit, match="does not match this command.*d_model.*new --out"):
-        T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "8", "--resume", "--d-model", "32"])
-    with pytest.raises(SystemExit, match="exists: pass --resume"):
-        T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "8"])
+    # a mismatched flag, a second run into the same --out and a corrupted file: errors that name the file and fix
+    with pytest.raises(SystemExit, match="d_model=64 but this run asks for d_model=32.*new --out"):
+        T.main(["--out", str(tmp_path / "part"), "--max-steps", "8", "--resume", "--d-model", "32"])
+    with pytest.raises(SystemExit, match="already exists: pass --resume"):
+        T.main(args + ["--out", str(tmp_path / "part")])
     ck = tmp_path / "part" / "ckpt.pt"
     ck.write_bytes(ck.read_bytes()[:1000])
     with pytest.raises(SystemExit, match=re.escape(str(ck)) + ".*corrupted"):
-        T.main(args + ["--out", str(tmp_path / "part"), "--max-steps", "8", "--resume"])
+        T.main(["--out", str(tmp_path / "part"), "--max-steps", "8", "--resume"])
 
 
 def test_wmt14_fails_fast_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    monkeypatch.setattr(T, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(runlib, "hub_reachable", lambda timeout=3.0: False)
     import datasets
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
     before = datasets.config.HF_HUB_OFFLINE

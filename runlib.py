@@ -1,0 +1,375 @@
+"""Run plumbing shared by train_lm.py and train_nmt.py: the run and method flags, the resume policy, seeding and RNG
+state, checkpoints (data only, loaded with weights_only=True), provenance and the JSON-lines log.
+Models, data and training loops stay in each script; agg.py does not depend on this file."""
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import platform
+import random
+import socket
+import subprocess
+
+import numpy as np
+import torch
+
+import agg
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# config keys that may change when a run is resumed (they steer this invocation, not the run's result)
+RUN_CONTROL = {"out", "resume", "overwrite", "max_steps", "stop_at", "device", "dtype", "compile", "eval_interval",
+               "log_interval"}
+# of those, the ones that always follow the current invocation (not the saved config) unless given
+FOLLOW_INVOCATION = ("device", "dtype", "resume", "stop_at", "overwrite", "compile")
+
+
+# ------------------------------------------------------------------------------------------------------------ flags
+def add_run_flags(p, out_help):
+    g = p.add_argument_group("run (the same in train_lm.py and train_nmt.py)")
+    g.add_argument("--out", default=None, help=out_help)
+    g.add_argument("--seed", type=int, default=0, help="seed of init, data order and dropout (process r: seed + r)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue OUT/ckpt.pt exactly; `--out OUT --resume` alone reuses the saved config, and any "
+                        "other flag given must match it (except run-control flags such as --max-steps, --device)")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in an OUT that already holds a run")
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (also the LR schedule's length)")
+    g.add_argument("--stop-at", type=int, default=None,
+                   help="checkpoint and stop after this step without changing the schedule (split a run into jobs)")
+    g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="autocast dtype of the matmuls, on CPU too (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    return g
+
+
+# hyper-parameters whose agg default is None, with their types; every other flag takes the type of agg's default
+_NONE_DEFAULT_TYPES = {"static_after": int, "until": int, "mu1": float, "mu2": float}
+_METHOD_HELP = {
+    "alpha": "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)",
+    "window": "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)",
+    "use_g1": "AGG: apply gate g1 (Eq. 7)", "use_g2": "AGG: apply gate g2 (Eq. 8)",
+    "static_after": "freeze AGG's rare group after N steps (agg-static default: steps per epoch, AGG Appendix D)",
+    "rare_fraction": "share of the vocabulary in the static rare group (by train counts)",
+    "mu1": "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)",
+    "mu2": "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)",
+    "until": "freeze-rare: unfreeze after this step", "parts": "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)",
+    "gamma": "CosReg weight (CosReg Eq. 6)", "popular_fraction": "FRAGE: share of popular tokens",
+    "lambda_": "FRAGE adversarial weight (FRAGE Eq. 5)", "disc_lr": "FRAGE discriminator learning rate",
+    "alpha_ul": "unlikelihood weight",
+}
+
+
+def method_hparam_types():
+    """{hyper-parameter: type} over every method of agg.METHODS: the method flags both scripts accept."""
+    types = {}
+    for cls in agg.METHODS.values():
+        for key, default in cls.defaults.items():
+            typ = _NONE_DEFAULT_TYPES.get(key) if default is None else type(default)
+            if typ is None:
+                raise RuntimeError(f"runlib: add a type for agg hyper-parameter {key!r} to _NONE_DEFAULT_TYPES")
+            types.setdefault(key, typ)
+    return types
+
+
+def _bool(text):
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_method_flags(p):
+    g = p.add_argument_group("method (agg.METHODS); hyper-parameters are passed to agg.build_method only when given")
+    g.add_argument("--method", default="mle", choices=list(agg.METHODS), metavar="METHOD",
+                   help=f"one of: {', '.join(agg.METHODS)}")
+    users = {}
+    for name, cls in agg.METHODS.items():
+        for key in cls.defaults:
+            users.setdefault(key, []).append(name)
+    for key, typ in method_hparam_types().items():
+        shown = ", ".join(users[key][:3]) + (", ..." if len(users[key]) > 3 else "")
+        g.add_argument("--" + key.rstrip("_").replace("_", "-"), dest=key, default=None,
+                       type=_bool if typ is bool else typ, help=f"{_METHOD_HELP.get(key, key)} [{shown}]")
+    g.add_argument("--rare-share", type=float, default=None,
+                   help="AGG family: the rare group as a share of the vocabulary, turned into alpha from the train "
+                        "counts and tokens per step (agg.alpha_for_rare_share) and logged as method_hparams.alpha; "
+                        "means the same at any batch size, unlike alpha. Give this or --alpha")
+    return g
+
+
+def explicit_flags(parser, argv):
+    """The config keys given on the command line (parsed with every default suppressed)."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def method_hparams(cfg, steps_per_epoch, counts, tokens_per_step, special_ids, preset_method=None):
+    """agg.build_method keywords: the method flags given, then the preset's method defaults (`preset_method`, e.g.
+    alpha or rare_share) where the method takes them, AGG's window K = steps per epoch and agg-static's
+    static_after = steps per epoch (both as in the paper), alpha resolved from rare_share when given."""
+    name = cfg["method"]
+    if name not in agg.METHODS:
+        raise SystemExit(f"unknown --method {name!r}; valid: {', '.join(agg.METHODS)}")
+    accepted = agg.METHODS[name].defaults
+    hp = {}
+    for key in method_hparam_types():
+        if cfg.get(key) is None:
+            continue
+        if key not in accepted:
+            raise SystemExit(f"--{key.rstrip('_').replace('_', '-')} does not apply to --method {name} "
+                             f"(its hyper-parameters: {', '.join(accepted) or 'none'})")
+        hp[key] = cfg[key]
+    epoch = max(1, int(round(steps_per_epoch)))
+    if "window" in accepted and "window" not in hp:
+        hp["window"] = epoch
+    if accepted.get("static_after") is not None and "static_after" not in hp:
+        hp["static_after"] = epoch
+    share = cfg.get("rare_share")
+    if "alpha" not in accepted:
+        if share is not None:
+            raise SystemExit(f"--rare-share applies to the AGG family only, not --method {name}")
+        return hp
+    if share is not None and "alpha" in hp:
+        raise SystemExit("give --alpha or --rare-share, not both: each sets AGG's rarity threshold")
+    preset_method = preset_method or {}
+    if share is None and "alpha" not in hp:
+        if "alpha" in preset_method:
+            hp["alpha"] = preset_method["alpha"]
+        share = preset_method.get("rare_share")
+    if share is not None and "alpha" not in hp:
+        if not 0 < share < 1:
+            raise SystemExit(f"--rare-share {share}: must be a share of the vocabulary in (0, 1), e.g. 0.2")
+        hp["alpha"] = agg.alpha_for_rare_share(counts, share, tokens_per_step, special_ids)
+    if hp.get("alpha", 0) < 0:
+        raise SystemExit(f"--alpha {hp['alpha']}: must be >= 0 (appearances per optimizer step)")
+    return hp
+
+
+# ----------------------------------------------------------------------------------------------------------- resume
+def start_or_resume(cfg, explicit, task, run_control=RUN_CONTROL):
+    """The resume policy of both scripts. Returns (cfg, checkpoint or None).
+    --resume with a checkpoint: the saved config, updated with the flags given now; a flag given now that changes
+    the run's result (not in run_control) must equal the saved value. Without --resume, an OUT that holds a run is
+    refused unless --overwrite."""
+    path = os.path.join(cfg["out"], "ckpt.pt")
+    if cfg["resume"] and os.path.exists(path):
+        ck = load_checkpoint(path, task)
+        saved = ck["config"]
+        for key in sorted(explicit - set(run_control)):
+            if saved.get(key) != cfg.get(key):
+                raise SystemExit(f"{path} was written with {key}={saved.get(key)!r} but this run asks for "
+                                 f"{key}={cfg.get(key)!r}. Resume with `--out {cfg['out']} --resume` alone (the "
+                                 f"saved config is in {os.path.join(cfg['out'], 'config.json')}), or start a "
+                                 f"separate run with a new --out.")
+        merged = dict(saved)
+        merged.update({k: cfg[k] for k in explicit if k in cfg})
+        for key in FOLLOW_INVOCATION:
+            merged[key] = cfg[key]
+        return merged, ck
+    if cfg["resume"]:
+        print(f"--resume: no checkpoint in {cfg['out']} yet, starting a new run")
+    elif os.path.exists(path) and not cfg["overwrite"]:
+        raise SystemExit(f"{path} already exists: pass --resume to continue it, --overwrite to start afresh, or "
+                         f"choose another --out")
+    return cfg, None
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(path, state):
+    """Atomic: a crash mid-write never leaves a half checkpoint under the real name."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, task=None):
+    """Load a checkpoint as data (weights_only=True: a crafted pickle cannot run code) with clear errors."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no checkpoint there. Check --out, or start a new run without --resume.")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "global" in str(e).lower():  # it names a function or class to call: what a crafted pickle does
+            raise SystemExit(f"{path} is not a plain checkpoint of this project: its pickle asks to run code or "
+                             f"build objects a checkpoint never holds, so it was refused and nothing in it ran. "
+                             f"Use a run folder written by train_lm.py / train_nmt.py.") from None
+        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {str(e)[:200]}). Delete it "
+                         f"(or start with --overwrite) and train again, or restore a good copy.") from None
+    except Exception as e:
+        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {str(e)[:200]}). Delete it "
+                         f"(or start with --overwrite) and train again, or restore a good copy.") from None
+    if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
+        raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
+    found = ck.get("task") or ck["config"].get("task")
+    if task is not None and found != task:
+        raise SystemExit(f"{path} is a checkpoint of task {found!r}, not {task!r}: use the script of that task, or "
+                         f"give a different --out.")
+    return ck
+
+
+# -------------------------------------------------------------------------------------------------- seeding and RNG
+def seed_everything(seed, rank=0):
+    """Process r draws from seed + r, so ranks get different dropout masks."""
+    torch.manual_seed(seed + rank)
+    np.random.seed(seed + rank)
+    random.seed(seed + rank)
+
+
+def rng_state():
+    """Every RNG of this process as tensors and plain Python values (loadable with weights_only=True)."""
+    key, state, pos, has_gauss, gauss = np.random.get_state()
+    version, mt, gauss_next = random.getstate()
+    return dict(torch=torch.get_rng_state(),
+                cuda=list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+                numpy=dict(key=key, state=torch.from_numpy(state.astype(np.int64)), pos=int(pos),
+                           has_gauss=int(has_gauss), gauss=float(gauss)),
+                python=dict(version=version, state=list(mt), gauss_next=gauss_next))
+
+
+def set_rng_state(s):
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    n = s["numpy"]
+    np.random.set_state((n["key"], n["state"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = s["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+
+
+def all_rng_states(ddp, world):
+    """rng_state() of every rank, gathered (rank 0 saves them all)."""
+    if not ddp:
+        return [rng_state()]
+    states = [None] * world
+    torch.distributed.all_gather_object(states, rng_state())
+    return states
+
+
+def restore_rng(states, rank, world, log=print):
+    if len(states) == world:
+        set_rng_state(states[rank])
+    else:
+        log(f"warning: the checkpoint holds the RNG states of {len(states)} processes, this run has {world}: "
+            f"dropout noise will differ from an uninterrupted run")
+
+
+# ---------------------------------------------------------------------------------------------------- DDP, autocast
+def setup_ddp(cfg):
+    """Initialise torch.distributed under torchrun; returns (ddp, rank, world). CUDA ranks get their own device."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if world > 1:
+        backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
+        if backend == "nccl":
+            cfg["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(cfg["device"])
+        torch.distributed.init_process_group(backend)
+    return world > 1, rank, world
+
+
+def default_device(cfg):
+    if cfg.get("device") is None:
+        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.get("dtype") is None:
+        cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
+
+
+def autocast(cfg):
+    """A context factory: bf16 autocast on the run's device (CPU too) when --dtype bfloat16, else a no-op."""
+    if cfg["dtype"] == "bfloat16":
+        device_type = torch.device(cfg["device"]).type
+        return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def make_optimizer(model, lr, weight_decay):
+    """AdamW (betas 0.9 / 0.98 as in Vaswani et al. and the papers' fairseq set-ups); weight decay on matrices and
+    embeddings only, never on biases and LayerNorm gains."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98), eps=1e-8)
+
+
+# ------------------------------------------------------------------------------------------ provenance and logging
+def git_commit():
+    try:
+        c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        d = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        return (c.stdout.strip() or None), (bool(d.stdout.strip()) if c.returncode == 0 else None)
+    except Exception:
+        return None, None
+
+
+def versions():
+    out = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
+               platform=platform.platform())
+    for name in ("tokenizers", "sacrebleu"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def provenance(argv):
+    """What config.json records about the code and machine a run came from."""
+    commit, dirty = git_commit()
+    with open(agg.__file__, "rb") as f:
+        agg_sha = hashlib.sha256(f.read()).hexdigest()
+    return dict(versions=versions(), git_commit=commit, git_dirty=dirty, argv=list(argv), agg_sha256=agg_sha)
+
+
+def write_json(path, obj):
+    """Atomic JSON write."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def start_log(path, resumed_step=None):
+    """A new run empties log.jsonl; a resumed one drops the records an interrupted run wrote after its checkpoint."""
+    if resumed_step is None or not os.path.exists(path):
+        open(path, "w").close()
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def append_log(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------- Hugging Face hub
+def hub_reachable(timeout=3.0):
+    """True if a TCP connection to the Hugging Face hub (HF_ENDPOINT) opens within `timeout` seconds."""
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def hub_offline(offline):
+    """While loading with `datasets`: if `offline`, read the local cache only (no retry loop against an unreachable
+    hub); the switches are restored afterwards."""
+    import datasets
+    import huggingface_hub.constants as hub_constants
+    saved = (datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE)
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
