@@ -274,9 +274,10 @@ def evaluate_nmt(out_dir, args):
 
 
 # --------------------------------------------------------------------------------------------------------- driver
-def read_checkpoint(out_dir):
-    """(checkpoint, task) of a run folder, loaded as data only (runlib.load_checkpoint: weights_only=True)."""
-    path = os.path.join(out_dir, "ckpt.pt")
+def read_checkpoint(out_dir, which="last"):
+    """(checkpoint, task) of a run folder, loaded as data only (runlib.load_checkpoint: weights_only=True).
+    which: last (ckpt.pt) or best (ckpt_best.pt, the lowest validation PPL; LM runs)."""
+    path = os.path.join(out_dir, "ckpt.pt" if which == "last" else "ckpt_best.pt")
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no checkpoint. Pass run folders written by train_lm.py / train_nmt.py --out.")
     ck = runlib.load_checkpoint(path)
@@ -284,6 +285,74 @@ def read_checkpoint(out_dir):
     if task not in ("lm", "nmt"):
         raise SystemExit(f"{path}: unknown task {task!r} (expected 'lm' or 'nmt')")
     return ck, task
+
+
+SUMMARY_SKIP = {"step", "tokens", "uniq_human", "uniq_human_groups", "gen_uniq_human", "n_sentences", "beam",
+                "lenpen", "word_similarity_pairs", "singular_values"}
+
+
+def summarise(metrics):
+    """{method: {"n": runs, METRIC: {"mean": m, "std": s}, GROUPED_METRIC: {group: {"mean", "std"}}}} over the runs
+    of each method (seeds): every numeric metric and every dict of numeric metrics (std with ddof 1; 0 for one run)."""
+    def stat(values):
+        t = torch.tensor(values, dtype=torch.float64)
+        return {"mean": float(t.mean()), "std": float(t.std()) if len(t) > 1 else 0.0}
+
+    by_method = {}
+    for m in metrics.values():
+        by_method.setdefault(m.get("method", "?"), []).append(m)
+    out = {}
+    for method, runs in by_method.items():
+        s = {"n": len(runs)}
+        for key, value in runs[0].items():
+            if key in SUMMARY_SKIP or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                s[key] = stat([r[key] for r in runs])
+            elif isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values()):
+                s[key] = {g: stat([r[key][g] for r in runs]) for g in value}
+        out[method] = s
+    return out
+
+
+def pm(s, nd=2):
+    """'mean +- std' of a summary entry."""
+    return f"{fmt(s['mean'], nd)} ± {fmt(s['std'], nd)}"
+
+
+def plot_training_curves(run_dirs, path):
+    """AGG Fig. 2 on the LM: I(W) per frequency group and the rare-frequent cosine over training, from the validation
+    records of each run's log.jsonl. Returns the path, or None when no run has such records."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = [("isotropy_freq", "I(W) frequent"), ("isotropy_med", "I(W) medium"), ("isotropy_rare", "I(W) rare"),
+            ("cosine_rare_freq", "cos(rare, frequent)"), ("ppl", "valid PPL")]
+    curves = {}
+    for label, d in run_dirs.items():
+        log = os.path.join(d, "log.jsonl")
+        if os.path.exists(log):
+            with open(log) as f:
+                recs = [json.loads(line) for line in f if line.strip()]
+            recs = [r for r in recs if r.get("split") == "valid" and "isotropy_rare" in r]
+            if recs:
+                curves[label] = recs
+    if not curves:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2))
+    for ax, (key, title) in zip(axes, keys):
+        for label, recs in curves.items():
+            ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=label, lw=1)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        if key == "ppl":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=6)
+    fig.suptitle("Validation records over training (AGG Fig. 2 on the LM)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def labels_for(out_dirs):
@@ -299,8 +368,21 @@ def fmt(x, nd=2):
     return str(x)
 
 
-def write_report(path, metrics, extras, args, argv):
-    L = ["# Evaluation report", "", f"`python eval.py {' '.join(argv)}`", ""]
+def write_report(path, metrics, extras, args, argv, summary=None, curves=None):
+    L = ["# Evaluation report", "", f"`python eval.py {' '.join(argv)}`", "",
+         f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
+    if summary and any(s["n"] > 1 for s in summary.values()):
+        cols = [("ppl", "PPL"), ("ppl_groups.rare", "PPL rare"), ("uniq", "Uniq"), ("isotropy", "I(W)"),
+                ("isotropy_groups.rare", "I rare"), ("mean_cosine", "mean cos"),
+                ("mean_cosine_groups.rare", "cos rare"), ("bleu", "BLEU")]
+        cols = [(k, h) for k, h in cols if any(_get(s, k) for s in summary.values())]
+        L += ["## Mean ± std over runs of the same method", "", "| method | n | " + " | ".join(h for _, h in cols) +
+              " |", "|" + " --- |" * (2 + len(cols))]
+        for method, s in summary.items():
+            L.append(f"| {method} | {s['n']} | " + " | ".join(pm(_get(s, k), 3 if "isotropy" in k or "cos" in k
+                                                                      else 2) if _get(s, k) else "-"
+                                                                 for k, _ in cols) + " |")
+        L.append("")
     lm = [k for k, m in metrics.items() if m["task"] == "lm"]
     nmt = [k for k, m in metrics.items() if m["task"] == "nmt"]
     if lm:
@@ -347,11 +429,24 @@ def write_report(path, metrics, extras, args, argv):
         L += [f"**{k}**", "", "| token | top-5 neighbours |", "| --- | --- |"]
         L += [f"| {_md(t)} | {', '.join(_md(n) for n in ns)} |" for t, ns in rows.items()]
         L.append("")
-    L += ["## Plots", "", "![singular values](singular_values.png)", "", "![SVD projection](svd_projection.png)", "",
+    L += ["## Plots", "", "![singular values](singular_values.png)", "", "![SVD projection](svd_projection.png)", ""]
+    if curves:
+        L += ["![training curves](training_curves.png)", ""]
+    L += [
           "Tokens that never occur in training receive (almost) no gradient under the gated methods and stay near "
           "their initialisation: they form a cluster at the origin of the projection.", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))
+
+
+def _get(summary, dotted):
+    """summary["a"]["b"] for "a.b", or None."""
+    node = summary
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def _md(s):
@@ -375,6 +470,8 @@ def build_parser():
     p.add_argument("--rg65", default=None, help="RG65 word-similarity file")
     p.add_argument("--rw", default=None, help="Stanford Rare Words file")
     p.add_argument("--beam", type=int, default=4, help="NMT beam size")
+    p.add_argument("--checkpoint", default="last", choices=["last", "best"],
+                   help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM runs)")
     return p
 
 
@@ -384,11 +481,11 @@ def main(argv=None):
     device = torch.device(args.device)
     metrics, weights, counts, extras = {}, {}, {}, {}
     for d in args.out_dirs:  # fail on a bad folder before any long work; one checkpoint in memory at a time
-        read_checkpoint(d)
+        read_checkpoint(d, args.checkpoint)
     os.makedirs(args.out, exist_ok=True)
     picks = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
-        ck, task = read_checkpoint(out_dir)
+        ck, task = read_checkpoint(out_dir, args.checkpoint)
         if task == "lm":
             m, W, c, src_c, tokens = evaluate_lm(out_dir, ck, args, device)
         else:
@@ -408,16 +505,21 @@ def main(argv=None):
             for i, ns in zip(ids, neighbours(W, ids)):
                 rows[tokens[i].strip()] = [tokens[j].strip() + ("*" if gid[j] == 2 else "") for j in ns]
         m["neighbours"] = rows
+        m["checkpoint"] = args.checkpoint
         metrics[label], weights[label], counts[label], extras[label] = m, W, c, (rows, ids)
         print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in ("ppl", "bleu", "isotropy", "mean_cosine")
                                          if k in m))
-    with open(os.path.join(args.out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
+    summary = summarise(metrics)
+    for name, obj in (("metrics.json", metrics), ("summary.json", summary)):
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(obj, f, indent=1)
     plot_singular_values({k: m["singular_values"] for k, m in metrics.items()},
                          os.path.join(args.out, "singular_values.png"))
     plot_svd(weights, counts, os.path.join(args.out, "svd_projection.png"))
-    write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv)
-    print(f"wrote {args.out}/metrics.json, report.md, singular_values.png, svd_projection.png")
+    curves = plot_training_curves(dict(zip(labels_for(args.out_dirs), args.out_dirs)),
+                                  os.path.join(args.out, "training_curves.png"))
+    write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves)
+    print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")
     return metrics
 
 

@@ -516,6 +516,7 @@ def main(argv=None):
     log = print if master else (lambda *a, **k: None)
     out = cfg["out"]
     ckpt_path, log_path = os.path.join(out, "ckpt.pt"), os.path.join(out, "log.jsonl")
+    best_path = os.path.join(out, "ckpt_best.pt")  # the model at the lowest validation PPL (eval.py --checkpoint best)
     if ck is not None:
         log(f"resuming {ckpt_path} at step {ck['step']}")
     runlib.seed_everything(cfg["seed"], rank)
@@ -546,8 +547,9 @@ def main(argv=None):
     method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"], special_ids=special_ids, **hp)
     opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["warmup"], cfg["max_steps"]))
-    step = 0
+    step, best_ppl = 0, math.inf
     if ck is not None:
+        best_ppl = ck.get("best_valid_ppl", math.inf)
         missing = [k for k in CKPT_KEYS if k not in ck]
         if missing:
             raise SystemExit(f"{ckpt_path}: not a train_lm checkpoint (missing {missing}); use --overwrite or a new --out")
@@ -595,14 +597,19 @@ def main(argv=None):
         if master:
             runlib.save_checkpoint(ckpt_path, dict(
                 model=raw.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                method=method.state_dict(), step=step, rng=rngs, config=cfg, task="lm",
+                method=method.state_dict(), step=step, rng=rngs, config=cfg, task="lm", best_valid_ppl=best_ppl,
                 data_position=dict(sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n)))
 
     def run_validation():
+        nonlocal best_ppl
         if master:
             v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
                          method.rare_mask() if method.steps else None)
             write_log(dict(step=step, split="valid", **v))
+            if v["ppl"] < best_ppl:
+                best_ppl = v["ppl"]
+                runlib.save_checkpoint(best_path, dict(model=raw.state_dict(), step=step, config=cfg, task="lm",
+                                                       valid_ppl=best_ppl))
             tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_rare']:.0f})  I(W) "
                        f"{v['isotropy']:.3f}  rare group mass pred/true "
                        f"{v['group_rare_mass_pred']:.4f}/{v['group_rare_mass_true']:.4f}")

@@ -21,9 +21,10 @@ KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "i
 def runs(tmp_path_factory, corpus, lm_tiny):
     base = tmp_path_factory.mktemp("ev")
     out = {}
-    for method, extra in (("mle", []), ("agg", ["--alpha", "0.5"])):
-        out[method] = str(base / method)
-        train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out[method],
+    for label, method, extra in (("mle", "mle", []), ("agg", "agg", ["--alpha", "0.5"]),
+                                 ("mle-s1", "mle", ["--seed", "1"])):
+        out[label] = str(base / label)
+        train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out[label],
                        "--method", method, *lm_tiny, "--max-steps", "3", "--eval-interval", "3", *extra])
     return out
 
@@ -156,3 +157,33 @@ def test_nmt_end_to_end_with_train_nmt(tmp_path):
     for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine"):
         assert k in m
     assert 0 <= m["bleu"] <= 100 and 0 < m["isotropy"] <= 1
+
+
+def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
+    report = tmp_path / "report"
+    metrics = ev.main([runs["mle"], runs["mle-s1"], runs["agg"], "--out", str(report), "--device", "cpu",
+                       "--n-samples", "0"])
+    summary = json.load(open(report / "summary.json"))
+    assert summary["mle"]["n"] == 2 and summary["agg"]["n"] == 1
+    ppl = [metrics["mle"]["ppl"], metrics["mle-s1"]["ppl"]]
+    assert summary["mle"]["ppl"]["mean"] == pytest.approx(np.mean(ppl))
+    assert summary["mle"]["ppl"]["std"] == pytest.approx(np.std(ppl, ddof=1))
+    assert summary["agg"]["ppl"]["std"] == 0.0
+    for key in ("ppl_groups", "isotropy_groups"):
+        assert set(summary["mle"][key]) == {"freq", "med", "rare"}
+        assert summary["mle"][key]["freq"]["mean"] == pytest.approx(np.mean([metrics[k][key]["freq"]
+                                                                               for k in ("mle", "mle-s1")]))
+    for key in ("uniq", "isotropy", "mean_cosine"):
+        assert set(summary["mle"][key]) == {"mean", "std"}
+    text = (report / "report.md").read_text()
+    assert "Mean ± std" in text and "| mle | 2 |" in text
+    assert (report / "training_curves.png").stat().st_size > 0  # from the valid records of log.jsonl
+
+
+def test_best_checkpoint_is_kept_and_can_be_evaluated(runs, tmp_path):
+    best = torch.load(os.path.join(runs["agg"], "ckpt_best.pt"), weights_only=True)
+    valid = [json.loads(line) for line in open(os.path.join(runs["agg"], "log.jsonl")) if '"valid"' in line]
+    assert best["valid_ppl"] == pytest.approx(min(r["ppl"] for r in valid))
+    m = ev.main([runs["agg"], "--out", str(tmp_path / "r"), "--device", "cpu", "--n-samples", "0", "--checkpoint",
+                 "best"])["agg"]
+    assert m["checkpoint"] == "best" and m["step"] == best["step"]

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""AGG (or any agg.py method) in a Hugging Face transformers causal LM trained by the HF Trainer.
+
+    python hf_agg.py --method agg --max-steps 300      # a small GPT-2 from scratch on the offline corpus
+    python hf_agg.py --method agg --resume             # continue from the last checkpoint in --out
+
+Copy `AGGTrainer` (and agg.py) into your own code. What it does, and why:
+- hidden states in: the model runs without labels and returns its last hidden state (the input of the tied lm_head);
+  `logits_to_keep=1` where the model takes it, so the model does not also compute the full T x V logits;
+- label shift: position t predicts labels[t + 1], as the model's own loss does (-100 = ignored);
+- observe once per optimizer step: `get_batch_samples` collects all micro-batches of a step, so AGG's counter sees
+  every target of the step exactly once, whatever the gradient accumulation;
+- loss scale: each micro-batch's mean loss is weighted by its share of the step's valid targets, so the gradient is
+  the mean over all valid targets of the optimizer step (under DDP, over all ranks' targets), exactly;
+- method state: saved as `agg_method.pt` in every Trainer checkpoint and restored on resume (AGG's window);
+- `method.stats` (nll, rare_fraction, ...) are added to the Trainer's logs as `agg/...`.
+"""
+import argparse
+import inspect
+import os
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+import agg
+
+METHOD_STATE = "agg_method.pt"
+
+
+class AGGTrainer(Trainer):
+    """HF Trainer whose training loss is `method.loss` on the tied output embedding (an agg.py method)."""
+
+    loss_is_scaled_for_ga = True  # compute_loss already weights each micro-batch by its share of the step
+
+    def __init__(self, *args, method, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.method = method
+        self._step_targets = None  # valid targets in the current optimizer step, all ranks
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batch_samples:  # one optimizer step's micro-batches: count and observe its targets once
+            targets = torch.cat([b["labels"][:, 1:].reshape(-1) for b in batch_samples]).to(device)
+            n = (targets != -100).sum()
+            self._step_targets = int(self.accelerator.reduce(n, "sum") if self.args.world_size > 1 else n)
+            self.method.observe(targets)  # agg sums the counts over ranks itself
+        return batch_samples, num_items
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        unwrapped = self.accelerator.unwrap_model(model)
+        if "logits_to_keep" in inspect.signature(unwrapped.forward).parameters:
+            inputs["logits_to_keep"] = 1
+        outputs = model(**inputs, output_hidden_states=True)
+        hidden = outputs.hidden_states[-1][:, :-1]  # the input of lm_head, shifted: position t predicts t + 1
+        targets = labels[:, 1:]
+        weight = unwrapped.get_output_embeddings().weight  # tied with the input embedding
+        loss = self.method.loss(hidden, weight, targets, ignore_index=-100)
+        if model.training and self._step_targets:
+            share = (targets != -100).sum() / self._step_targets
+            loss = loss * share * self.args.world_size  # DDP averages gradients over ranks
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs and self.method.steps:
+            logs = {**logs, **{f"agg/{k}": v for k, v in self.method.stats.items()}}
+        super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            torch.save(self.method.state_dict(), os.path.join(folder, METHOD_STATE))
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, METHOD_STATE)
+            if not os.path.exists(path):
+                raise ValueError(f"{path} is missing: the checkpoint was not written by AGGTrainer, so the method's "
+                                 f"state (AGG's window) cannot be restored")
+            self.method.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------- runnable example
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="agg", choices=list(agg.METHODS))
+    p.add_argument("--rare-share", type=float, default=0.2, help="AGG family: rare share of the vocabulary")
+    p.add_argument("--out", default="out/hf-agg")
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
+    p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    import train_lm
+    cfg = train_lm.resolve_config(train_lm.build_parser().parse_args(["--device", "cpu"]))
+    data = train_lm.prepare_data(cfg)
+    V, ids, T = data["vocab_size"], data["ids"]["train"], args.block_size
+    blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]
+    dataset = [{"input_ids": b, "labels": b} for b in blocks]
+    torch.manual_seed(args.seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4))
+    tokens_per_step = args.batch * args.accum * T
+    hp = {}
+    if "alpha" in agg.METHODS[args.method].defaults:
+        hp = dict(alpha=agg.alpha_for_rare_share(data["counts"], args.rare_share, tokens_per_step,
+                                                 [data["eos_id"], data["pad_id"]]),
+                  window=max(1, len(blocks) // (args.batch * args.accum)))  # K = steps per epoch
+    method = agg.build_method(args.method, V, counts=data["counts"], special_ids=[data["eos_id"], data["pad_id"]],
+                              **hp)
+    training_args = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, seed=args.seed,
+                                      per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
+                                      learning_rate=2e-3, warmup_steps=30, lr_scheduler_type="cosine",
+                                      weight_decay=0.01, logging_steps=10, save_steps=100, report_to="none",
+                                      use_cpu=not torch.cuda.is_available())
+    trainer = AGGTrainer(model=model, args=training_args, train_dataset=dataset, method=method)
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    print(f"done: {args.out}; method state in {args.out}/checkpoint-*/{METHOD_STATE}")
+
+
+if __name__ == "__main__":
+    main()

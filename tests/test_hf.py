@@ -1,0 +1,91 @@
+"""hf_agg.AGGTrainer against transformers itself: `mle` equals GPT-2's own loss and gradients, gradient accumulation
+gives the gradient of one big batch exactly, stop + resume gives the uninterrupted run."""
+import pytest
+import torch
+
+import agg
+
+transformers = pytest.importorskip("transformers")
+hf_agg = pytest.importorskip("hf_agg")
+
+V, T = 50, 12
+
+
+def tiny_gpt2(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def dataset(n=8, seed=0):
+    """Rows of different lengths (labels -100 past the end), so micro-batches hold different numbers of targets."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, V, (T,), generator=g)
+        labels = ids.clone()
+        labels[3 + (5 * i) % (T - 3):] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def test_mle_equals_the_models_own_loss_and_gradients():
+    model = tiny_gpt2()
+    batch = dataset(4)
+    ids = torch.stack([r["input_ids"] for r in batch])
+    labels = torch.stack([r["labels"] for r in batch])
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    loss = agg.build_method("mle", V).loss(hidden[:, :-1], model.lm_head.weight, labels[:, 1:])
+    loss.backward()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def train(tmp_path, method_name, batch, accum, steps, lr=1.0, resume=False, save_steps=100, **hp):
+    model = tiny_gpt2()
+    method = agg.build_method(method_name, V, **hp)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum, learning_rate=lr, lr_scheduler_type="constant", optim="sgd",
+        weight_decay=0.0, max_grad_norm=0.0, save_steps=save_steps, logging_steps=1, report_to="none",
+        use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0)
+    trainer = hf_agg.AGGTrainer(model=model, args=args, train_dataset=dataset(8), method=method)
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return model, method, trainer
+
+
+@pytest.mark.parametrize("method_name", ["mle", "agg"])
+def test_gradient_accumulation_gives_the_gradient_of_one_big_batch(tmp_path, method_name):
+    """One SGD step (lr 1, no clipping): the weight change is minus the gradient of the step."""
+    hp = dict(alpha=0.5, window=1) if method_name == "agg" else {}
+    before = {n: p.detach().clone() for n, p in tiny_gpt2().named_parameters()}
+    big, m_big, _ = train(tmp_path / "big", method_name, batch=4, accum=1, steps=1, **hp)
+    acc, m_acc, _ = train(tmp_path / "acc", method_name, batch=2, accum=2, steps=1, **hp)
+    assert m_big.steps == m_acc.steps == 1  # observe once per optimizer step
+    if method_name == "agg":
+        assert torch.equal(m_big.appearances, m_acc.appearances)
+    moved = False
+    for (n, a), (_, b) in zip(big.named_parameters(), acc.named_parameters()):
+        torch.testing.assert_close(a.detach() - before[n], b.detach() - before[n], rtol=1e-5, atol=1e-7, msg=n)
+        moved |= not torch.equal(a.detach(), before[n])
+    assert moved
+
+
+def test_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
+    hp = dict(alpha=0.4, window=3)
+    full, m_full, _ = train(tmp_path / "full", "agg", batch=2, accum=2, steps=4, lr=0.1, **hp)
+    train(tmp_path / "split", "agg", batch=2, accum=2, steps=2, lr=0.1, save_steps=2, **hp)
+    assert (tmp_path / "split" / "checkpoint-2" / hf_agg.METHOD_STATE).exists()
+    resumed, m_res, trainer = train(tmp_path / "split", "agg", batch=2, accum=2, steps=4, lr=0.1, resume=True, **hp)
+    assert m_res.steps == 4 and torch.equal(m_res.appearances, m_full.appearances)
+    for (n, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)
+    logged = [r for r in trainer.state.log_history if "agg/nll" in r]
+    assert logged and "agg/rare_fraction" in logged[-1]
