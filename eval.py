@@ -22,7 +22,6 @@ import sys
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import agg
 import runlib
@@ -177,85 +176,18 @@ def plot_svd(weights, counts, path):
 
 
 # ------------------------------------------------------------------------------------------------------------- LM
-@torch.no_grad()
-def evaluate_lm(out_dir, ck, args, device):
-    cfg = dict(ck["config"])
-    if args.cache_dir:
-        cfg["cache_dir"] = args.cache_dir
-    data = train_lm.prepare_data(cfg, log=lambda *a: None)
-    V = data["vocab_size"]
-    model = train_lm.build_model(cfg, V)
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError as e:
-        raise SystemExit(f"{out_dir}/ckpt.pt does not fit the model of its own config ({str(e)[:200]}); "
-                         f"the checkpoint or its data cache is inconsistent: retrain or check --cache-dir") from None
-    model.to(device).eval()
-    autocast = runlib.autocast(dict(cfg, device=str(device)))
-    gid, _ = group_index(data["counts"])
-    gid_d = gid.to(device)
-    ids = data["ids"][args.split]
-    block, n = cfg["block_size"], len(ids) - 1
-    if args.max_tokens:
-        n = min(n, args.max_tokens)
-    nll_sum, cnt = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
-    preds, targets = [], []
-    starts = list(range(0, n, block))
-    batch = max(1, cfg["micro_batch"])
-    for i in tqdm(range(0, len(starts), batch), desc=f"{os.path.basename(out_dir)} {args.split}", leave=False):
-        for L, group in _by_length([(s, min(block, n - s)) for s in starts[i:i + batch]]):
-            t = torch.from_numpy(np.stack([np.asarray(ids[s:s + L + 1], dtype=np.int64) for s in group])).to(device)
-            x, y = t[:, :-1], t[:, 1:]
-            with autocast():
-                logits = model.logits(x)
-            logp = torch.log_softmax(logits.float(), -1)
-            nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-            g = gid_d[y]
-            for k in range(3):
-                nll_sum[k] += nll[g == k].double().sum().cpu()
-                cnt[k] += int((g == k).sum())
-            preds.append(logits.argmax(-1).flatten().cpu())
-            targets.append(y.flatten().cpu())
-    preds, targets = torch.cat(preds), torch.cat(targets)
-    ppl = lambda s, c: math.exp(min(50.0, float(s) / max(1, int(c)))) if c > 0 else float("nan")
-    up, ut = preds.unique(), targets.unique()
-    m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=out_dir, split=args.split,
-             tokens=int(cnt.sum()), ppl=ppl(nll_sum.sum(), cnt.sum()),
-             ppl_groups={g: ppl(nll_sum[k], cnt[k]) for k, g in enumerate(GROUPS)},
-             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(GROUPS)},
-             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(GROUPS)})
-
-    # greedy continuations of test prefixes (AGG Table 14: 50-token prefix, 100 new tokens)
-    gens, tok = [], data["tokenizer"]
-    span = args.prefix_len + args.gen_len
-    if len(ids) > span and args.n_samples:
-        for j in range(args.n_samples):
-            s = j * (len(ids) - span) // max(1, args.n_samples)
-            prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
-            cont = train_lm.generate(model, prefix, args.gen_len, autocast)[0].tolist()
-            human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
-            gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
-                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human))))
-    m["generations"] = gens
-    m["gen_uniq"] = float(np.mean([g["uniq"] for g in gens])) if gens else float("nan")
-    m["gen_uniq_human"] = float(np.mean([g["uniq_human"] for g in gens])) if gens else float("nan")
-
-    W = model.tok_emb.weight.detach().float().cpu()
+def evaluate_lm(out_dir, args, device):
+    """train_lm.evaluate (PPL, Uniq, continuations) plus word similarity of the tied embedding (AGG Table 5)."""
+    res = train_lm.evaluate(out_dir, device=device, split=args.split, checkpoint=args.checkpoint,
+                            max_tokens=args.max_tokens, context_window=args.context_window, n_samples=args.n_samples,
+                            prefix_len=args.prefix_len, gen_len=args.gen_len, cache_dir=args.cache_dir)
+    m, W = res["metrics"], res["weight"]
     sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
     sims.update({k: getattr(args, k) for k in ("men", "rg65", "rw") if getattr(args, k)})
-    ws = word_similarity(W, tok, cfg["tokenizer"], sims)
+    ws = word_similarity(W, res["tokenizer"], res["kind"], sims)
     m["word_similarity"] = {k: v[0] for k, v in ws.items()}
     m["word_similarity_pairs"] = {k: [v[1], v[2]] for k, v in ws.items()}
-    tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
-    return m, W, data["counts"], None, tokens
-
-
-def _by_length(windows):
-    """Group (start, length) windows by length (only the last window can be shorter)."""
-    out = {}
-    for s, L in windows:
-        out.setdefault(L, []).append(s)
-    return sorted(out.items(), reverse=True)
+    return m, W, res["counts"], None, res["tokens"]
 
 
 # ------------------------------------------------------------------------------------------------------------ NMT
@@ -460,6 +392,9 @@ def build_parser():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")
+    p.add_argument("--context-window", type=int, default=0,
+                   help="LM: score each block after this many tokens of context, as fairseq's --context-window "
+                        "(default 0: non-overlapping blocks, the same scoring as training's validation)")
     p.add_argument("--cache-dir", default=None, help="LM data cache (default: the run's own)")
     p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
     p.add_argument("--show-samples", type=int, default=2, help="continuations printed in report.md")
@@ -483,20 +418,15 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     metrics, weights, counts, extras = {}, {}, {}, {}
-    for d in args.out_dirs:  # fail on a bad folder before any long work; one checkpoint in memory at a time
-        read_checkpoint(d, args.checkpoint)
+    # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)
+    tasks = {d: read_checkpoint(d, args.checkpoint)[1] for d in args.out_dirs}
     os.makedirs(args.out, exist_ok=True)
     picks = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
-        ck, task = read_checkpoint(out_dir, args.checkpoint)
+        task = tasks[out_dir]
         if task == "lm" and args.average_last:
             raise SystemExit(f"{out_dir}: --average-last applies to NMT runs (train_nmt.py --keep-last N)")
-        if task == "lm":
-            m, W, c, src_c, tokens = evaluate_lm(out_dir, ck, args, device)
-        else:
-            del ck
-            m, W, c, src_c, tokens = evaluate_nmt(out_dir, args)
-        ck = None
+        m, W, c, src_c, tokens = evaluate_lm(out_dir, args, device) if task == "lm" else evaluate_nmt(out_dir, args)
         m.update(geometry(W, c))
         m["singular_values"] = agg.singular_spectrum(W).tolist()
         # the same probe tokens for runs on the same data (same counts), chosen from the first such run

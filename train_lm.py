@@ -437,33 +437,47 @@ def check_memory(cfg, V, B):
                          f"more than this machine's {have / 2**30:.0f} GiB: lower --block-size or --micro-batch")
 
 
+def windows(n, block, context=0):
+    """(start, length, skip) input windows over n targets: each window scores its last `length - skip` targets after
+    `skip` tokens of context (fairseq's --context-window; context 0: non-overlapping blocks, cold starts)."""
+    if not 0 <= context < block:
+        raise SystemExit(f"--context-window {context}: must be in [0, block_size {block})")
+    stride, out = block - context, []
+    for s in range(0, n, stride):
+        a = max(0, s - context)
+        out.append((a, min(s + stride, n) - a, s - a))
+    return out
+
+
+def score(model, ids, n, cfg, device, autocast, context=0):
+    """Yields (logits, targets) of the scored positions of the first n targets of `ids`, in micro-batches of
+    windows of one shape (every target scored once)."""
+    by_shape = {}
+    for a, L, skip in windows(n, cfg["block_size"], context):
+        by_shape.setdefault((L, skip), []).append(a)
+    for (L, skip), starts in sorted(by_shape.items(), reverse=True):
+        for i in range(0, len(starts), max(1, cfg["micro_batch"])):
+            group = starts[i:i + cfg["micro_batch"]]
+            t = torch.from_numpy(np.stack([np.asarray(ids[a:a + L + 1], dtype=np.int64) for a in group])).to(device)
+            with autocast():
+                logits = model.logits(t[:, :-1])
+            yield logits[:, skip:], t[:, 1 + skip:]
+
+
 @torch.no_grad()
 def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_rare=None):
-    """Valid PPL over non-overlapping block windows, total and per frequency group (30/50/20% by train counts),
+    """Valid PPL (the same scoring as evaluate()), total and per frequency group (30/50/20% by train counts),
     the embedding geometry per group (AGG Fig. 2: I(W) per group, cosine between rare and frequent embeddings), and
     the predicted vs true probability mass of the static rare group (`group_rare_mass_*`) and of the method's own
     rare set (`method_rare_mass_*`; AGG can over-predict it)."""
     model.eval()
-    block, n = cfg["block_size"], len(ids) - 1
-    if max_tokens:
-        n = min(n, max_tokens)
-    V = model.tok_emb.weight.shape[0]
-    gid = torch.empty(V, dtype=torch.long)
-    for g, idx in enumerate(groups):
-        gid[idx] = g
-    gid = gid.to(device)
+    n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
+    gid = group_ids(groups, model.tok_emb.weight.shape[0]).to(device)
     rare = gid == 2
     dyn = None if method_rare is None else method_rare.to(device)
-    full = [s for s in range(0, n - block + 1, block)]
-    batches = [full[i:i + cfg["micro_batch"]] for i in range(0, len(full), cfg["micro_batch"])]
-    tail = len(full) * block
     nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
     rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
-    for starts, L in [(b, block) for b in batches] + ([([tail], n - tail)] if n - tail > 0 else []):
-        t = torch.from_numpy(np.stack([np.asarray(ids[s:s + L + 1], dtype=np.int64) for s in starts])).to(device)
-        x, y = t[:, :-1], t[:, 1:]
-        with autocast():
-            logits = model.logits(x)
+    for logits, y in score(model, ids, n, cfg, device, autocast):
         logp = torch.log_softmax(logits.float(), dim=-1)
         nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
         g = gid[y]
@@ -476,11 +490,10 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
             dyn_true += dyn[y].sum().item()
     model.train()
     count = int(count_g.sum())
-    ppl = lambda s, c: math.exp(min(float(s) / int(c), 50)) if c > 0 else float("nan")
     W = model.tok_emb.weight.detach().float()
     Wg = [W[i.to(W.device)] for i in groups]
-    out = dict(loss=float(nll_g.sum()) / max(1, count), ppl=ppl(nll_g.sum(), count), tokens=count,
-               **{f"ppl_{name}": ppl(nll_g[k], count_g[k]) for k, name in enumerate(GROUPS)},
+    out = dict(loss=float(nll_g.sum()) / max(1, count), ppl=ppl_of(nll_g.sum(), count), tokens=count,
+               **{f"ppl_{name}": ppl_of(nll_g[k], count_g[k]) for k, name in enumerate(GROUPS)},
                isotropy=agg.isotropy(W), **{f"isotropy_{name}": agg.isotropy(Wg[k]) for k, name in enumerate(GROUPS)},
                mean_cosine=agg.mean_cosine(W), mean_cosine_rare=agg.mean_cosine(Wg[2]),
                cosine_rare_freq=agg.mean_cosine_between(Wg[2], Wg[0]),
@@ -489,6 +502,80 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / max(1, count),
                    method_rare_mass_true=dyn_true / max(1, count))
     return out
+
+
+def group_ids(groups, V):
+    """(V,) group id per token: 0 frequent, 1 medium, 2 rare (agg.frequency_groups)."""
+    gid = torch.empty(V, dtype=torch.long)
+    for g, idx in enumerate(groups):
+        gid[idx] = g
+    return gid
+
+
+def ppl_of(nll_sum, count):
+    return math.exp(min(50.0, float(nll_sum) / int(count))) if count > 0 else float("nan")
+
+
+@torch.no_grad()
+def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=None, context_window=0, n_samples=5,
+             prefix_len=50, gen_len=100, cache_dir=None):
+    """Test-set evaluation of a run folder for eval.py: PPL total and per frequency group, Uniq (distinct argmax
+    next-token predictions; AGG Table 3) total and per group with the human reference, greedy continuations of test
+    prefixes (AGG Table 14). checkpoint: last (ckpt.pt) or best (ckpt_best.pt). Returns {"metrics": {...},
+    "weight": (V, d) CPU float tensor, "counts": train counts (V,), "tokens": list of str, "tokenizer", "kind"};
+    eval.py adds the geometry and word similarity."""
+    path = os.path.join(run_dir, "ckpt.pt" if checkpoint == "last" else "ckpt_best.pt")
+    ck = runlib.load_checkpoint(path, "lm")
+    cfg = dict(ck["config"], device=str(device))
+    if cache_dir:
+        cfg["cache_dir"] = cache_dir
+    data = prepare_data(cfg, log=lambda *a: None)
+    V = data["vocab_size"]
+    model = build_model(cfg, V)
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise SystemExit(f"{path} does not fit the model of its own config ({str(e)[:200]}); the checkpoint or its "
+                         f"data cache is inconsistent: retrain or check --cache-dir") from None
+    model.to(device).eval()
+    autocast = runlib.autocast(cfg)
+    gid = group_ids(agg.frequency_groups(data["counts"]), V)
+    gid_d = gid.to(device)
+    ids = data["ids"][split]
+    n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
+    nll_sum, cnt = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+    preds, targets = [], []
+    for logits, y in tqdm(score(model, ids, n, cfg, device, autocast, context_window),
+                          desc=f"{os.path.basename(os.path.normpath(run_dir))} {split}", leave=False):
+        nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
+        g = gid_d[y]
+        nll_sum += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, g.flatten(), nll.flatten()).cpu()
+        cnt += torch.bincount(g.flatten(), minlength=3).cpu()
+        preds.append(logits.argmax(-1).flatten().cpu())
+        targets.append(y.flatten().cpu())
+    preds, targets = torch.cat(preds), torch.cat(targets)
+    up, ut = preds.unique(), targets.unique()
+    m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=run_dir, split=split,
+             context_window=context_window, tokens=int(cnt.sum()), ppl=ppl_of(nll_sum.sum(), cnt.sum()),
+             ppl_groups={g: ppl_of(nll_sum[k], cnt[k]) for k, g in enumerate(GROUPS)},
+             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(GROUPS)},
+             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(GROUPS)})
+    gens, tok = [], data["tokenizer"]
+    span = prefix_len + gen_len
+    if len(ids) > span and n_samples:
+        for j in range(n_samples):
+            s = j * (len(ids) - span) // max(1, n_samples)
+            prefix = torch.from_numpy(np.asarray(ids[s:s + prefix_len], dtype=np.int64))[None].to(device)
+            cont = generate(model, prefix, gen_len, autocast)[0].tolist()
+            human = np.asarray(ids[s + prefix_len:s + span]).tolist()
+            gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
+                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human))))
+    m["generations"] = gens
+    m["gen_uniq"] = float(np.mean([g["uniq"] for g in gens])) if gens else float("nan")
+    m["gen_uniq_human"] = float(np.mean([g["uniq_human"] for g in gens])) if gens else float("nan")
+    tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
+    return {"metrics": m, "weight": model.tok_emb.weight.detach().float().cpu(), "counts": data["counts"],
+            "tokens": tokens, "tokenizer": tok, "kind": cfg["tokenizer"]}
 
 
 def method_to_device(method, device):

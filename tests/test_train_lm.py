@@ -257,3 +257,23 @@ def test_a_context_too_large_for_memory_is_refused(lm_run, tmp_path):
     with pytest.raises(SystemExit, match="--block-size.*GiB.*lower --block-size or --micro-batch"):
         lm_run(tmp_path / "big", "--block-size", "20000", "--micro-batch", "16", "--tokens-per-step", "320000")
     assert not (tmp_path / "big").exists()
+
+
+@pytest.mark.parametrize("n,block,context", [(100, 16, 0), (100, 16, 8), (37, 16, 15), (5, 16, 4)])
+def test_context_windows_score_every_target_once_after_their_context(n, block, context):
+    scored = []
+    for start, length, skip in train_lm.windows(n, block, context):
+        assert length <= block and skip <= context
+        assert skip == min(context, start + skip)  # full context except at the start of the split
+        scored += range(start + skip, start + length)
+    assert scored == list(range(n))
+
+
+def test_validation_and_evaluation_score_alike(lm_run, tmp_path, read_log):
+    lm_run(tmp_path / "r", "--method", "mle", steps=2)
+    valid = [r for r in read_log(tmp_path / "r") if r["split"] == "valid"][-1]
+    res = train_lm.evaluate(str(tmp_path / "r"), split="valid", n_samples=0)
+    assert res["metrics"]["ppl"] == pytest.approx(valid["ppl"], rel=1e-9)
+    assert res["metrics"]["tokens"] == valid["tokens"]
+    ctx = train_lm.evaluate(str(tmp_path / "r"), split="valid", n_samples=0, context_window=8)
+    assert ctx["metrics"]["tokens"] == valid["tokens"] and ctx["metrics"]["context_window"] == 8
