@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""The methods table: train every method x seed with train_lm.py, evaluate them all with eval.py, write the tables.
+
+    python grid.py                                   # cpu preset, every method, seeds 0 1 2 -> out/grid/
+    python grid.py --methods mle agg --seeds 0       # a part of the grid
+    python grid.py --out out/grid-6l -- --dataset wikitext-103 --preset paper-6l    # the same grid on a GPU
+
+Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped and a stopped
+one is resumed, so the grid can be stopped and restarted at any time. Runs go one at a time, each in its own process.
+Writes OUT/runs/METHOD-sSEED/ (run folders), OUT/report/ (eval.py: metrics.json, summary.json, report.md, plots)
+and OUT/tables.md: the analogues of AGG Tables 2, 3, 4, 7-8, 9, 10 and the peers of Table 6, mean +- std over seeds.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import agg
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+METHODS = ["mle", "agg", "agg-no-g1", "agg-no-g2", "agg-static", "ul", "ul+agg", "agps", "freeze-rare", "freeze-b",
+           "freeze-c", "freeze-bc", "cosreg", "frage"]
+# (title, methods, columns): columns are summary.json keys, dotted for groups
+TABLES = [
+    ("AGG Table 3: MLE vs AGG", ["mle", "agg"],
+     ["ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "ppl", "uniq", "isotropy"]),
+    ("AGG Table 4: UL vs UL + AGG", ["ul", "ul+agg"], ["ppl_groups.rare", "ppl", "uniq", "isotropy"]),
+    ("AGG Tables 7-8: I(W) per frequency group", ["mle", "agg"],
+     ["isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "isotropy"]),
+    ("AGG Table 9: ablation of the gates", ["mle", "agg", "agg-no-g1", "agg-no-g2"],
+     ["ppl_groups.rare", "ppl", "uniq", "isotropy"]),
+    ("AGG Table 10: static vs dynamic grouping", ["agg-static", "agg"], ["ppl_groups.rare", "ppl", "uniq", "isotropy"]),
+    ("AGG Table 2: freezing parts of the rare gradient", ["mle", "freeze-rare", "freeze-b", "freeze-c", "freeze-bc"],
+     ["ppl_groups.rare", "ppl", "isotropy", "isotropy_groups.rare"]),
+    ("Peers (AGG Table 6's methods, on the LM)", ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"],
+     ["ppl_groups.rare", "ppl", "uniq", "isotropy", "mean_cosine"]),
+]
+
+
+def run_dir(out, method, seed):
+    return os.path.join(out, "runs", f"{method}-s{seed}")
+
+
+def finished(folder):
+    """True when the run's checkpoint holds its last step."""
+    path = os.path.join(folder, "ckpt.pt")
+    if not os.path.exists(path):
+        return False
+    ck = torch.load(path, map_location="cpu", weights_only=True)
+    return ck["step"] >= ck["config"]["max_steps"]
+
+
+def train_all(args, extra):
+    todo = [(m, s) for m in args.methods for s in args.seeds]
+    for i, (method, seed) in enumerate(todo):
+        folder = run_dir(args.out, method, seed)
+        if finished(folder):
+            print(f"[{i + 1}/{len(todo)}] {method} seed {seed}: done, skipped")
+            continue
+        resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
+        cmd = [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed), "--out",
+               folder, *(["--resume"] if resume else []), *extra]
+        print(f"[{i + 1}/{len(todo)}] {method} seed {seed}: {'resuming' if resume else 'training'}", flush=True)
+        if subprocess.run(cmd).returncode:
+            raise SystemExit(f"grid: `{' '.join(cmd)}` failed; fix it and rerun grid.py (finished runs are kept)")
+
+
+def cell(summary, method, key):
+    node = summary.get(method)
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if not node:
+        return "-"
+    nd = 3 if "isotropy" in key or "cosine" in key else (0 if key.startswith("uniq") else 1)
+    return f"{node['mean']:.{nd}f} ± {node['std']:.{nd}f}"
+
+
+def write_tables(summary, path, command):
+    lines = ["# Methods table", "", f"`{command}`", "",
+             "Each cell: mean ± std over seeds (n = runs per method). Test split, frequency groups 30/50/20% of the "
+             "vocabulary by train counts; Uniq = distinct next-token argmax predictions.", ""]
+    for title, methods, cols in TABLES:
+        methods = [m for m in methods if m in summary]
+        if not methods:
+            continue
+        lines += [f"## {title}", "", "| method | n | " + " | ".join(cols) + " |", "|" + " --- |" * (2 + len(cols))]
+        lines += [f"| {m} | {summary[m]['n']} | " + " | ".join(cell(summary, m, c) for c in cols) + " |"
+                  for m in methods]
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=list(agg.METHODS), metavar="METHOD")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "grid"))
+    p.add_argument("--eval-args", default="", help="extra eval.py flags, e.g. '--checkpoint best --n-samples 0'")
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    train_all(args, extra)
+    report = os.path.join(args.out, "report")
+    folders = [run_dir(args.out, m, s) for m in args.methods for s in args.seeds]
+    cmd = [sys.executable, os.path.join(ROOT, "eval.py"), *folders, "--out", report, *args.eval_args.split()]
+    if subprocess.run(cmd).returncode:
+        raise SystemExit(f"grid: `{' '.join(cmd)}` failed")
+    with open(os.path.join(report, "summary.json")) as f:
+        summary = json.load(f)
+    write_tables(summary, os.path.join(args.out, "tables.md"), "python grid.py " + " ".join(argv))
+    print(f"wrote {args.out}/tables.md and {report}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""grid.py: trains the grid in subprocesses, skips finished runs, resumes stopped ones, writes the tables."""
+import json
+import os
+
+import pytest
+import torch
+
+import grid
+
+
+@pytest.mark.slow
+def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, capsys):
+    flags = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny, "--max-steps", "2",
+             "--eval-interval", "2"]
+    argv = ["--methods", "mle", "agg", "--seeds", "0", "--out", str(tmp_path), "--eval-args", "--n-samples 0",
+            "--", *flags]
+    os.makedirs(tmp_path / "runs")
+    import train_lm  # a stopped run is resumed, not restarted
+    train_lm.main(["--method", "agg", "--seed", "0", "--out", str(tmp_path / "runs" / "agg-s0"), "--stop-at", "1",
+                   *flags])
+    grid.main(argv)
+    for m in ("mle", "agg"):
+        ck = torch.load(tmp_path / "runs" / f"{m}-s0" / "ckpt.pt", weights_only=True)
+        assert ck["step"] == 2 and ck["config"]["method"] == m
+    assert json.load(open(tmp_path / "runs" / "agg-s0" / "config.json"))["resumed_from_step"] == 1
+    summary = json.load(open(tmp_path / "report" / "summary.json"))
+    assert set(summary) == {"mle", "agg"} and summary["agg"]["n"] == 1
+    tables = (tmp_path / "tables.md").read_text()
+    assert "AGG Table 3" in tables and "| agg | 1 |" in tables and "±" in tables
+    capsys.readouterr()
+    mtime = os.path.getmtime(tmp_path / "runs" / "mle-s0" / "ckpt.pt")
+    grid.main(argv)
+    assert "done, skipped" in capsys.readouterr().out
+    assert os.path.getmtime(tmp_path / "runs" / "mle-s0" / "ckpt.pt") == mtime
