@@ -578,10 +578,11 @@ class FRAGE(MLE):
         self.disc, self.disc_opt, self._saved_disc = None, None, state["disc"]
 
 
-def unlikelihood(hidden, weight, targets, ignore_index=-100):
+def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None):
     """Token-level unlikelihood (Welleck et al. 2020): sum over previous-context candidates c of -log(1 - p(c)),
     averaged over non-ignored positions. Candidates of position t: the distinct targets before t in the same sequence
-    (not across sequences), minus the current target."""
+    (not across sequences), minus the current target. weight_gate (B, T, V), optional: scales the gradient of the
+    logits wrt `weight` elementwise (the gradient wrt `hidden` stays whole), as AGG gates the NLL's."""
     if targets.dim() != 2:
         raise ValueError(f"unlikelihood needs targets shaped (B, T), got {tuple(targets.shape)}")
     B, T = targets.shape
@@ -591,6 +592,10 @@ def unlikelihood(hidden, weight, targets, ignore_index=-100):
     first = valid & ~(same & before & valid[:, None, :]).any(-1)  # y_j occurs for the first time at j
     cand = before & first[:, None, :] & valid[:, :, None] & ~same
     logits = hidden @ weight.T
+    if weight_gate is not None:  # same value; d/dW through the gated copy only, d/dh through the first term only
+        via_w = hidden.detach() @ weight.T
+        via_w.register_hook(lambda g: g * weight_gate.to(g.dtype))
+        logits = hidden @ weight.detach().T + (via_w - via_w.detach())
     logp = F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     cand_logp = logp.gather(2, targets.clamp(min=0)[:, None, :].expand(B, T, T))  # [b, t, j] = log p_t(y_j)
     penalty = -torch.log((1 - cand_logp.exp()).clamp(min=1e-5))
@@ -607,10 +612,29 @@ class UL(MLE):
 
 
 class ULAGG(AGG):
-    """AGG's gated NLL + token-level unlikelihood (AGG Table 4)."""
+    """AGG's gated NLL + token-level unlikelihood (AGG Table 4). gate_ul=True also gates the UL term's gradient wrt
+    the weight with AGG's gates (the UL term's softmax otherwise pulls every rare embedding towards the features,
+    ungated); gate_ul=False adds the UL term as it is."""
     name = "ul+agg"
-    defaults = dict(AGG.defaults, alpha_ul=1.0)
-    regulariser = UL.regulariser
+    defaults = dict(AGG.defaults, alpha_ul=1.0, gate_ul=True)
+
+    def regulariser(self, hidden, weight, targets, ignore_index):
+        gate = self.ul_gate(targets) if self.hparams["gate_ul"] and weight.requires_grad else None
+        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate)
+
+    def ul_gate(self, targets):
+        """(B, T, V) gate of the UL term's weight gradient: AGG's gate per row type, as GatedSoftmaxCE applies it to
+        the NLL's; None when nothing is rare."""
+        y = targets.clamp(min=0).reshape(-1)
+        col_gate, group_rows, group_gate = self.gates(y)
+        if group_rows is None:
+            return None
+        gate = torch.ones(len(y), self.vocab_size, dtype=torch.float64, device=y.device)
+        if col_gate is not None:
+            gate[:] = col_gate
+        gate[group_rows] = group_gate if group_gate is not None else 1.0
+        gate[torch.arange(len(y), device=y.device), y] = 1.0  # the pull to the target is never gated
+        return gate.view(*targets.shape, self.vocab_size)
 
 
 METHODS = {cls.name: cls for cls in [

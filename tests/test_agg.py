@@ -573,3 +573,35 @@ def test_pass_stats_accumulate_a_whole_validation_pass():
         s["rare_mass_true"] == pytest.approx(true / n)
     method.reset_pass()
     assert method.pass_stats == {"tokens": 0}
+
+
+@pytest.mark.parametrize("gate_ul", [True, False])
+def test_ul_agg_gates_the_ul_weight_gradient_like_the_nll(gate_ul):
+    counts = make_counts(13)
+    rare, g1, g2 = paper_gates(counts)
+    method = agg.build_method("ul+agg", V, alpha=ALPHA, window=WINDOW, alpha_ul=0.7, gate_ul=gate_ul)
+    observe_counts(method, counts)
+    h, w, y = inputs(seed=13)
+    h, y = h.reshape(6, 10, D), y.reshape(6, 10)
+    _, gh, gw = grads(method, h, w, y)
+    # literal reference: AGG's NLL gradients (Eq. 9-10) + alpha_ul x the UL term's, whose weight part is gated by
+    # the same per-(row type, column) gates (target column 1)
+    nll_gh, nll_gw = literal_agg_grads(h.reshape(-1, D), w, y.reshape(-1), rare, g1, g2)
+    z = (h @ w.T).detach().requires_grad_()
+    # gradient of the UL value wrt the logits, through a logits-level copy of unlikelihood()
+    lp = torch.log_softmax(z, -1)
+    B, T = y.shape
+    same = y[:, :, None] == y[:, None, :]
+    before = torch.ones(T, T, dtype=torch.bool).tril(-1)
+    first = ~(same & before).any(-1)
+    cand = before & first[:, None, :] & ~same
+    pen = -torch.log((1 - lp.gather(2, y[:, None, :].expand(B, T, T)).exp()).clamp(min=1e-5))
+    (g_logits,) = torch.autograd.grad((pen * cand).sum() / y.numel(), z)
+    gate = torch.where(rare[y][..., None], g2, g1).expand(B, T, V).clone()
+    gate = torch.where(rare[None, None, :], gate, torch.ones(()))  # only rare columns are gated
+    gate.scatter_(2, y[..., None], 1.0)
+    w_part = (g_logits * (gate if gate_ul else 1)).reshape(-1, V)
+    ref_gw = nll_gw + 0.7 * w_part.T @ h.reshape(-1, D)
+    ref_gh = nll_gh.reshape(B, T, D) + 0.7 * g_logits @ w
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-10, atol=1e-12)
