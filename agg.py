@@ -414,13 +414,19 @@ class AGPS(StaticGroupMethod):
     push from non-rare features scaled by f1 = c/mu1 and an extra push from rare features scaled by f2 = min(c/mu2, 1).
 
     Follows Algorithm 1 literally: the rare-target rows get f1 + f2 (its L1 and L2 terms both reach them).
-    Defaults when mu1/mu2 are None: mu1 = the largest rare count, mu2 = the mean rare count.
+    Defaults when mu1/mu2 are None: mu1 = the largest rare count, mu2 = the mean rare count. rare_rank (the paper's
+    i_r) marks the words from that frequency rank on as rare, instead of the rare_fraction least frequent.
     """
     name = "agps"
-    defaults = dict(rare_fraction=0.2, mu1=None, mu2=None)
+    defaults = dict(rare_fraction=0.2, mu1=None, mu2=None, rare_rank=None)
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
+        if self.hparams["rare_rank"] is not None:  # i_r: the words ranked i_r and beyond by frequency are rare
+            order = torch.argsort(self.counts.double(), descending=True, stable=True)
+            self.rare = torch.zeros(vocab_size, dtype=torch.bool)
+            self.rare[order[self.hparams["rare_rank"]:]] = True
+            self.rare[self.special_ids] = False
         c = self.counts.double()
         rare_c = c[self.rare] if self.rare.any() else torch.ones(1, dtype=torch.double)
         mu1 = self.hparams["mu1"] or float(rare_c.max().clamp(min=1))

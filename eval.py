@@ -287,6 +287,45 @@ def plot_training_curves(run_dirs, path):
     return path
 
 
+def plot_snapshots(run_dirs, counts, path):
+    """AGG Fig. 1 over time: the 2-D SVD projection of each run's embedding snapshots (train_lm.py --snapshot-steps),
+    one row per run. Returns the path, or None when no run has snapshots."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = {}
+    for label, d in run_dirs.items():
+        folder = os.path.join(d, "snapshots")
+        if os.path.isdir(folder):
+            files = sorted((int(f[4:-3]), os.path.join(folder, f)) for f in os.listdir(folder)
+                           if f.startswith("emb_") and f.endswith(".pt") and f[4:-3].isdigit())
+            if files:
+                rows[label] = files
+    if not rows:
+        return None
+    n_col = max(len(v) for v in rows.values())
+    fig, axes = plt.subplots(len(rows), n_col, figsize=(3 * n_col, 3 * len(rows)), squeeze=False)
+    for r, (label, files) in enumerate(rows.items()):
+        gid, _ = group_index(counts[label])
+        for c, (step, f) in enumerate(files):
+            W = torch.load(f, map_location="cpu", weights_only=True)["weight"].double()
+            _, _, vh = torch.linalg.svd(W, full_matrices=False)
+            P = (W @ vh[:2].T).numpy()
+            ax = axes[r][c]
+            for g in (2, 1, 0):
+                m = (gid == g).numpy()
+                ax.scatter(P[m, 0], P[m, 1], s=1, alpha=0.5, c=GROUP_COLOURS[GROUPS[g]], rasterized=True)
+            ax.set_title(f"{label} step {step}", fontsize=8)
+            ax.set_aspect("equal", adjustable="datalim")
+        for c in range(len(files), n_col):
+            axes[r][c].axis("off")
+    fig.suptitle("Embeddings over training: 2-D SVD projection (red rare, green medium, blue frequent)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def labels_for(out_dirs):
     labels = [os.path.basename(os.path.normpath(d)) for d in out_dirs]
     if len(set(labels)) < len(labels):
@@ -300,7 +339,7 @@ def fmt(x, nd=2):
     return str(x)
 
 
-def write_report(path, metrics, extras, args, argv, summary=None, curves=None):
+def write_report(path, metrics, extras, args, argv, summary=None, curves=None, snapshots=None):
     L = ["# Evaluation report", "", f"`python eval.py {' '.join(argv)}`", "",
          f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
     if summary and any(s["n"] > 1 for s in summary.values()):
@@ -364,6 +403,8 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None):
     L += ["## Plots", "", "![singular values](singular_values.png)", "", "![SVD projection](svd_projection.png)", ""]
     if curves:
         L += ["![training curves](training_curves.png)", ""]
+    if snapshots:
+        L += ["![SVD projection over training](svd_over_time.png)", ""]
     L += [
           "Tokens that never occur in training receive (almost) no gradient under the gated methods and stay near "
           "their initialisation: they form a cluster at the origin of the projection.", ""]
@@ -451,9 +492,10 @@ def main(argv=None):
     plot_singular_values({k: m["singular_values"] for k, m in metrics.items()},
                          os.path.join(args.out, "singular_values.png"))
     plot_svd(weights, counts, os.path.join(args.out, "svd_projection.png"))
-    curves = plot_training_curves(dict(zip(labels_for(args.out_dirs), args.out_dirs)),
-                                  os.path.join(args.out, "training_curves.png"))
-    write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves)
+    folders = dict(zip(labels_for(args.out_dirs), args.out_dirs))
+    curves = plot_training_curves(folders, os.path.join(args.out, "training_curves.png"))
+    snaps = plot_snapshots(folders, counts, os.path.join(args.out, "svd_over_time.png"))
+    write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves, snaps)
     print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")
     return metrics
 

@@ -46,7 +46,7 @@ def add_run_flags(p, out_help):
 
 
 # hyper-parameters whose agg default is None, with their types; every other flag takes the type of agg's default
-_NONE_DEFAULT_TYPES = {"static_after": int, "until": int, "mu1": float, "mu2": float}
+_NONE_DEFAULT_TYPES = {"static_after": int, "until": int, "mu1": float, "mu2": float, "rare_rank": int}
 _METHOD_HELP = {
     "alpha": "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)",
     "window": "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)",
@@ -55,6 +55,9 @@ _METHOD_HELP = {
     "rare_fraction": "share of the vocabulary in the static rare group (by train counts)",
     "mu1": "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)",
     "mu2": "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)",
+    "rare_rank": "AGPS i_r: words from this frequency rank on are rare (instead of --rare-fraction)",
+    "gate_ul": "ul+agg: gate the UL term's weight gradient with AGG's gates too",
+    "continuous_g1": "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold",
     "until": "freeze-rare: unfreeze after this step", "parts": "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)",
     "gamma": "CosReg weight (CosReg Eq. 6)", "popular_fraction": "FRAGE: share of popular tokens",
     "lambda_": "FRAGE adversarial weight (FRAGE Eq. 5)", "disc_lr": "FRAGE discriminator learning rate",
@@ -124,6 +127,10 @@ def method_hparams(cfg, steps_per_epoch, counts, tokens_per_step, special_ids, p
             raise SystemExit(f"--{key.rstrip('_').replace('_', '-')} does not apply to --method {name} "
                              f"(its hyper-parameters: {', '.join(accepted) or 'none'})")
         hp[key] = cfg[key]
+    preset_method = preset_method or {}
+    for key, value in preset_method.items():  # e.g. AGPS's paper settings in the paper presets
+        if key in accepted and key != "alpha" and key not in hp:
+            hp[key] = value
     epoch = max(1, int(round(steps_per_epoch)))
     if "window" in accepted and "window" not in hp:
         hp["window"] = epoch
@@ -136,7 +143,6 @@ def method_hparams(cfg, steps_per_epoch, counts, tokens_per_step, special_ids, p
         return hp
     if share is not None and "alpha" in hp:
         raise SystemExit("give --alpha or --rare-share, not both: each sets AGG's rarity threshold")
-    preset_method = preset_method or {}
     if share is None and "alpha" not in hp:
         if "alpha" in preset_method:
             hp["alpha"] = preset_method["alpha"]

@@ -52,13 +52,14 @@ PRESETS = {
 }
 # Method defaults per preset, used where the method takes them and no flag overrides them. gpt2-medium: AGG Table 11
 # (alpha 0.03, the 24-layer LM). paper-6l: Table 11 gives no alpha for the 6-layer column; agg.py's default 0.03
-# applies. cpu: alpha 0.03 marks almost nothing rare at 4,096 tokens per step, so the rare group is stated as a share
-# of the vocabulary (see the README's regime map).
-PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": {}, "gpt2-medium": dict(alpha=0.03)}
+# applies. Both: AGPS's LM settings. cpu: alpha 0.03 marks almost nothing rare at 4,096 tokens per step, so the rare
+# group is stated as a share of the vocabulary (see the README's regime map).
+AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), language modelling
+PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
 GROUPS = ("freq", "med", "rare")  # frequency groups of agg.frequency_groups: 30% / 50% / 20% by train counts
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "cache_dir", "eval_tokens"}
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "cache_dir", "eval_tokens", "snapshot_steps"}
 CKPT_KEYS = ("model", "optimizer", "scheduler", "method", "step", "rng", "config", "data_position")
 
 
@@ -92,6 +93,9 @@ def build_parser():
     g.add_argument("--eval-interval", type=int, default=None, help="validate + checkpoint every N steps")
     g.add_argument("--eval-tokens", type=int, default=None, help="cap on validation tokens (default all)")
     g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--snapshot-steps", type=lambda t: sorted({int(x) for x in t.split(",") if x}), default=[],
+                   help="comma-separated steps at which to save the embedding matrix to OUT/snapshots/ "
+                        "(eval.py draws them as SVD projections over time, AGG Fig. 1)")
     return p
 
 
@@ -730,6 +734,10 @@ def main(argv=None):
             if "rare_count" in stats:  # method stats are those of the last micro-batch
                 rec["R_over_B"] = stats["rare_count"] / tokens_per_step
             write_log(rec)
+        if master and step in cfg.get("snapshot_steps", ()):
+            os.makedirs(os.path.join(out, "snapshots"), exist_ok=True)
+            runlib.save_checkpoint(os.path.join(out, "snapshots", f"emb_{step}.pt"),
+                                   dict(step=step, weight=raw.tok_emb.weight.detach().float().cpu().clone()))
         if step % cfg["eval_interval"] == 0 or step == stop:
             run_validation()
             checkpoint()

@@ -55,8 +55,9 @@ PRESETS = {
                 eval_interval=5000, valid_bleu_sents=0, norm="post"),
 }
 # Method defaults per preset, used where the method takes them and no flag overrides them: AGG Table 11 gives alpha
-# 0.08 for WMT14 (base and big). cpu: agg.py's default.
-PRESET_METHOD = {"cpu": {}, "base": dict(alpha=0.08), "big": dict(alpha=0.08)}
+# 0.08 for WMT14 (base and big), and AGPS its MT settings. cpu: agg.py's defaults.
+AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
+PRESET_METHOD = {"cpu": {}, "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
 RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
                                     "keep_last"}

@@ -605,3 +605,9 @@ def test_ul_agg_gates_the_ul_weight_gradient_like_the_nll(gate_ul):
     ref_gh = nll_gh.reshape(B, T, D) + 0.7 * g_logits @ w
     torch.testing.assert_close(gh, ref_gh, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gw, ref_gw, rtol=1e-10, atol=1e-12)
+
+
+def test_agps_rare_rank_is_the_papers_i_r():
+    counts = torch.tensor([50, 3, 40, 1, 30, 2, 20, 10])  # ranks: 0, 6, 1, 7, 2, 5, 3, 4
+    method = agg.build_method("agps", 8, counts=counts, rare_rank=5, special_ids=[3])
+    assert method.rare_mask().tolist() == [False, True, False, False, False, True, False, False]

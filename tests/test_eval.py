@@ -21,7 +21,7 @@ KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "i
 def runs(tmp_path_factory, corpus, lm_tiny):
     base = tmp_path_factory.mktemp("ev")
     out = {}
-    for label, method, extra in (("mle", "mle", []), ("agg", "agg", ["--alpha", "0.5"]),
+    for label, method, extra in (("mle", "mle", []), ("agg", "agg", ["--alpha", "0.5", "--snapshot-steps", "1,3"]),
                                  ("mle-s1", "mle", ["--seed", "1"])):
         out[label] = str(base / label)
         train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out[label],
@@ -186,6 +186,10 @@ def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
     text = (report / "report.md").read_text()
     assert "Mean ± std" in text and "| mle | 2 |" in text
     assert (report / "training_curves.png").stat().st_size > 0  # from the valid records of log.jsonl
+    assert (report / "svd_over_time.png").stat().st_size > 0  # from agg's --snapshot-steps 1,3
+    snap = torch.load(os.path.join(runs["agg"], "snapshots", "emb_3.pt"), weights_only=True)
+    ck = torch.load(os.path.join(runs["agg"], "ckpt.pt"), weights_only=True)
+    assert snap["step"] == 3 and torch.equal(snap["weight"], ck["model"]["tok_emb.weight"])
 
 
 def test_best_checkpoint_is_kept_and_can_be_evaluated(runs, tmp_path):

@@ -238,6 +238,9 @@ def test_paper_presets_build_the_post_ln_transformer_with_alpha_0_08(tmp_path):
     T.main(tiny + ["--out", str(tmp_path / "pre"), "--norm", "pre", "--alpha", "0.2"])
     cfg = json.load(open(tmp_path / "pre" / "config.json"))
     assert cfg["norm"] == "pre" and cfg["method_hparams"]["alpha"] == 0.2
+    T.main([a if a != "agg" else "agps" for a in tiny] + ["--out", str(tmp_path / "agps")])
+    hp = json.load(open(tmp_path / "agps" / "config.json"))["method_hparams"]
+    assert hp == {"rare_rank": 27000, "mu1": 1500.0, "mu2": 400.0}  # AGPS Tables 5 and 8, MT
 
 
 def test_post_ln_layers_normalise_after_the_residual():
