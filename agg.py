@@ -38,7 +38,8 @@ class GatedSoftmaxCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad):
+    def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad,
+                center=False):
         n = h.shape[0]
         device = h.device.type
         # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
@@ -49,12 +50,13 @@ class GatedSoftmaxCE(torch.autograd.Function):
             grad_h = torch.empty_like(h) if need_grad else None
             grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device) if need_grad else None
             sums = torch.zeros(3, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability
+            mean_h = h_mm.to(acc_dtype).mean(0) if center and n else None
             step = chunk_size or max(n, 1)
             for s in range(0, n, step):
                 rows = slice(s, s + step)
                 sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols,
                                     None if grad_h is None else grad_h[rows], grad_w,
-                                    col_gate, None if group_rows is None else group_rows[rows], group_gate)
+                                    col_gate, None if group_rows is None else group_rows[rows], group_gate, mean_h)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         loss, nll, rare_mass = (sums / max(n, 1)).unbind()
         ctx.mark_non_differentiable(nll, rare_mass)
@@ -71,12 +73,15 @@ class GatedSoftmaxCE(torch.autograd.Function):
         if grad_h is None:
             raise RuntimeError("GatedSoftmaxCE: forward ran without need_grad=True, so there is nothing to backpropagate")
         ctx.grads = None  # free the buffers
-        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None
+        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None, None
 
 
-def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate):
+def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate,
+                mean_h=None):
     """One chunk of GatedSoftmaxCE: returns the sums of (loss, nll, rare-set probability) over its rows, writes
-    grad_h (its rows) and adds its part to grad_w. Its chunk x V buffer is freed when it returns."""
+    grad_h (its rows) and adds its part to grad_w. Its chunk x V buffer is freed when it returns.
+    mean_h (d,): gate only the part of the push along the mean feature (agg-centered): for row i, column k the
+    weight gradient is G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
     V = w_mm.shape[0]
     logits = (hs @ w_mm.T).to(acc_dtype)
     target_logit = logits.gather(1, ys[:, None]).squeeze(1)
@@ -99,13 +104,24 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
         if smoothing:
             grad.sub_(smoothing / (V * n))
         grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
-        _gate_(grad, ys, col_gate, group_rows, group_gate)
-        g = grad.to(w_mm.dtype)
-        if g.dtype == grad_w.dtype:
-            grad_w.addmm_(g.T, hs)  # dL/dW = (G * gate)^T h
-        else:
-            grad_w += g.T @ hs
+        if mean_h is None:
+            _gate_(grad, ys, col_gate, group_rows, group_gate)
+            _add_grad_w(grad_w, grad, hs, w_mm.dtype)  # dL/dW = (G * gate)^T h
+        else:  # ungated G^T h, minus the gated-away part of the push along mean_h
+            ungated_colsum = grad.sum(0)
+            _add_grad_w(grad_w, grad, hs, w_mm.dtype)
+            _gate_(grad, ys, col_gate, group_rows, group_gate)
+            grad_w.sub_(torch.outer(ungated_colsum - grad.sum(0), mean_h))
     return torch.stack([loss.sum(), nll.sum(), rare_mass])
+
+
+def _add_grad_w(grad_w, grad, hs, mm_dtype):
+    """grad_w += grad^T hs, the matmul in the autocast dtype, accumulated in grad_w's."""
+    g = grad.to(mm_dtype)
+    if g.dtype == grad_w.dtype:
+        grad_w.addmm_(g.T, hs)
+    else:
+        grad_w += g.T @ hs
 
 
 def _gate_(grad, ys, col_gate, group_rows, group_gate):
@@ -260,7 +276,8 @@ class MLE:
         mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype)
         cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
         loss, nll, rare_mass = GatedSoftmaxCE.apply(h, weight, y, cast(col_gate), group_rows, cast(group_gate),
-                                                    mass_cols, float(label_smoothing), chunk_size, need_grad)
+                                                    mass_cols, float(label_smoothing), chunk_size, need_grad,
+                                                    bool(self.hparams.get("center_gate")) and group_rows is not None)
         self._stats = {"nll": nll.detach()}
         if rare is not None:
             rare = rare.to(y.device)
@@ -322,10 +339,13 @@ class AGG(MLE):
 
     Beyond the paper, `continuous_g1=True` (method "agg-continuous") uses g1 = min(a_k / (alpha K), 1): the gate is
     1 at the rarity threshold instead of alpha, so a token's push does not jump when it crosses the threshold, and
-    rare tokens near it are pushed more (their predicted mass is over-estimated less).
+    rare tokens near it are pushed more (their predicted mass is over-estimated less). `center_gate=True` (method
+    "agg-centered") gates only the push along the batch's mean feature (the direction shared by all pushes, along
+    which rare embeddings collapse into a cone); the push from each feature's deviation from the mean stays whole.
     """
     name = "agg"
-    defaults = dict(alpha=0.03, window=1000, use_g1=True, use_g2=True, static_after=None, continuous_g1=False)
+    defaults = dict(alpha=0.03, window=1000, use_g1=True, use_g2=True, static_after=None, continuous_g1=False,
+                    center_gate=False)
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -648,6 +668,7 @@ METHODS = {cls.name: cls for cls in [
     _variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False),
     _variant(AGG, "agg-static", static_after=1000),
     _variant(AGG, "agg-continuous", continuous_g1=True),
+    _variant(AGG, "agg-centered", center_gate=True),
     AGPS, FreezeRare,
     _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts,
     CosReg, FRAGE, UL, ULAGG,

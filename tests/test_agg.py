@@ -162,7 +162,7 @@ def static_kw():
 
 @pytest.mark.parametrize("name,kw", [
     ("agg", dict(alpha=0.0)), ("agg-no-g1", dict(alpha=0.0)), ("agg-no-g2", dict(alpha=0.0)),
-    ("agg-continuous", dict(alpha=0.0)),
+    ("agg-continuous", dict(alpha=0.0)), ("agg-centered", dict(alpha=0.0)),
     ("agg-static", dict(alpha=0.0, static_after=2)), ("ul+agg", dict(alpha=0.0, alpha_ul=0.0)),
     ("agps", dict(rare_fraction=0.0)), ("freeze-rare", dict(rare_fraction=0.0)), ("freeze-b", dict(rare_fraction=0.0)),
     ("freeze-c", dict(rare_fraction=0.0)), ("freeze-bc", dict(rare_fraction=0.0)),
@@ -611,3 +611,24 @@ def test_agps_rare_rank_is_the_papers_i_r():
     counts = torch.tensor([50, 3, 40, 1, 30, 2, 20, 10])  # ranks: 0, 6, 1, 7, 2, 5, 3, 4
     method = agg.build_method("agps", 8, counts=counts, rare_rank=5, special_ids=[3])
     assert method.rare_mask().tolist() == [False, True, False, False, False, True, False, False]
+
+
+def test_agg_centered_gates_only_the_push_along_the_mean_feature():
+    counts = make_counts(14)
+    rare, g1, g2 = paper_gates(counts)
+    method = agg.build_method("agg-centered", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    h, w, y = inputs(seed=14, ignore=(2, 9))
+    loss, gh, gw = grads(method, h, w, y)
+    keep = y != -100
+    hk, yk = h[keep], y[keep]
+    G = (torch.softmax(hk @ w.T, 1) - F.one_hot(yk, V)) / len(yk)
+    gate = torch.where(rare[yk][:, None], g2[None, :], g1[None, :])
+    gate = torch.where(rare[None, :], gate, torch.ones(()))
+    gate[torch.arange(len(yk)), yk] = 1.0
+    mean_h = hk.mean(0)
+    expected = G.T @ (hk - mean_h) + (gate * G).T @ mean_h.expand_as(hk)  # deviation whole, mean part gated
+    torch.testing.assert_close(gw, expected, rtol=1e-12, atol=1e-14)
+    _, mle_gh, _ = grads(agg.build_method("mle", V), h, w, y)
+    torch.testing.assert_close(gh, mle_gh, rtol=1e-12, atol=1e-14)  # the hidden gradient is MLE's
+    torch.testing.assert_close(grads(method, h, w, y, chunk_size=7)[2], gw, rtol=1e-12, atol=1e-14)
