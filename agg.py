@@ -3,10 +3,15 @@ Adaptive Gradient Gating (AGG) and its peers for the representation degeneration
 plus the metrics that show the problem. Depends on torch only: copy this file into your own project.
 
     import agg
-    method = agg.build_method("agg", vocab_size=V, alpha=0.03, window=K, special_ids=[pad_id, eos_id])
+    alpha = agg.alpha_for_rare_share(train_counts, 0.2, tokens_per_step)  # alpha counts per step: see the helper
+    method = agg.build_method("agg", vocab_size=V, alpha=alpha, window=K, special_ids=[pad_id, eos_id])
     method.observe(y)                                    # once per optimizer step, all target ids of that step
     loss = method.loss(hidden, model.tok_emb.weight, y)  # hidden: (..., d), the input of the tied softmax layer
-    loss.backward()
+    loss.backward(); optimizer.step(); method.after_step(model.tok_emb.weight)
+
+K (window) is the paper's steps per epoch; during the first K steps a_k / K divides by the steps seen so far. For an
+untied model pass the output projection as the weight. Under DDP the loss is this rank's mean: weight it by the rank's
+share of all ranks' targets (times the world size) when ranks hold different numbers of targets.
 
 Papers (equations are cited by paper and number):
   AGG    Yu et al. 2022, "Rare Tokens Degenerate All Tokens" (Sec. 4, Eq. 5-10, Appendix A Eq. 23)

@@ -849,6 +849,11 @@ def train(cfg, explicit=frozenset(), argv=()):
         cursor += per_step
         micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
         n_tok = sum(int((m[2] != PAD).sum()) for m in micro)
+        n_all = n_tok  # target tokens of the step over all ranks: each micro-batch weighs by its share of them
+        if ddp:
+            t = torch.tensor([n_tok], device=device)
+            torch.distributed.all_reduce(t)
+            n_all = int(t)
         method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
         opt.zero_grad(set_to_none=True)
         loss_sum, nll_sum = 0.0, 0.0
@@ -857,13 +862,17 @@ def train(cfg, explicit=frozenset(), argv=()):
             with (contextlib.nullcontext() if sync else fwd.no_sync()):
                 with autocast():
                     hidden = fwd(s, ti)
-                share = int((to != PAD).sum()) / n_tok
+                share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
                 # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
                 loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD,
                                    label_smoothing=cfg["label_smoothing"])
                 (loss * share).backward()
             loss_sum += loss.item() * share
             nll_sum += method.stats["nll"] * share
+        if ddp:  # the logged loss: the mean over all ranks' targets
+            t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(t)
+            loss_sum, nll_sum = (t / world).tolist()
         opt.step()
         method.after_step(model.embed)
         sched.step()
