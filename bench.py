@@ -1,5 +1,5 @@
 """
-What each method of agg.py costs, measured side by side with MLE (issue 6).
+What each method of agg.py costs, measured side by side with MLE.
 
     python bench.py --threads 1      # T=4096, d=512, V in {8192, 32768, 50304} + chunked head + train_lm tokens/s
                                      # (~1 h on 2 CPU cores; on a GPU machine the head adds CUDA rows)
@@ -607,7 +607,7 @@ def build_parser():
     g = p.add_argument_group("lm")
     g.add_argument("--lm-methods", nargs="+", default=list(agg.METHODS))
     g.add_argument("--lm-alpha", type=float, default=0.075,
-                   help="AGG alpha for the lm section (agg-findings section 3: ~12%% rare at 4k tokens/step)")
+                   help="AGG alpha for the lm section (~12%% of the vocabulary rare at 4k tokens per step)")
     g.add_argument("--lm-steps", type=int, default=3, help="timed training steps per method per round")
     g.add_argument("--lm-rounds", type=int, default=3, help="interleaved rounds (after one warm-up step each)")
     return p

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Language modelling with AGG and its peers: a pre-LN GPT decoder with tied input/output embeddings.
 
-    python train_lm.py --method agg --alpha 0.075            # offline default corpus, cpu preset on CPU
-    python train_lm.py --dataset wikitext-103 --preset paper-6l --method agg --alpha 0.03
+    python train_lm.py --method agg                          # offline default corpus, cpu preset on CPU
+    python train_lm.py --dataset wikitext-103 --preset paper-6l --method agg
     torchrun --nproc_per_node 8 train_lm.py --dataset wikitext-103 --preset gpt2-medium --method agg
+    python train_lm.py --out out/lm-agg-seed0 --resume       # continue a run with its saved config
 
-Everything a run needs is in its --out folder: config.json (full config, versions, git commit), log.jsonl (one JSON
-object per line: train and valid records) and ckpt.pt (written atomically; --resume continues it exactly).
-The training methods themselves live in agg.py; this file only feeds them (hidden, tied weight, targets).
+Everything a run needs is in its --out folder: config.json (full config and provenance), log.jsonl (one JSON object
+per line: train and valid records), ckpt.pt (written atomically; --resume continues it exactly) and ckpt_best.pt.
+The run plumbing shared with train_nmt.py is in runlib.py; the methods live in agg.py, and this file only feeds
+them (hidden, tied weight, targets). evaluate() below is the test-set evaluation eval.py calls.
 """
 import argparse
 import bz2

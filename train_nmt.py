@@ -9,9 +9,8 @@ Machine translation with AGG and its peers: a Transformer encoder-decoder with t
     torchrun --nproc_per_node 8 train_nmt.py --dataset wmt14 --preset base --method agg
     python train_nmt.py --out out/nmt_agg --resume       # continue an interrupted run
 
-Conventions shared with train_lm.py: out_dir/config.json, out_dir/log.jsonl (one JSON object per line), out_dir/ckpt.pt
-(written atomically), --method and the method's hyper-parameters as flags, --resume reproduces the uninterrupted run.
-eval.py evaluates NMT checkpoints through evaluate() below.
+The run contract (flags, resume with --out alone, seeding, checkpoints, config.json provenance, log.jsonl) is the
+same as train_lm.py's, through runlib.py. eval.py evaluates NMT checkpoints through evaluate() below.
 """
 import argparse
 import contextlib

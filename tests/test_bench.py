@@ -114,7 +114,7 @@ def test_cpu_peak_memory_sees_the_logits_and_chunks_shrink_it():
 
 
 def test_quick_run_writes_every_key(tmp_path):
-    """A --quick run on tiny sizes writes bench.json with the issue's keys for every method and official-ref."""
+    """A --quick run on tiny sizes writes bench.json with its documented keys for every method and official-ref."""
     out = tmp_path / "b"
     bench.main(["--quick", "--out", str(out), "--vocab", "128", "--tokens", "32", "--d-model", "8", "--seq-len", "16",
                 "--repeats", "1", "--window", "5", "--chunk-vocab", "256", "--chunk-tokens", "32", "--chunk-d", "4",
