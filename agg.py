@@ -623,7 +623,8 @@ def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None):
     first = valid & ~(same & before & valid[:, None, :]).any(-1)  # y_j occurs for the first time at j
     cand = before & first[:, None, :] & valid[:, :, None] & ~same
     logits = hidden @ weight.T
-    if weight_gate is not None:  # same value; d/dW through the gated copy only, d/dh through the first term only
+    if weight_gate is not None and weight.requires_grad and torch.is_grad_enabled():
+        # same value; d/dW through the gated copy only, d/dh through the first term only
         via_w = hidden.detach() @ weight.T
         via_w.register_hook(lambda g: g * weight_gate.to(g.dtype))
         logits = hidden @ weight.detach().T + (via_w - via_w.detach())
@@ -650,7 +651,8 @@ class ULAGG(AGG):
     defaults = dict(AGG.defaults, alpha_ul=1.0, gate_ul=True)
 
     def regulariser(self, hidden, weight, targets, ignore_index):
-        gate = self.ul_gate(targets) if self.hparams["gate_ul"] and weight.requires_grad else None
+        gated = self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled()
+        gate = self.ul_gate(targets) if gated else None
         return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate)
 
     def ul_gate(self, targets):

@@ -259,7 +259,8 @@ class NMTData:
 
     def __init__(self, tokenizer, ids, text, counts, src_counts, cache):
         self.tokenizer, self.ids, self.text = tokenizer, ids, text
-        self.counts, self.src_counts, self.cache = counts, src_counts, cache
+        self.counts, self.src_counts, self.cache = counts, src_counts, cache  # train counts: target, source side
+        self.corpus_counts = counts + src_counts  # both sides: the frequency groups of a shared vocabulary
         self.vocab_size = tokenizer.get_vocab_size()
 
     def decode(self, ids):
@@ -774,10 +775,18 @@ def train(cfg, explicit=frozenset(), argv=()):
                          f"fewer than one step ({per_step}); lower --tokens-per-step")
     model = build_model(cfg, V, device)
     special_ids = [PAD, BOS, EOS, UNK]
+    # Rarity of tokens that occur on the source side only (a shared vocabulary): static groups (agps, freeze-*,
+    # frage) rank the whole corpus, both sides, as AGPS counts words; so a frequent source token is never frozen.
+    # AGG's a_k counts targets (Eq. 5, as the official criterion), and tokens that never occur as training targets
+    # are never rare: the decoder never has to produce them, and gating their push only inflates their mass.
+    never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
+    dynamic = "alpha" in agg.METHODS[cfg["method"]].defaults
+    method_special = special_ids + (never_targets if dynamic else [])
     target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
-    hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, special_ids,
+    hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, method_special,
                                PRESET_METHOD.get(cfg["preset"]))
-    method = agg.build_method(cfg["method"], vocab_size=V, counts=data.counts, special_ids=special_ids, **hp)
+    method = agg.build_method(cfg["method"], vocab_size=V, counts=data.corpus_counts, special_ids=method_special,
+                              **hp)
     # Same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes (clip-norm 0).
     opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(cfg["warmup"]))
@@ -799,11 +808,12 @@ def train(cfg, explicit=frozenset(), argv=()):
             print(f"resumed {ckpt_path} at step {step} (epoch {epoch})")
     if master:
         out.mkdir(parents=True, exist_ok=True)
-        rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, special_ids) \
+        rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, method_special) \
             if "alpha" in hp else None
         info = dict(cfg, **runlib.provenance(argv), vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
                     grad_accum=accum, world_size=world, method_hparams=hp, method_rare_share=rare_share,
                     target_tokens_per_step=target_tokens_per_step, data_cache=str(data.cache),
+                    source_only_tokens=len(never_targets),
                     n_train_pairs=len(tr_src), n_train_batches=len(batches),
                     n_params=sum(p.numel() for p in model.parameters()),
                     resumed_from_step=step if ck is not None else None)
@@ -926,7 +936,8 @@ def train(cfg, explicit=frozenset(), argv=()):
 def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, average_last=0):
     """Test-set evaluation of OUT_DIR/ckpt.pt for eval.py: BLEU (sacrebleu, detokenised) and what eval.py needs for the
     embedding geometry. Returns {"metrics": {...}, "weight": (V, d) CPU float tensor (the three-way tied embedding),
-    "counts": target-side train counts (V,), "src_counts": source-side train counts (V,), "tokens": list of str}."""
+    "counts": train counts of both sides (V,) (the frequency groups), "tgt_counts" and "src_counts": each side's,
+    "tokens": list of str}."""
     ck = load_checkpoint(Path(out_dir) / "ckpt.pt")
     device = str(device)
     cfg = dict(ck["config"], device=device, beam=beam, resume=False)
@@ -961,8 +972,8 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, ave
     for key in ("bleu_tok_compound", "bleu_tok_compound_protocol"):
         if key in res:
             metrics[key] = res[key]
-    return {"metrics": metrics, "weight": model.embed.detach().float().cpu(), "counts": data.counts.clone(),
-            "src_counts": data.src_counts.clone(), "tokens": data.tokens()}
+    return {"metrics": metrics, "weight": model.embed.detach().float().cpu(), "counts": data.corpus_counts.clone(),
+            "tgt_counts": data.counts.clone(), "src_counts": data.src_counts.clone(), "tokens": data.tokens()}
 
 
 def main(argv=None):
