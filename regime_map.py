@@ -2,13 +2,14 @@
 """The regime map: where AGG's claims hold at this scale. Trains MLE and AGG-family runs over rare shares and training
 lengths (cpu preset), evaluates each on the test split, and plots AGG / MLE ratios of the same seed.
 
-    python regime_map.py --shares 0.05 0.1 0.2 0.4 --steps 300 600 1200 --seeds 0 1      # -> out/map/
-    python regime_map.py --methods agg agg-centered --shares 0.2 --steps 600 --seeds 0 1
+    python regime_map.py --shares 0.05 0.1 0.2 0.4 --steps 1200 --seeds 0 1       # rarity axis -> out/map/
+    python regime_map.py --shares 0.2 --steps 600 1200 2400 --seeds 0 1            # training length axis
+    python regime_map.py --methods agg-continuous agg-centered --shares 0.2 --steps 1200 --seeds 0 1
 
 Each point is one (method, rare share, steps) cell; it shows the mean over seeds and the seeds' range of
   PPL ratio (AGG / MLE, claim: <= 1.01), rare-group PPL ratio (<= 0.5) and 1 - I(W) ratio (<= 0.5),
-and regime_map.json holds every run's numbers. Runs that finished are reused (out/map/runs/NAME/); flags after `--`
-go to every train_lm.py run.
+and regime_map.json holds every run's numbers; cells from earlier invocations are kept, so the map builds up. Runs
+that finished are reused (out/map/runs/NAME/); flags after `--` go to every train_lm.py run.
 """
 import argparse
 import json
@@ -94,7 +95,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=["agg"])
     p.add_argument("--shares", nargs="+", type=float, default=[0.05, 0.1, 0.2, 0.4])
-    p.add_argument("--steps", nargs="+", type=int, default=[300, 600, 1200])
+    p.add_argument("--steps", nargs="+", type=int, default=[1200])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "map"))
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -119,7 +120,14 @@ def main(argv=None):
                 print(f"{method} share {share:g} {steps} steps: " + "; ".join(
                     f"seed {r['seed']}: PPL x{r['ppl']:.3f} rare x{r['rare']:.2f} 1-I x{r['anisotropy']:.2f}"
                     for r in seeds), flush=True)
-    with open(os.path.join(args.out, "regime_map.json"), "w") as f:
+    path = os.path.join(args.out, "regime_map.json")  # cells of earlier invocations are kept: maps build up
+    key = lambda c: (c["method"], c["share"], c["steps"])
+    if os.path.exists(path):
+        with open(path) as f:
+            done = {key(c) for c in cells}
+            cells = [c for c in json.load(f) if key(c) not in done] + cells
+    cells.sort(key=key)
+    with open(path, "w") as f:
         json.dump(cells, f, indent=1)
     plot(cells, os.path.join(args.out, "regime_map.png"))
     print(f"wrote {args.out}/regime_map.png and regime_map.json")
