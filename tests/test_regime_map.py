@@ -16,10 +16,11 @@ def test_ratios_compare_agg_with_mle_of_the_same_seed():
 @pytest.mark.slow
 def test_map_end_to_end(corpus, lm_tiny, tmp_path):
     flags = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny]
-    regime_map.main(["--shares", "0.9", "--steps", "2", "--seeds", "0", "--out", str(tmp_path), "--", *flags])
-    regime_map.main(["--shares", "0.9", "--steps", "3", "--seeds", "0", "--out", str(tmp_path), "--", *flags])
+    common = ["--shares", "0.9", "--tokens", "128", "--seeds", "0", "--out", str(tmp_path)]
+    regime_map.main([*common, "--steps", "2", "--", *flags])
+    regime_map.main([*common, "--steps", "3", "--", *flags])
     cells = json.load(open(tmp_path / "regime_map.json"))
     assert [(c["share"], c["steps"]) for c in cells] == [(0.9, 2), (0.9, 3)]  # the second call adds to the first
     assert set(cells[0]["seeds"][0]) == {"seed", "ppl", "rare", "anisotropy", "uniq", "cos_rare"}
     assert (tmp_path / "regime_map.png").stat().st_size > 0
-    assert (tmp_path / "runs" / "agg-r0.9-n3-s0" / "report" / "metrics.json").exists()
+    assert (tmp_path / "runs" / "agg-r0.9-n3-t128-s0" / "report" / "metrics.json").exists()
