@@ -236,7 +236,7 @@ def test_state_dict_round_trip_continues_identically(name):
     torch.save(a.state_dict(), buf)
     buf.seek(0)
     b = agg.build_method(name, V, **kw)
-    b.load_state_dict(torch.load(buf))
+    b.load_state_dict(torch.load(buf, weights_only=True))
     for y in batches[4:]:
         a.observe(y)
         b.observe(y)
@@ -427,7 +427,7 @@ def test_distributed_ranks_see_the_gates_of_the_whole_batch(tmp_path):
         single.observe(step)
     col_gate, _, group_gate = single.gates(torch.arange(V))
     for rank in range(2):
-        got = torch.load(tmp_path / f"out.{rank}")
+        got = torch.load(tmp_path / f"out.{rank}", weights_only=True)
         assert torch.equal(got["rare"], single.rare_mask())
         assert torch.equal(got["g1"], col_gate) and torch.equal(got["g2"], group_gate)
 
