@@ -108,7 +108,8 @@ def main(argv=None):
     blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]
     dataset = [{"input_ids": b, "labels": b} for b in blocks]
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4,
+                                       bos_token_id=data["eos_id"], eos_token_id=data["eos_id"]))
     tokens_per_step = args.batch * args.accum * T
     hp = {}
     if "alpha" in agg.METHODS[args.method].defaults:
