@@ -91,7 +91,8 @@ def plot(cells, path):
             ax.set_xlabel(x_label, fontsize=8)
             ax.set_title(titles[key], fontsize=9)
             ax.set_xticks(sorted({c[x_key] for c in cells}))
-            ax.legend(fontsize=6)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=6)
     fig.suptitle("AGG vs MLE on the cpu preset: ratios of the same seed (mean and range over seeds); dashed: the "
                  "claim's threshold", fontsize=9)
     fig.tight_layout()
