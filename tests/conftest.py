@@ -1,8 +1,10 @@
 """Shared test set-up: the repository on sys.path, one thread for tiny models, the tiny corpus and flag sets.
 `pytest -m "not slow"` is the fast inner loop; the full suite is what CI runs."""
+import importlib
 import json
 import os
 import random
+import socket
 import sys
 
 import pytest
@@ -80,3 +82,21 @@ def read_log():
         with open(os.path.join(out, "log.jsonl")) as f:
             return [json.loads(line) for line in f]
     return read
+
+
+def _ddp_worker(rank, world, port, module, argv):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    importlib.import_module(module).main(argv)
+
+
+@pytest.fixture(scope="session")
+def run_ddp():
+    """run_ddp(module, argv, world=2): `module`.main(argv) in `world` gloo processes on a free local port."""
+    def run(module, argv, world=2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.multiprocessing.spawn(_ddp_worker, args=(world, port, module, argv), nprocs=world, join=True)
+    return run

@@ -2,7 +2,6 @@
 A tiny model on a tiny Zipfian corpus (tests/conftest.py): each test takes seconds."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -80,27 +79,14 @@ def test_resume_without_flags_uses_saved_config(lm_run, corpus, tmp_path):
     assert ck["step"] == 4 and ck["config"]["method"] == "agg" and ck["config"]["alpha"] == 0.4
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, world, port, argv):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    train_lm.main(argv)
-
-
 @pytest.mark.slow
-def test_two_process_gloo_matches_one_process(lm_run, lm_tiny, corpus, tmp_path):
+def test_two_process_gloo_matches_one_process(lm_run, lm_tiny, corpus, tmp_path, run_ddp):
     """DDP splits each step's sequences over 2 ranks; with dropout off the result must equal a 1-process run."""
     extra = ["--method", "agg", "--alpha", "0.5", "--dropout", "0"]
     lm_run(tmp_path / "one", *extra, steps=3)
     argv = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(tmp_path / "two"),
             "--max-steps", "3", "--eval-interval", "3", *lm_tiny, *extra]
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), argv), nprocs=2, join=True)
+    run_ddp("train_lm", argv)
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=True)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=True)
     assert len(b["rng"]) == 2 and b["step"] == 3

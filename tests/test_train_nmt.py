@@ -266,27 +266,14 @@ def test_tokenized_compound_split_bleu_protocol():
     assert 0 < worse < 100
 
 
-def _ddp_worker(rank, world, port, argv):
-    import os
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    T.main(argv)
-
-
 @pytest.mark.slow
-def test_two_process_gloo_matches_one_process(tmp_path, nmt_tiny):
+def test_two_process_gloo_matches_one_process(tmp_path, nmt_tiny, run_ddp):
     """Each step's micro-batches split over 2 ranks with different target counts: the gradient is still the mean
     over all the step's targets, so the weights equal a 1-process run's (dropout off)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     args = nmt_tiny + ["--method", "agg", "--dropout", "0", "--micro-tokens", "256", "--max-steps", "3",
                        "--eval-interval", "3", "--no-test", "--valid-bleu-sents", "2"]
     T.main(args + ["--out", str(tmp_path / "one")])
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, port, args + ["--out", str(tmp_path / "two")]), nprocs=2,
-                                join=True)
+    run_ddp("train_nmt", args + ["--out", str(tmp_path / "two")])
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=True)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=True)
     assert len(b["rng"]) == 2 and b["step"] == 3
