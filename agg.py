@@ -540,10 +540,11 @@ class CosReg(MLE):
 
 class FRAGE(MLE):
     """FRAGE (Eq. 2-5): a logistic-regression discriminator tells popular (top `popular_fraction` by counts) from rare
-    embeddings; the model adds -lambda * L_D (fooling it) and the discriminator takes one class-balanced step per
-    optimizer step on detached embeddings, with its own optimizer over its own parameters."""
+    embeddings; the model adds -lambda * L_D (fooling it) and the discriminator takes `disc_steps` class-balanced
+    full-batch steps per optimizer step on detached embeddings (Algorithm 1: one; k > 1 as in GAN training), with its
+    own optimizer over its own parameters."""
     name = "frage"
-    defaults = dict(popular_fraction=0.2, lambda_=0.1, disc_lr=1e-2)
+    defaults = dict(popular_fraction=0.2, lambda_=0.1, disc_lr=1e-2, disc_steps=1)
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -591,10 +592,11 @@ class FRAGE(MLE):
             self._build_disc(weight.shape[1], weight.device)
         frozen_disc = self.disc.weight.detach().clone(), self.disc.bias.detach().clone()  # the model cannot move D
         reg = -self.hparams["lambda_"] * self.disc_loss(weight, *frozen_disc)  # Eq. 5
-        if self._disc_pending and torch.is_grad_enabled():  # Eq. 4: one step of the discriminator on detached W
-            self.disc_opt.zero_grad(set_to_none=True)
-            self.disc_loss(weight.detach(), self.disc.weight, self.disc.bias).backward()
-            self.disc_opt.step()
+        if self._disc_pending and torch.is_grad_enabled():  # Eq. 4: the discriminator's steps on detached W
+            for _ in range(self.hparams["disc_steps"]):
+                self.disc_opt.zero_grad(set_to_none=True)
+                self.disc_loss(weight.detach(), self.disc.weight, self.disc.bias).backward()
+                self.disc_opt.step()
             self._disc_pending = False
         return reg
 

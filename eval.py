@@ -345,7 +345,8 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
     if summary and any(s["n"] > 1 for s in summary.values()):
         cols = [("ppl", "PPL"), ("ppl_groups.rare", "PPL rare"), ("uniq", "Uniq"), ("isotropy", "I(W)"),
                 ("isotropy_groups.rare", "I rare"), ("mean_cosine", "mean cos"),
-                ("mean_cosine_groups.rare", "cos rare"), ("bleu", "BLEU")]
+                ("mean_cosine_groups.rare", "cos rare"), ("bleu", "BLEU"), ("test_ppl", "test PPL"),
+                ("group_rare_mass_pred", "rare mass pred"), ("group_rare_mass_true", "rare mass true")]
         cols = [(k, h) for k, h in cols if any(_get(s, k) for s in summary.values())]
         L += ["## Mean ± std over runs of the same method", "", "| method | n | " + " | ".join(h for _, h in cols) +
               " |", "|" + " --- |" * (2 + len(cols))]
@@ -387,14 +388,25 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
                   f"{_md(metrics[k]['generations'][j]['continuation'])}" for k in lm]
             L.append("")
     if nmt:
-        L += ["## Machine translation", "", "| run | method | BLEU | I(W) | I freq | I med | I rare | mean cos | "
-              "signature |", "|" + " --- |" * 9]
+        L += ["## Machine translation", "", "| run | method | BLEU | test PPL | PPL freq | PPL med | PPL rare | I(W) | "
+              "I freq | I med | I rare | mean cos | rare mass pred / true | signature |", "|" + " --- |" * 14]
         for k in nmt:
             m = metrics[k]
-            L.append(f"| {k} | {m.get('method', '?')} | {fmt(m.get('bleu', float('nan')))} | {fmt(m['isotropy'], 3)} "
-                     f"| " + " | ".join(fmt(m["isotropy_groups"][g], 3) for g in GROUPS) +
-                     f" | {fmt(m['mean_cosine'], 3)} | `{m.get('bleu_signature', '')}` |")
-        L.append("")
+            L.append(f"| {k} | {m.get('method', '?')} | {fmt(m.get('bleu', float('nan')))} | "
+                     f"{fmt(m.get('test_ppl', float('nan')))} | " +
+                     " | ".join(fmt(m.get("ppl_groups", {}).get(g, float("nan"))) for g in GROUPS) +
+                     f" | {fmt(m['isotropy'], 3)} | " + " | ".join(fmt(m["isotropy_groups"][g], 3) for g in GROUPS) +
+                     f" | {fmt(m['mean_cosine'], 3)} | {fmt(m.get('group_rare_mass_pred', float('nan')), 4)} / "
+                     f"{fmt(m.get('group_rare_mass_true', float('nan')), 4)} | `{m.get('bleu_signature', '')}` |")
+        L += ["", "PPL per group: of the target tokens in each frequency group (30% / 50% / 20% of the vocabulary by "
+              "train counts of both sides). Rare mass: the probability the model gives the rare group, summed over "
+              "target positions, against the rare group's share of the targets.", ""]
+        shown = [k for k in nmt if metrics[k].get("translations")]
+        for j in range(min([args.show_samples] + [len(metrics[k]["translations"]) for k in shown]) if shown else 0):
+            t = metrics[shown[0]]["translations"][j]
+            L += [f"**Test sentence {j + 1}**: {_md(t['src'])}", "", f"- reference: {_md(t['ref'])}"]
+            L += [f"- {k}: {_md(metrics[k]['translations'][j]['hyp'])}" for k in shown]
+            L.append("")
     L += ["## Top-5 cosine neighbours of rare tokens (AGG Tables 12-13; * = neighbour in the rare group)", ""]
     for k, (rows, _) in extras.items():
         L += [f"**{k}**", "", "| token | top-5 neighbours |", "| --- | --- |"]
@@ -438,7 +450,7 @@ def build_parser():
                         "(default 0: non-overlapping blocks, the same scoring as training's validation)")
     p.add_argument("--cache-dir", default=None, help="LM data cache (default: the run's own)")
     p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
-    p.add_argument("--show-samples", type=int, default=2, help="continuations printed in report.md")
+    p.add_argument("--show-samples", type=int, default=2, help="continuations (LM) or test translations (NMT) printed in report.md")
     p.add_argument("--prefix-len", type=int, default=50)
     p.add_argument("--gen-len", type=int, default=100)
     p.add_argument("--n-rare-tokens", type=int, default=6, help="rare tokens whose neighbours are listed")

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pickle
 import platform
@@ -290,6 +291,20 @@ def autocast(cfg):
         device_type = torch.device(cfg["device"]).type
         return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def lr_schedule(kind, warmup, max_steps):
+    """The LambdaLR factor of the peak lr at each step. cosine: linear warm-up, then cosine decay to 10% of the peak
+    at max_steps; inverse-sqrt: Vaswani et al.'s, normalised so the peak (at step `warmup`) is the configured lr."""
+    def cosine(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    def inverse_sqrt(step):
+        return min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
+    return {"cosine": cosine, "inverse-sqrt": inverse_sqrt}[kind]
 
 
 def make_optimizer(model, lr, weight_decay):

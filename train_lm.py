@@ -419,15 +419,6 @@ def generate(model, prefix, n_new, autocast=contextlib.nullcontext):
 
 
 # --------------------------------------------------------------------------------------------------------- training
-def lr_lambda(warmup, max_steps):
-    def f(step):  # linear warm-up, then cosine decay to 10% of the peak
-        if step < warmup:
-            return (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-    return f
-
-
 def check_memory(cfg, V, B):
     """Refuse a configuration whose activations cannot fit in this machine's memory (a clear message, no traceback
     from a giant allocation). Estimate for a micro-batch of B sequences: attention scores, layer activations, logits."""
@@ -640,7 +631,7 @@ def main(argv=None):
                                PRESET_METHOD.get(cfg["preset"]))
     method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"], special_ids=special_ids, **hp)
     opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["warmup"], cfg["max_steps"]))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"]))
     step, best_ppl = 0, math.inf
     if ck is not None:
         best_ppl = ck.get("best_valid_ppl", math.inf)
@@ -650,7 +641,7 @@ def main(argv=None):
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
-        sched.lr_lambdas = [lr_lambda(cfg["warmup"], cfg["max_steps"])] * len(opt.param_groups)
+        sched.lr_lambdas = [runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])] * len(opt.param_groups)
         method.load_state_dict(ck["method"])
         method_to_device(method, device)
         step = ck["step"]

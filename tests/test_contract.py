@@ -105,3 +105,14 @@ def test_checkpoints_and_method_states_load_as_data(script_run, tmp_path):
     torch.save(state, buf)
     buf.seek(0)
     assert torch.load(buf, weights_only=True)["name"] == "agg"
+
+
+def test_lr_schedules():
+    """cosine: linear warm-up to the peak, then cosine decay to 10% at max_steps (train_lm.py, `--schedule cosine`);
+    inverse-sqrt: Vaswani et al.'s (every train_nmt.py preset), peak 1 at the end of warm-up."""
+    cos = runlib.lr_schedule("cosine", warmup=10, max_steps=110)
+    assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0) and cos(10) == pytest.approx(1.0)
+    assert cos(60) == pytest.approx(0.55) and cos(110) == pytest.approx(0.1) and cos(500) == pytest.approx(0.1)
+    inv = runlib.lr_schedule("inverse-sqrt", warmup=10, max_steps=110)
+    assert inv(4) == pytest.approx(0.5) and inv(9) == pytest.approx(1.0) and inv(39) == pytest.approx(0.5)
+    assert all(p["schedule"] == "inverse-sqrt" for p in train_nmt.PRESETS.values())

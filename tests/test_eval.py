@@ -155,8 +155,12 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
                     "--no-test", "--device", "cpu", "--out", out, "--keep-last", "2"])
     assert sorted(p.name for p in train_nmt.snapshots(out)) == ["ckpt_4.pt", "ckpt_6.pt"]  # the last 2 kept
     m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
-    for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine"):
+    for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine", "test_ppl", "ppl_groups",
+              "group_rare_mass_pred", "group_rare_mass_true", "translations"):
         assert k in m
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "rare mass pred / true" in report and "**Test sentence 1**" in report
+    assert f"- nmt: {m['translations'][0]['hyp']}" in report
     assert 0 <= m["bleu"] <= 100 and 0 < m["isotropy"] <= 1 and m["checkpoints_averaged"] == 0
     avg = ev.main([out, "--out", str(tmp_path / "r2"), "--device", "cpu", "--beam", "2", "--average-last", "2"])["nmt"]
     assert avg["checkpoints_averaged"] == 2 and avg["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"]

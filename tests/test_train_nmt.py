@@ -153,8 +153,19 @@ def test_synthetic_task_learns(trained, method):
     assert "tok:13a" in res["bleu_signature"]
     lines = [l for l in (out / "log.jsonl").read_text().splitlines()]
     assert any('"split": "valid"' in l for l in lines) and any('"split": "train"' in l for l in lines)
+    valid = [json.loads(l) for l in lines if '"split": "valid"' in l][-1]
+    for k in ("ppl_freq", "ppl_med", "ppl_rare", "isotropy_freq", "isotropy_med", "isotropy_rare", "cosine_rare_freq",
+              "mean_cosine_rare", "group_rare_mass_pred", "group_rare_mass_true", "decode_s"):
+        assert isinstance(valid[k], float), k
+    assert 0 < valid["group_rare_mass_pred"] < 1 and 0 <= valid["group_rare_mass_true"] < 1
     if method == "agg":
         assert '"method_rare_fraction"' in lines[0] and '"R_over_B"' in lines[0]
+        assert 0 <= valid["method_rare_mass_pred"] < 1 and 0 <= valid["method_rare_mass_true"] < 1
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["schedule"] == "inverse-sqrt" and cfg["rare_share"] is None  # the cpu preset's AGG rare share, 0.2:
+        assert cfg["method_rare_share"] == pytest.approx(0.2, abs=0.05)
+    else:
+        assert "method_rare_mass_pred" not in valid
 
 
 def test_evaluate_returns_the_contract(trained):
@@ -172,6 +183,24 @@ def test_evaluate_returns_the_contract(trained):
     lower = [i for i, t in enumerate(ev["tokens"]) if t.strip().isalpha() and t.strip().islower() and len(t.strip()) > 2]
     assert lower and all(ev["tgt_counts"][i] == 0 for i in lower) and any(ev["counts"][i] > 0 for i in lower)
     assert ev["tokens"][:4] == T.SPECIALS
+    # per-group PPL, rare mass and translations, checked against the test split itself
+    data = T.prepare_data(dict(torch.load(out / "ckpt.pt", weights_only=True)["config"]), quiet=True)
+    rare = torch.zeros(V, dtype=torch.bool)
+    rare[agg.frequency_groups(ev["counts"])[2]] = True
+    targets = [torch.cat([torch.from_numpy(t.astype("int64")), torch.tensor([T.EOS])]) for t in data.ids["test.tgt"]]
+    assert m["group_rare_mass_true"] == pytest.approx(sum(int(rare[t].sum()) for t in targets) /
+                                                      sum(len(t) for t in targets))
+    assert 0 < m["group_rare_mass_pred"] < 1
+    gid = torch.zeros(V, dtype=torch.long)
+    for g, idx in enumerate(agg.frequency_groups(ev["counts"])):
+        gid[idx] = g
+    n_g = torch.bincount(gid[torch.cat(targets)], minlength=3).double()
+    log_ppl = torch.tensor([math.log(m["ppl_groups"][g]) if n_g[k] else 0.0 for k, g in enumerate(T.GROUPS)])
+    assert float((n_g * log_ppl).sum() / n_g.sum()) == pytest.approx(math.log(m["test_ppl"]), rel=1e-6)
+    hyps = (out / "test_hyps.txt").read_text().splitlines()
+    assert [t["src"] for t in m["translations"]] == data.text["test"][0][:5]
+    assert [t["ref"] for t in m["translations"]] == data.text["test"][1][:5]
+    assert [t["hyp"] for t in m["translations"]] == hyps[:5]
     # eval.py recognises the run by "task" in the checkpoint's config and in config.json
     assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["task"] == "nmt"
     assert '"task": "nmt"' in (out / "config.json").read_text()
@@ -297,6 +326,11 @@ def test_source_only_tokens_are_never_rare_and_never_frozen(tmp_path, nmt_tiny):
                               special_ids=(ev["tgt_counts"] == 0).nonzero().squeeze(1).tolist())
     method.load_state_dict(torch.load(tmp_path / "agg" / "ckpt.pt", weights_only=True)["method"])
     assert not method.rare_mask()[source_only].any() and method.rare_mask().any()
+    # --source-only-rare: AGG Eq. 5 read literally, a_k = 0 makes every token that is never a target rare
+    T.main(base + ["--method", "agg", "--alpha", "1000", "--source-only-rare", "--out", str(tmp_path / "literal")])
+    rare_count = {name: [json.loads(l) for l in open(tmp_path / name / "log.jsonl") if '"valid"' in l][-1]
+                  ["method_rare_count"] for name in ("agg", "literal")}
+    assert rare_count["literal"] - rare_count["agg"] == int((ev["tgt_counts"][len(T.SPECIALS):] == 0).sum()) > 0
     T.main(base + ["--method", "freeze-rare", "--rare-fraction", "0.5", "--out", str(tmp_path / "frz")])
     frozen = agg.build_method("freeze-rare", len(ev["tokens"]), counts=ev["counts"], rare_fraction=0.5,
                               special_ids=[0, 1, 2, 3]).rare_mask()
