@@ -808,11 +808,13 @@ def train(cfg, explicit=frozenset(), argv=()):
     # AGG's a_k counts targets (Eq. 5, as the official criterion), and tokens that never occur as training targets
     # are never rare: the decoder never has to produce them, and gating their push only inflates their mass.
     # --source-only-rare keeps the paper's literal rule instead: a_k = 0, so rare with g1 = 0 (no push at all).
+    # Either way --rare-share is a share of the target vocabulary, so both rules gate the same target tokens.
     never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
     dynamic = "alpha" in agg.METHODS[cfg["method"]].defaults
-    method_special = special_ids + (never_targets if dynamic and not cfg.get("source_only_rare") else [])
+    target_special = special_ids + (never_targets if dynamic else [])
+    method_special = special_ids if cfg.get("source_only_rare") else target_special
     target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
-    hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, method_special,
+    hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, target_special,
                                PRESET_METHOD.get(cfg["preset"]))
     method = agg.build_method(cfg["method"], vocab_size=V, counts=data.corpus_counts, special_ids=method_special,
                               **hp)
@@ -839,7 +841,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             print(f"resumed {ckpt_path} at step {step} (epoch {epoch})")
     if master:
         out.mkdir(parents=True, exist_ok=True)
-        rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, method_special) \
+        rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, target_special) \
             if "alpha" in hp else None
         info = dict(cfg, **runlib.provenance(argv), vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
                     grad_accum=accum, world_size=world, method_hparams=hp, method_rare_share=rare_share,

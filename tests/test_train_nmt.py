@@ -331,6 +331,10 @@ def test_source_only_tokens_are_never_rare_and_never_frozen(tmp_path, nmt_tiny):
     rare_count = {name: [json.loads(l) for l in open(tmp_path / name / "log.jsonl") if '"valid"' in l][-1]
                   ["method_rare_count"] for name in ("agg", "literal")}
     assert rare_count["literal"] - rare_count["agg"] == int((ev["tgt_counts"][len(T.SPECIALS):] == 0).sum()) > 0
+    T.main(base + ["--method", "agg", "--rare-share", "0.3", "--out", str(tmp_path / "share")])
+    T.main(base + ["--method", "agg", "--rare-share", "0.3", "--source-only-rare", "--out", str(tmp_path / "share2")])
+    hp = [json.load(open(tmp_path / n / "config.json"))["method_hparams"] for n in ("share", "share2")]
+    assert hp[0] == hp[1]  # a share of the target vocabulary: the same alpha under both rules
     T.main(base + ["--method", "freeze-rare", "--rare-fraction", "0.5", "--out", str(tmp_path / "frz")])
     frozen = agg.build_method("freeze-rare", len(ev["tokens"]), counts=ev["counts"], rare_fraction=0.5,
                               special_ids=[0, 1, 2, 3]).rare_mask()
