@@ -253,7 +253,7 @@ def pm(s, nd=2):
 
 
 def plot_training_curves(run_dirs, path):
-    """AGG Fig. 2 on the LM: I(W) per frequency group and the rare-frequent cosine over training, from the validation
+    """AGG Fig. 2: I(W) per frequency group and the rare-frequent cosine over training (LM or NMT), from the validation
     records of each run's log.jsonl. Returns the path, or None when no run has such records."""
     import matplotlib
     matplotlib.use("Agg")
@@ -280,7 +280,7 @@ def plot_training_curves(run_dirs, path):
         if key == "ppl":
             ax.set_yscale("log")
     axes[0].legend(fontsize=6)
-    fig.suptitle("Validation records over training (AGG Fig. 2 on the LM)", fontsize=9)
+    fig.suptitle("Validation records over training (AGG Fig. 2)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -397,7 +397,7 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
                      " | ".join(fmt(m.get("ppl_groups", {}).get(g, float("nan"))) for g in GROUPS) +
                      f" | {fmt(m['isotropy'], 3)} | " + " | ".join(fmt(m["isotropy_groups"][g], 3) for g in GROUPS) +
                      f" | {fmt(m['mean_cosine'], 3)} | {fmt(m.get('group_rare_mass_pred', float('nan')), 4)} / "
-                     f"{fmt(m.get('group_rare_mass_true', float('nan')), 4)} | `{m.get('bleu_signature', '')}` |")
+                     f"{fmt(m.get('group_rare_mass_true', float('nan')), 4)} | `{_md(m.get('bleu_signature', ''))}` |")
         L += ["", "PPL per group: of the target tokens in each frequency group (30% / 50% / 20% of the vocabulary by "
               "train counts of both sides). Rare mass: the probability the model gives the rare group, summed over "
               "target positions, against the rare group's share of the targets.", ""]
