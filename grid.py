@@ -54,7 +54,7 @@ def finished(folder):
 
 
 def train_all(args, extra):
-    todo = [(m, s) for m in args.methods for s in args.seeds]
+    todo = [(m, s) for s in args.seeds for m in args.methods]  # seed-major: a stopped grid has every method at seed 0
     for i, (method, seed) in enumerate(todo):
         folder = run_dir(args.out, method, seed)
         if finished(folder):
