@@ -219,7 +219,7 @@ def read_checkpoint(out_dir, which="last"):
     return ck, task
 
 
-SUMMARY_SKIP = {"step", "tokens", "uniq_human", "uniq_human_groups", "gen_uniq_human", "n_sentences", "beam",
+SUMMARY_SKIP = {"step", "tokens", "uniq_human", "uniq_human_groups", "gen_uniq_human", "gen_rep4_human", "n_sentences", "beam",
                 "lenpen", "word_similarity_pairs", "singular_values"}
 
 
@@ -377,10 +377,11 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
         L += ["", "Word similarity: Spearman correlation of the cosine of mean subword embeddings with human scores "
               "(pairs used / total: " + "; ".join(f"{n} {u}/{t}" for n, (u, t) in
                                                    h["word_similarity_pairs"].items()) + ").", ""]
-        L += ["Greedy continuations (Uniq = distinct tokens in 100 generated tokens):", "",
-              "| run | mean Uniq per sample |", "| --- | --- |"]
-        L += [f"| {k} | {fmt(metrics[k]['gen_uniq'], 1)} |" for k in lm]
-        L += [f"| human | {fmt(h['gen_uniq_human'], 1)} |", ""]
+        L += ["Greedy continuations (Uniq = distinct tokens in 100 generated tokens; seq-rep-4 = share of repeated "
+              "4-grams, Welleck et al. 2020):", "",
+              "| run | mean Uniq per sample | mean seq-rep-4 |", "| --- | --- | --- |"]
+        L += [f"| {k} | {fmt(metrics[k]['gen_uniq'], 1)} | {fmt(metrics[k]['gen_rep4'], 3)} |" for k in lm]
+        L += [f"| human | {fmt(h['gen_uniq_human'], 1)} | {fmt(h['gen_rep4_human'], 3)} |", ""]
         for j, g in enumerate(h["generations"][:args.show_samples]):
             L += [f"**Sample {j + 1}** prefix: {_md(g['prefix'])}", "",
                   f"- human (Uniq {g['uniq_human']}): {_md(g['human'])}"]

@@ -3,6 +3,7 @@
 
     python grid.py                                   # cpu preset, every method, seeds 0 1 2 -> out/grid/
     python grid.py --methods mle agg --seeds 0       # a part of the grid
+    python grid.py --no-train                        # the tables of the runs finished so far (a grid in progress)
     python grid.py --out out/grid-6l -- --dataset wikitext-103 --preset paper-6l    # the same grid on a GPU
 
 Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped and a stopped
@@ -102,10 +103,20 @@ def main(argv=None):
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "grid"))
     p.add_argument("--eval-args", default="", help="extra eval.py flags, e.g. '--checkpoint best --n-samples 0'")
+    p.add_argument("--no-train", action="store_true",
+                   help="train nothing: evaluate the grid's finished runs only (n per method says how many)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    train_all(args, extra)
-    report = os.path.join(args.out, "report")
     folders = [run_dir(args.out, m, s) for m in args.methods for s in args.seeds]
+    if args.no_train:
+        missing = [os.path.basename(f) for f in folders if not finished(f)]
+        folders = [f for f in folders if finished(f)]
+        if not folders:
+            raise SystemExit(f"grid: no finished run in {args.out}/runs; run grid.py without --no-train first")
+        if missing:
+            print(f"grid: {len(missing)} runs not finished, left out: {' '.join(missing)}")
+    else:
+        train_all(args, extra)
+    report = os.path.join(args.out, "report")
     cmd = [sys.executable, os.path.join(ROOT, "eval.py"), *folders, "--out", report, *args.eval_args.split()]
     if subprocess.run(cmd).returncode:
         raise SystemExit(f"grid: `{' '.join(cmd)}` failed")

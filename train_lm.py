@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import sys
 import time
@@ -99,6 +100,13 @@ def build_parser():
     g.add_argument("--snapshot-steps", type=lambda t: sorted({int(x) for x in t.split(",") if x}), default=[],
                    help="comma-separated steps at which to save the embedding matrix to OUT/snapshots/ "
                         "(eval.py draws them as SVD projections over time, AGG Fig. 1)")
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument("--init-from", default=None, metavar="RUN",
+                   help="start from the model weights of this run folder (or checkpoint file): a fine-tune with a "
+                        "fresh optimizer and schedule on the same data, tokenizer and model shape")
+    g.add_argument("--seq-ul-prob", type=float, default=0.0,
+                   help="probability of a sequence-level unlikelihood update instead of the method's update at each "
+                        "step (Welleck et al. 2020 Sec. 5.2 fine-tune mle or ul models with 0.5; see seq_ul_step)")
     return p
 
 
@@ -120,6 +128,11 @@ def resolve_config(args, explicit=None):
     for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps"):
         if cfg[k] < 1:
             raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
+    if not 0 <= cfg["seq_ul_prob"] <= 1:
+        raise SystemExit(f"--seq-ul-prob {cfg['seq_ul_prob']}: must be a probability in [0, 1]")
+    if cfg["seq_ul_prob"] and cfg["method"] not in ("mle", "ul"):
+        raise SystemExit(f"--seq-ul-prob with --method {cfg['method']}: sequence-level unlikelihood updates are plain "
+                         f"gradients (no gates, freezing or regulariser), so they fine-tune mle or ul models only")
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
     cfg["task"] = "lm"
@@ -407,6 +420,20 @@ def build_model(cfg, vocab_size):
     return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS})
 
 
+def init_from(model, cfg):
+    """Load the model weights of the run (folder or checkpoint file) named by --init-from, after checking that it was
+    trained on the same data with the same tokenizer and model shape."""
+    path = cfg["init_from"]
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    src = runlib.load_checkpoint(path, "lm")
+    for key in ("dataset", "data_dir", "tokenizer", "vocab_size", *[k for k in MODEL_FIELDS if k != "dropout"]):
+        if src["config"].get(key) != cfg.get(key):
+            raise SystemExit(f"--init-from {path} was trained with {key}={src['config'].get(key)!r}, this run has "
+                             f"{key}={cfg.get(key)!r}: pass the same --preset, data and model flags")
+    model.load_state_dict(src["model"])
+    return src["step"]
+
+
 @torch.no_grad()
 def generate(model, prefix, n_new, autocast=contextlib.nullcontext):
     """Greedy continuation of a (B, T) prefix, cropping the context to block_size."""
@@ -567,13 +594,22 @@ def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=
             cont = generate(model, prefix, gen_len, autocast)[0].tolist()
             human = np.asarray(ids[s + prefix_len:s + span]).tolist()
             gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
-                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human))))
+                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human)),
+                             rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human)))
     m["generations"] = gens
     m["gen_uniq"] = float(np.mean([g["uniq"] for g in gens])) if gens else float("nan")
     m["gen_uniq_human"] = float(np.mean([g["uniq_human"] for g in gens])) if gens else float("nan")
+    m["gen_rep4"] = float(np.mean([g["rep4"] for g in gens])) if gens else float("nan")
+    m["gen_rep4_human"] = float(np.mean([g["rep4_human"] for g in gens])) if gens else float("nan")
     tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
     return {"metrics": m, "weight": model.tok_emb.weight.detach().float().cpu(), "counts": data["counts"],
             "tokens": tokens, "tokenizer": tok, "kind": cfg["tokenizer"]}
+
+
+def repeated_4grams(tokens):
+    """seq-rep-4 of Welleck et al. 2020: the share of a continuation's 4-grams that are repeats, 1 - unique / all."""
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def method_to_device(method, device):
@@ -625,7 +661,10 @@ def main(argv=None):
     groups = agg.frequency_groups(data["counts"])
 
     # -- model, method, optimizer
-    model = build_model(cfg, V).to(device)
+    model = build_model(cfg, V)
+    if cfg.get("init_from") and ck is None:
+        log(f"initialised from {cfg['init_from']} (step {init_from(model, cfg)})")
+    model = model.to(device)
     special_ids = [data["pad_id"], data["eos_id"]]
     hp = runlib.method_hparams(cfg, steps_per_epoch, data["counts"], tokens_per_step, special_ids,
                                PRESET_METHOD.get(cfg["preset"]))
@@ -708,26 +747,35 @@ def main(argv=None):
     while step < stop:
         x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
         x_all, y_all = x_all.to(device), y_all.to(device)
-        loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
-                                                ddp, world)
-        sched.step()
-        step += 1
-        tokens_seen += tokens_per_step
-        if not math.isfinite(loss_mean):
-            raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's hyper-parameters")
-        tps = tokens_seen / max(1e-9, time.time() - t0)
-        post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
-        if "rare_fraction" in stats:
-            post["rare"] = f"{stats['rare_fraction']:.3f}"
-        bar.set_postfix(post, refresh=False)
-        bar.update(1)
-        if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
-            rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
-                       lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
-                       **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items() if k != "nll"})
-            if "rare_count" in stats:  # method stats are those of the last micro-batch
-                rec["R_over_B"] = stats["rare_count"] / tokens_per_step
-            write_log(rec)
+        if seq_ul_now(cfg, step):  # a sequence-level unlikelihood update (fine-tuning with --seq-ul-prob)
+            seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast)
+            sched.step()
+            step += 1
+            bar.update(1)
+            write_log(dict(step=step, split="train", seq_ul_loss=seq_loss, seq_ul_share=seq_share,
+                           lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
+        else:
+            loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"],
+                                                    autocast, ddp, world)
+            sched.step()
+            step += 1
+            tokens_seen += tokens_per_step
+            if not math.isfinite(loss_mean):
+                raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's hyper-parameters")
+            tps = tokens_seen / max(1e-9, time.time() - t0)
+            post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
+            if "rare_fraction" in stats:
+                post["rare"] = f"{stats['rare_fraction']:.3f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+            if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
+                rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
+                           lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
+                           **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items()
+                              if k != "nll"})
+                if "rare_count" in stats:  # method stats are those of the last micro-batch
+                    rec["R_over_B"] = stats["rare_count"] / tokens_per_step
+                write_log(rec)
         if master and step in cfg.get("snapshot_steps", ()):
             os.makedirs(os.path.join(out, "snapshots"), exist_ok=True)
             runlib.save_checkpoint(os.path.join(out, "snapshots", f"emb_{step}.pt"),
@@ -741,6 +789,36 @@ def main(argv=None):
         torch.distributed.destroy_process_group()
     log(f"done: step {step}, checkpoint {ckpt_path}")
     return out
+
+
+def seq_ul_now(cfg, step):
+    """Whether step `step` is a sequence-level unlikelihood update: a coin of probability --seq-ul-prob seeded by
+    (seed, step), so a resumed run makes the same choices."""
+    p = cfg.get("seq_ul_prob", 0.0)
+    return p > 0 and random.Random(f"{cfg['seed']}:{step}").random() < p
+
+
+def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n=4):
+    """One sequence-level unlikelihood update (Welleck et al. 2020 Sec. 5.2: prefixes of 50 tokens, greedy
+    continuations of 100, candidates the tokens of repeated 4-grams). The prefixes are the first tokens of this
+    process's sequences; prefix + continuation fit in one block (shorter when block_size < 150), so one forward pass
+    gives the probabilities the continuation was decoded from. Returns (loss, share of tokens penalised)."""
+    prefix_len = min(prefix_len, raw.block_size // 2)
+    cont_len = min(cont_len, raw.block_size - prefix_len)
+    prefix = x_all[:, :prefix_len]
+    raw.eval()
+    cont = generate(raw, prefix, cont_len, autocast)
+    raw.train()
+    full = torch.cat([prefix, cont], dim=1)
+    with autocast():
+        hidden = model(full[:, :-1])[:, prefix_len - 1:]  # the features that predicted each continuation token
+        logits = hidden @ raw.tok_emb.weight.t()
+    loss, share = agg.sequence_unlikelihood(logits, cont, n)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), share.item()
 
 
 def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1):

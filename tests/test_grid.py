@@ -32,3 +32,9 @@ def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, caps
     grid.main(argv)
     assert "done, skipped" in capsys.readouterr().out
     assert os.path.getmtime(tmp_path / "runs" / "mle-s0" / "ckpt.pt") == mtime
+    capsys.readouterr()  # --no-train tabulates the finished runs and names the rest
+    grid.main(["--methods", "mle", "agg", "ul", "--seeds", "0", "1", "--no-train", *argv[5:]])
+    assert "4 runs not finished, left out: mle-s1 agg-s1 ul-s0 ul-s1" in capsys.readouterr().out
+    assert set(json.load(open(tmp_path / "report" / "summary.json"))) == {"mle", "agg"}
+    with pytest.raises(SystemExit, match="no finished run"):
+        grid.main(["--methods", "ul", "--no-train", "--out", str(tmp_path)])

@@ -263,3 +263,40 @@ def test_validation_and_evaluation_score_alike(lm_run, tmp_path, read_log):
     assert res["metrics"]["tokens"] == valid["tokens"]
     ctx = train_lm.evaluate(str(tmp_path / "r"), split="valid", n_samples=0, context_window=8)
     assert ctx["metrics"]["tokens"] == valid["tokens"] and ctx["metrics"]["context_window"] == 8
+
+
+def test_seq_ul_fine_tune_starts_from_the_run_and_resumes_exactly(lm_run, read_log, tmp_path):
+    """--init-from loads a run's weights into a fresh run; --seq-ul-prob mixes in sequence-level UL updates on the
+    steps its seeded coin picks (seed 0, p 0.5: steps 2, 3, 4, 6 of 6); stopping and resuming changes nothing."""
+    lm_run(tmp_path / "base", "--lr", "3e-2", steps=4)
+    lm_run(tmp_path / "copy", "--init-from", tmp_path / "base", "--lr", "0", "--seq-ul-prob", "1", steps=1)
+    a = torch.load(tmp_path / "base" / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "copy" / "ckpt.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)  # lr 0: the base weights, unchanged
+    extra = ["--init-from", tmp_path / "base", "--seq-ul-prob", "0.5", "--dropout", "0.2", "--eval-interval", "3"]
+    lm_run(tmp_path / "full", *extra, steps=6)
+    lm_run(tmp_path / "split", *extra, "--stop-at", "3", steps=6)
+    lm_run(tmp_path / "split", *extra, "--resume", steps=6)
+    a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train = [r for r in read_log(tmp_path / "full") if r["split"] == "train"]
+    assert [r["step"] for r in train if "seq_ul_loss" in r] == [2, 3, 4, 6]
+    assert [r["step"] for r in train if "loss" in r] == [1, 5]
+    assert all(r["seq_ul_loss"] >= 0 and 0 <= r["seq_ul_share"] <= 1 for r in train if "seq_ul_loss" in r)
+    assert train_lm.repeated_4grams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 - 4 / 5)
+    m = train_lm.evaluate(str(tmp_path / "full"), n_samples=2)["metrics"]
+    assert 0 <= m["gen_rep4"] <= 1 and m["gen_rep4"] == pytest.approx(
+        sum(g["rep4"] for g in m["generations"]) / 2)
+
+
+def test_seq_ul_flags_refuse_what_they_cannot_do(lm_run, tmp_path):
+    lm_run(tmp_path / "base", steps=2)
+    with pytest.raises(SystemExit, match="d_model=16.*d_model=32"):
+        lm_run(tmp_path / "wide", "--init-from", tmp_path / "base", "--d-model", "32", steps=2)
+    with pytest.raises(SystemExit, match="fine-tune mle or ul"):
+        lm_run(tmp_path / "agg", "--method", "agg", "--seq-ul-prob", "0.5", steps=2)
+    with pytest.raises(SystemExit, match="probability"):
+        lm_run(tmp_path / "p", "--seq-ul-prob", "1.5", steps=2)
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        lm_run(tmp_path / "none", "--init-from", tmp_path / "nowhere", steps=2)
