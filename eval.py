@@ -11,7 +11,8 @@ Each run folder holds ckpt.pt; its config's "task" picks the evaluation:
 Both: I(W) total and per group (AGG Eq. 3), mean cosine S(w) (AGPS Eq. 9), normalised singular values (plot),
 2-D SVD projection coloured by group (plot, AGG Fig. 1/3), top-5 cosine neighbours of rare tokens (AGG Tables 12-13).
 Frequency groups: 30% frequent / 50% medium / 20% rare of the vocabulary by training counts (AGG Sec. 3.1).
-Writes REPORT/metrics.json ({run label: metrics}), REPORT/report.md and the PNG plots.
+Writes REPORT/metrics.json ({run label: metrics}), REPORT/summary.json (mean and std over the seeds of each method,
+or of each variant where runs of one method differ in more than their seed), REPORT/report.md and the PNG plots.
 """
 import argparse
 import json
@@ -223,16 +224,47 @@ SUMMARY_SKIP = {"step", "tokens", "uniq_human", "uniq_human_groups", "gen_uniq_h
                 "lenpen", "word_similarity_pairs", "singular_values"}
 
 
+# config keys that do not make two runs different experiments: the seed, where the run lives and how it was driven
+NOT_A_VARIANT = {"seed", "out", "resume", "overwrite", "stop_at", "device", "compile", "eval_interval", "log_interval",
+                 "cache_dir", "snapshot_steps", "keep_last", "no_test", "valid_bleu_sents"}
+
+
+def variant_names(configs):
+    """{run: summary key} for runs given as {run: config}: the run's method, or, where runs of one method differ in
+    more than their seed, the method followed by the settings that tell them apart (e.g. 'ul+agg gate_ul=False'), so
+    runs of different experiments are never averaged together. A method flag left unset shows the method's default;
+    init_from shows whether one was given (the runs it names differ by seed)."""
+    def setting(cfg, key):
+        value = cfg.get(key)
+        if key == "init_from":
+            return value is not None
+        if value is None:
+            return getattr(agg.METHODS.get(cfg.get("method")), "defaults", {}).get(key)
+        return value
+
+    by_method = {}
+    for run, cfg in configs.items():
+        by_method.setdefault(cfg.get("method", "?"), []).append(run)
+    names = {}
+    for method, runs in by_method.items():
+        keys = sorted({k for r in runs for k in configs[r]} - NOT_A_VARIANT)
+        differ = [k for k in keys if len({repr(setting(configs[r], k)) for r in runs}) > 1]
+        for r in runs:
+            names[r] = method + "".join(f" {k}={setting(configs[r], k)}" for k in differ)
+    return names
+
+
 def summarise(metrics):
-    """{method: {"n": runs, METRIC: {"mean": m, "std": s}, GROUPED_METRIC: {group: {"mean", "std"}}}} over the runs
-    of each method (seeds): every numeric metric and every dict of numeric metrics (std with ddof 1; 0 for one run)."""
+    """{variant: {"n": runs, METRIC: {"mean": m, "std": s}, GROUPED_METRIC: {group: {"mean", "std"}}}} over the runs
+    of each variant (its seeds; the variant is the method unless runs of one method differ in more than their seed,
+    see variant_names): every numeric metric and every dict of numeric metrics (std with ddof 1; 0 for one run)."""
     def stat(values):
         t = torch.tensor(values, dtype=torch.float64)
         return {"mean": float(t.mean()), "std": float(t.std()) if len(t) > 1 else 0.0}
 
     by_method = {}
     for m in metrics.values():
-        by_method.setdefault(m.get("method", "?"), []).append(m)
+        by_method.setdefault(m.get("variant", m.get("method", "?")), []).append(m)
     out = {}
     for method, runs in by_method.items():
         s = {"n": len(runs)}
@@ -252,15 +284,16 @@ def pm(s, nd=2):
     return f"{fmt(s['mean'], nd)} ± {fmt(s['std'], nd)}"
 
 
-def plot_training_curves(run_dirs, path):
+def plot_training_curves(run_dirs, variants, path):
     """AGG Fig. 2: I(W) per frequency group and the rare-frequent cosine over training (LM or NMT), from the validation
-    records of each run's log.jsonl. Returns the path, or None when no run has such records."""
+    records of each run's log.jsonl. Runs of one variant (seeds) are drawn as their mean with a min-max band.
+    Returns the path, or None when no run has such records."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = [("isotropy_freq", "I(W) frequent"), ("isotropy_med", "I(W) medium"), ("isotropy_rare", "I(W) rare"),
             ("cosine_rare_freq", "cos(rare, frequent)"), ("ppl", "valid PPL")]
-    curves = {}
+    groups = {}  # variant -> [records of each run]
     for label, d in run_dirs.items():
         log = os.path.join(d, "log.jsonl")
         if os.path.exists(log):
@@ -268,20 +301,30 @@ def plot_training_curves(run_dirs, path):
                 recs = [json.loads(line) for line in f if line.strip()]
             recs = [r for r in recs if r.get("split") == "valid" and "isotropy_rare" in r]
             if recs:
-                curves[label] = recs
-    if not curves:
+                groups.setdefault(variants[label], []).append((label, recs))
+    if not groups:
         return None
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2))
+    colours = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.4))
     for ax, (key, title) in zip(axes, keys):
-        for label, recs in curves.items():
-            ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=label, lw=1)
+        for i, (variant, runs) in enumerate(groups.items()):
+            colour = colours(i % colours.N)
+            if len(runs) == 1:
+                label, recs = runs[0]
+                ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=label, lw=1, color=colour)
+                continue
+            steps = sorted(set.intersection(*({r["step"] for r in recs} for _, recs in runs)))
+            values = np.array([[{r["step"]: r[key] for r in recs}[s] for s in steps] for _, recs in runs])
+            ax.plot(steps, values.mean(0), label=f"{variant} (mean of {len(runs)})", lw=1, color=colour)
+            ax.fill_between(steps, values.min(0), values.max(0), color=colour, alpha=0.2, lw=0)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         if key == "ppl":
             ax.set_yscale("log")
-    axes[0].legend(fontsize=6)
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=6, loc="lower center",
+               ncol=min(len(groups), 7), frameon=False)
     fig.suptitle("Validation records over training (AGG Fig. 2)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(groups) - 1) // 7), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -348,7 +391,7 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
                 ("mean_cosine_groups.rare", "cos rare"), ("bleu", "BLEU"), ("test_ppl", "test PPL"),
                 ("group_rare_mass_pred", "rare mass pred"), ("group_rare_mass_true", "rare mass true")]
         cols = [(k, h) for k, h in cols if any(_get(s, k) for s in summary.values())]
-        L += ["## Mean ± std over runs of the same method", "", "| method | n | " + " | ".join(h for _, h in cols) +
+        L += ["## Mean ± std over the runs (seeds) of each method", "", "| method | n | " + " | ".join(h for _, h in cols) +
               " |", "|" + " --- |" * (2 + len(cols))]
         for method, s in summary.items():
             L.append(f"| {method} | {s['n']} | " + " | ".join(pm(_get(s, k), 3 if "isotropy" in k or "cos" in k
@@ -473,7 +516,12 @@ def main(argv=None):
     device = torch.device(args.device)
     metrics, weights, counts, extras = {}, {}, {}, {}
     # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)
-    tasks = {d: read_checkpoint(d, args.checkpoint)[1] for d in args.out_dirs}
+    tasks, configs = {}, {}
+    for d in args.out_dirs:
+        ck, tasks[d] = read_checkpoint(d, args.checkpoint)
+        configs[d] = ck["config"]
+        del ck
+    variants = variant_names(configs)
     os.makedirs(args.out, exist_ok=True)
     picks = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
@@ -495,6 +543,7 @@ def main(argv=None):
                 rows[tokens[i].strip()] = [tokens[j].strip() + ("*" if gid[j] == 2 else "") for j in ns]
         m["neighbours"] = rows
         m["checkpoint"] = args.checkpoint
+        m["variant"] = variants[out_dir]
         metrics[label], weights[label], counts[label], extras[label] = m, W, c, (rows, ids)
         print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in ("ppl", "bleu", "isotropy", "mean_cosine")
                                          if k in m))
@@ -506,7 +555,8 @@ def main(argv=None):
                          os.path.join(args.out, "singular_values.png"))
     plot_svd(weights, counts, os.path.join(args.out, "svd_projection.png"))
     folders = dict(zip(labels_for(args.out_dirs), args.out_dirs))
-    curves = plot_training_curves(folders, os.path.join(args.out, "training_curves.png"))
+    curves = plot_training_curves(folders, {label: variants[d] for label, d in folders.items()},
+                                  os.path.join(args.out, "training_curves.png"))
     snaps = plot_snapshots(folders, counts, os.path.join(args.out, "svd_over_time.png"))
     write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves, snaps)
     print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")

@@ -9,7 +9,7 @@
 Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped and a stopped
 one is resumed, so the grid can be stopped and restarted at any time. Runs go one at a time, each in its own process.
 Writes OUT/runs/METHOD-sSEED/ (run folders), OUT/report/ (eval.py: metrics.json, summary.json, report.md, plots)
-and OUT/tables.md: the analogues of AGG Tables 2, 3, 4, 7-8, 9, 10 and the peers of Table 6, mean +- std over seeds.
+and OUT/tables.md: the analogues of AGG Tables 1-2, 3, 4, 7-8, 9, 10 and the peers of Table 6, mean +- std over seeds.
 """
 import argparse
 import json
@@ -27,18 +27,27 @@ METHODS = ["mle", "agg", "agg-no-g1", "agg-no-g2", "agg-static", "ul", "ul+agg",
 # (title, methods, columns): columns are summary.json keys, dotted for groups
 TABLES = [
     ("AGG Table 3: MLE vs AGG", ["mle", "agg"],
-     ["ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "ppl", "uniq", "isotropy"]),
-    ("AGG Table 4: UL vs UL + AGG", ["ul", "ul+agg"], ["ppl_groups.rare", "ppl", "uniq", "isotropy"]),
-    ("AGG Tables 7-8: I(W) per frequency group", ["mle", "agg"],
+     ["ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "ppl", "uniq_groups.rare", "uniq", "isotropy"]),
+    ("AGG Table 4: UL vs UL + AGG", ["ul", "ul+agg"],
+     ["ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "ppl", "uniq_groups.rare", "uniq", "isotropy",
+      "gen_rep4"]),
+    ("AGG Tables 7-8: I(W) per frequency group", ["mle", "agg", "ul", "ul+agg"],
      ["isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "isotropy"]),
     ("AGG Table 9: ablation of the gates", ["mle", "agg", "agg-no-g1", "agg-no-g2"],
      ["ppl_groups.rare", "ppl", "uniq", "isotropy"]),
-    ("AGG Table 10: static vs dynamic grouping", ["agg-static", "agg"], ["ppl_groups.rare", "ppl", "uniq", "isotropy"]),
-    ("AGG Table 2: freezing parts of the rare gradient", ["mle", "freeze-rare", "freeze-b", "freeze-c", "freeze-bc"],
-     ["ppl_groups.rare", "ppl", "isotropy", "isotropy_groups.rare"]),
+    ("AGG Table 10: static vs dynamic grouping", ["mle", "agg", "agg-static"],
+     ["ppl_groups.rare", "ppl", "uniq", "isotropy"]),
+    ("AGG Tables 1-2: freezing the rare embeddings or parts of their gradient",
+     ["mle", "freeze-rare", "freeze-bc", "freeze-b", "freeze-c"],
+     ["ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "ppl", "isotropy_groups.freq", "isotropy_groups.med",
+      "isotropy_groups.rare", "isotropy"]),
     ("Peers (AGG Table 6's methods, on the LM)", ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"],
      ["ppl_groups.rare", "ppl", "uniq", "isotropy", "mean_cosine"]),
 ]
+
+HEADERS = {"ppl": "PPL", "uniq": "Uniq", "isotropy": "I(W)", "mean_cosine": "mean cos", "gen_rep4": "seq-rep-4",
+           **{f"{k}_groups.{g}": f"{h} {g}" for k, h in (("ppl", "PPL"), ("uniq", "Uniq"), ("isotropy", "I(W)"))
+              for g in ("freq", "med", "rare")}}
 
 
 def run_dir(out, method, seed):
@@ -75,19 +84,19 @@ def cell(summary, method, key):
         node = node.get(part) if isinstance(node, dict) else None
     if not node:
         return "-"
-    nd = 3 if "isotropy" in key or "cosine" in key else (0 if key.startswith("uniq") else 1)
-    return f"{node['mean']:.{nd}f} ± {node['std']:.{nd}f}"
+    nd = 3 if any(w in key for w in ("isotropy", "cosine", "rep4")) else (0 if key.startswith("uniq") else 1)
+    return f"{node['mean']:.{nd}f}" + (f" ± {node['std']:.{nd}f}" if summary[method]["n"] > 1 else "")
 
 
 def write_tables(summary, path, command):
     lines = ["# Methods table", "", f"`{command}`", "",
-             "Each cell: mean ± std over seeds (n = runs per method). Test split, frequency groups 30/50/20% of the "
+             "Each cell: mean ± std over seeds (n = runs per method; one run: its value). Test split, frequency groups 30/50/20% of the "
              "vocabulary by train counts; Uniq = distinct next-token argmax predictions.", ""]
     for title, methods, cols in TABLES:
         methods = [m for m in methods if m in summary]
         if not methods:
             continue
-        lines += [f"## {title}", "", "| method | n | " + " | ".join(cols) + " |", "|" + " --- |" * (2 + len(cols))]
+        lines += [f"## {title}", "", "| method | n | " + " | ".join(HEADERS.get(c, c) for c in cols) + " |", "|" + " --- |" * (2 + len(cols))]
         lines += [f"| {m} | {summary[m]['n']} | " + " | ".join(cell(summary, m, c) for c in cols) + " |"
                   for m in methods]
         lines.append("")

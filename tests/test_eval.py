@@ -203,3 +203,20 @@ def test_best_checkpoint_is_kept_and_can_be_evaluated(runs, tmp_path):
     m = ev.main([runs["agg"], "--out", str(tmp_path / "r"), "--device", "cpu", "--n-samples", "0", "--checkpoint",
                  "best"])["agg"]
     assert m["checkpoint"] == "best" and m["step"] == best["step"]
+
+
+def test_runs_that_differ_in_more_than_their_seed_are_never_averaged():
+    base = dict(method="ul+agg", seed=0, out="a", lr=2e-3, gate_ul=None, init_from=None, eval_interval=200)
+    seeds_only = {"a": base, "b": dict(base, seed=1, out="b", eval_interval=100)}
+    assert ev.variant_names(seeds_only) == {"a": "ul+agg", "b": "ul+agg"}
+    mle = dict(method="mle", seed=0, out="d", lr=2e-3, init_from=None, seq_ul_prob=0.0)
+    configs = {**seeds_only, "c": dict(base, out="c", gate_ul=False), "d": mle,
+               "e": dict(mle, seed=1, out="e", init_from="runs/mle-s1", seq_ul_prob=0.5)}
+    assert ev.variant_names(configs) == {
+        "a": "ul+agg gate_ul=True", "b": "ul+agg gate_ul=True", "c": "ul+agg gate_ul=False",  # unset: the default
+        "d": "mle init_from=False seq_ul_prob=0.0", "e": "mle init_from=True seq_ul_prob=0.5"}
+    metrics = {r: {"method": configs[r]["method"], "variant": v, "ppl": float(i)}
+               for i, (r, v) in enumerate(ev.variant_names(configs).items())}
+    summary = ev.summarise(metrics)
+    assert summary["ul+agg gate_ul=True"]["n"] == 2 and summary["ul+agg gate_ul=True"]["ppl"]["mean"] == 0.5
+    assert summary["ul+agg gate_ul=False"]["n"] == 1 and summary["ul+agg gate_ul=False"]["ppl"]["mean"] == 2.0

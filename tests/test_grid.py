@@ -26,7 +26,10 @@ def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, caps
     summary = json.load(open(tmp_path / "report" / "summary.json"))
     assert set(summary) == {"mle", "agg"} and summary["agg"]["n"] == 1
     tables = (tmp_path / "tables.md").read_text()
-    assert "AGG Table 3" in tables and "| agg | 1 |" in tables and "±" in tables
+    row = next(line for line in tables.split("## AGG Table 3")[1].splitlines() if line.startswith("| agg |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["agg", "1"] and cells[5] == f"{summary['agg']['ppl']['mean']:.1f}"  # one run: no ± std
+    assert grid.cell({"agg": {"n": 3, "ppl": {"mean": 271.04, "std": 6.61}}}, "agg", "ppl") == "271.0 ± 6.6"
     capsys.readouterr()
     mtime = os.path.getmtime(tmp_path / "runs" / "mle-s0" / "ckpt.pt")
     grid.main(argv)
