@@ -3,11 +3,13 @@
 
     python grid.py                                   # cpu preset, every method, seeds 0 1 2 -> out/grid/
     python grid.py --methods mle agg --seeds 0       # a part of the grid
+    python grid.py --jobs 2                          # two runs at once, one thread each (faster on a CPU)
     python grid.py --no-train                        # the tables of the runs finished so far (a grid in progress)
     python grid.py --out out/grid-6l -- --dataset wikitext-103 --preset paper-6l    # the same grid on a GPU
 
 Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped and a stopped
-one is resumed, so the grid can be stopped and restarted at any time. Runs go one at a time, each in its own process.
+one is resumed, so the grid can be stopped and restarted at any time. Runs go one at a time (`--jobs N`: N at once),
+each in its own process.
 Writes OUT/runs/METHOD-sSEED/ (run folders), OUT/report/ (eval.py: metrics.json, summary.json, report.md, plots)
 and OUT/tables.md: the analogues of AGG Tables 1-2, 3, 4, 7-8, 9, 10 and the peers of Table 6, mean +- std over seeds.
 """
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -63,8 +66,27 @@ def finished(folder):
     return ck["step"] >= ck["config"]["max_steps"]
 
 
+def wait_for_slot(running, jobs):
+    """Wait until fewer than `jobs` runs are running; return the commands of those that failed."""
+    failed = []
+    while len(running) >= jobs:
+        for proc, cmd in list(running):
+            if proc.poll() is not None:
+                running.remove((proc, cmd))
+                failed += [cmd] if proc.returncode else []
+        if len(running) >= jobs:
+            time.sleep(1)
+    return failed
+
+
 def train_all(args, extra):
+    """Train the unfinished runs, `args.jobs` at a time. With several jobs each run gets cpu_count // jobs threads
+    and writes its output to OUT/runs/METHOD-sSEED.log instead of the terminal."""
     todo = [(m, s) for s in args.seeds for m in args.methods]  # seed-major: a stopped grid has every method at seed 0
+    env = dict(os.environ)
+    if args.jobs > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    running, failed = [], []
     for i, (method, seed) in enumerate(todo):
         folder = run_dir(args.out, method, seed)
         if finished(folder):
@@ -73,9 +95,21 @@ def train_all(args, extra):
         resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
         cmd = [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed), "--out",
                folder, *(["--resume"] if resume else []), *extra]
-        print(f"[{i + 1}/{len(todo)}] {method} seed {seed}: {'resuming' if resume else 'training'}", flush=True)
-        if subprocess.run(cmd).returncode:
-            raise SystemExit(f"grid: `{' '.join(cmd)}` failed; fix it and rerun grid.py (finished runs are kept)")
+        log = None
+        if args.jobs > 1:
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            log = open(folder + ".log", "a")
+        print(f"[{i + 1}/{len(todo)}] {method} seed {seed}: {'resuming' if resume else 'training'}"
+              + (f" (output: {folder}.log)" if log else ""), flush=True)
+        running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None), cmd))
+        if log:
+            log.close()  # the run holds its own handle
+        failed += wait_for_slot(running, args.jobs)
+        if failed:
+            break
+    failed += wait_for_slot(running, 1)
+    if failed:
+        raise SystemExit(f"grid: `{' '.join(failed[0])}` failed; fix it and rerun grid.py (finished runs are kept)")
 
 
 def cell(summary, method, key):
@@ -112,9 +146,13 @@ def main(argv=None):
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "grid"))
     p.add_argument("--eval-args", default="", help="extra eval.py flags, e.g. '--checkpoint best --n-samples 0'")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once (default 1); on a CPU, 2 one-thread runs train faster than 1 two-thread run")
     p.add_argument("--no-train", action="store_true",
                    help="train nothing: evaluate the grid's finished runs only (n per method says how many)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
     folders = [run_dir(args.out, m, s) for m in args.methods for s in args.seeds]
     if args.no_train:
         missing = [os.path.basename(f) for f in folders if not finished(f)]

@@ -1,6 +1,8 @@
 """grid.py: trains the grid in subprocesses, skips finished runs, resumes stopped ones, writes the tables."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,10 +20,11 @@ def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, caps
     import train_lm  # a stopped run is resumed, not restarted
     train_lm.main(["--method", "agg", "--seed", "0", "--out", str(tmp_path / "runs" / "agg-s0"), "--stop-at", "1",
                    *flags])
-    grid.main(argv)
+    grid.main(["--jobs", "2", *argv])  # both runs at once, each writing its output beside its folder
     for m in ("mle", "agg"):
         ck = torch.load(tmp_path / "runs" / f"{m}-s0" / "ckpt.pt", weights_only=True)
         assert ck["step"] == 2 and ck["config"]["method"] == m
+        assert f"checkpoint {tmp_path / 'runs' / f'{m}-s0'}" in (tmp_path / "runs" / f"{m}-s0.log").read_text()
     assert json.load(open(tmp_path / "runs" / "agg-s0" / "config.json"))["resumed_from_step"] == 1
     summary = json.load(open(tmp_path / "report" / "summary.json"))
     assert set(summary) == {"mle", "agg"} and summary["agg"]["n"] == 1
@@ -41,3 +44,12 @@ def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, caps
     assert set(json.load(open(tmp_path / "report" / "summary.json"))) == {"mle", "agg"}
     with pytest.raises(SystemExit, match="no finished run"):
         grid.main(["--methods", "ul", "--no-train", "--out", str(tmp_path)])
+
+
+def test_wait_for_slot_frees_slots_and_names_the_failed_runs():
+    slow, bad = [sys.executable, "-c", "import time; time.sleep(3)"], [sys.executable, "-c", "raise SystemExit(3)"]
+    running = [(subprocess.Popen(cmd), cmd) for cmd in (slow, bad)]
+    failed = grid.wait_for_slot(running, 2)  # returns once one of the two has ended
+    assert [cmd for _, cmd in running] == [slow] and failed == [bad]
+    failed += grid.wait_for_slot(running, 1)
+    assert running == [] and failed == [bad]  # the slow one ended well
