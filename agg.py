@@ -31,21 +31,22 @@ import torch.nn.functional as F
 
 
 class GatedSoftmaxCE(torch.autograd.Function):
-    """Mean softmax cross-entropy of logits = h @ weight.T whose gradient wrt `weight` is gated.
+    """Mean softmax cross-entropy of logits = h @ weight.T (+ bias) whose gradient wrt `weight` is gated.
 
     With G = softmax(logits) - onehot(y) (label-smoothed if asked), dL/dh = G @ W exactly as in MLE, and
     dL/dW = (G * gate)^T h with one gate per (row type, column):
         gate[i, k] = col_gate[k]     if row i is not a group row
                      group_gate[k]   if row i is a group row and k != y_i
                      1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
-    A gate of None means all ones. The gate is applied to G in place, so no T x V gate tensor exists.
+    A gate of None means all ones. The gate is applied to G in place, so no T x V gate tensor exists. An output
+    bias (V,), if given, gets the plain gradient sum_i G_i: the gates act on the weight only.
     Gradients are computed during forward, `chunk_size` rows at a time: peak memory holds one chunk x V
     buffer (not the ~3 T x V buffers of F.cross_entropy), and backward only scales them by the incoming grad.
     """
 
     @staticmethod
     def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad,
-                center=False):
+                center=False, bias=None):
         n = h.shape[0]
         device = h.device.type
         # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
@@ -55,6 +56,9 @@ class GatedSoftmaxCE(torch.autograd.Function):
             h_mm, w_mm = h.to(mm_dtype), weight.to(mm_dtype)
             grad_h = torch.empty_like(h) if need_grad else None
             grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device) if need_grad else None
+            grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=h.device) if need_grad and bias is not None \
+                else None
+            b_acc = None if bias is None else bias.detach().to(acc_dtype)
             sums = torch.zeros(3, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability
             mean_h = h_mm.to(acc_dtype).mean(0) if center and n else None
             step = chunk_size or max(n, 1)
@@ -62,8 +66,10 @@ class GatedSoftmaxCE(torch.autograd.Function):
                 rows = slice(s, s + step)
                 sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols,
                                     None if grad_h is None else grad_h[rows], grad_w,
-                                    col_gate, None if group_rows is None else group_rows[rows], group_gate, mean_h)
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+                                    col_gate, None if group_rows is None else group_rows[rows], group_gate, mean_h,
+                                    b_acc, grad_b)
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                     None if grad_b is None else grad_b.to(bias.dtype))
         loss, nll, rare_mass = (sums / max(n, 1)).unbind()
         ctx.mark_non_differentiable(nll, rare_mass)
         return loss, nll, rare_mass
@@ -75,21 +81,24 @@ class GatedSoftmaxCE(torch.autograd.Function):
             raise RuntimeError("GatedSoftmaxCE: a second backward through the same loss. The head computes its "
                                "gradients in forward and frees them after the first backward; call method.loss() "
                                "again for another backward (retain_graph=True does not keep them)")
-        grad_h, grad_w = ctx.grads
+        grad_h, grad_w, grad_b = ctx.grads
         if grad_h is None:
             raise RuntimeError("GatedSoftmaxCE: forward ran without need_grad=True, so there is nothing to backpropagate")
         ctx.grads = None  # free the buffers
-        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None, None
+        return (grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None, None,
+                None if grad_b is None else grad_b.mul_(grad_loss))
 
 
 def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate,
-                mean_h=None):
+                mean_h=None, bias=None, grad_b=None):
     """One chunk of GatedSoftmaxCE: returns the sums of (loss, nll, rare-set probability) over its rows, writes
     grad_h (its rows) and adds its part to grad_w. Its chunk x V buffer is freed when it returns.
     mean_h (d,): gate only the part of the push along the mean feature (agg-centered): for row i, column k the
     weight gradient is G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
     V = w_mm.shape[0]
     logits = (hs @ w_mm.T).to(acc_dtype)
+    if bias is not None:
+        logits += bias
     target_logit = logits.gather(1, ys[:, None]).squeeze(1)
     mean_logit = logits.mean(dim=1) if smoothing else None
     row_max = logits.amax(dim=1, keepdim=True)
@@ -110,6 +119,8 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
         if smoothing:
             grad.sub_(smoothing / (V * n))
         grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
+        if grad_b is not None:
+            grad_b += grad.sum(0)  # dL/db = sum_i G_i: never gated
         if mean_h is None:
             _gate_(grad, ys, col_gate, group_rows, group_gate)
             _add_grad_w(grad_w, grad, hs, w_mm.dtype)  # dL/dW = (G * gate)^T h
@@ -253,14 +264,16 @@ class MLE:
         """(col_gate, group_rows, group_gate) for GatedSoftmaxCE given the valid targets y; None = ungated."""
         return None, None, None
 
-    def regulariser(self, hidden, weight, targets, ignore_index):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         """Extra loss term added to the NLL (a scalar tensor), or None."""
         return None
 
-    def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None):
+    def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None, bias=None):
         """Mean (label-smoothed) NLL over non-ignored positions + the method's regulariser.
 
-        hidden (..., d) is the input of the tied softmax layer, weight (V, d) the tied embedding, targets (...) long.
+        hidden (..., d) is the input of the tied softmax layer, weight (V, d) the tied embedding, targets (...) long;
+        logits = hidden @ weight.T + bias. bias (V,), optional: a learned output bias (a unigram prior that can encode
+        frequency without moving the embeddings); it gets the plain gradient, the method's gates act on the weight.
         chunk_size: rows per chunk of the head (peak memory ~ chunk_size x V instead of T x V; same gradients).
         A batch whose targets are all ignore_index gives 0.0 with zero gradients (F.cross_entropy gives nan), so an
         all-padding micro-batch cannot poison an accumulated step.
@@ -270,6 +283,8 @@ class MLE:
             raise ValueError(f"weight must be (vocab_size={self.vocab_size}, d={d}), got {tuple(weight.shape)}")
         if targets.shape != hidden.shape[:-1]:
             raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without its last dim")
+        if bias is not None and tuple(bias.shape) != (self.vocab_size,):
+            raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
         h, y = hidden.reshape(-1, d), targets.reshape(-1)
         valid = y != ignore_index
         if not bool(valid.all()):
@@ -277,13 +292,15 @@ class MLE:
         col_gate, group_rows, group_gate = self.gates(y)
         rare = self.rare_mask()
         acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-        need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad))
         # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls only
         mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype)
         cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
         loss, nll, rare_mass = GatedSoftmaxCE.apply(h, weight, y, cast(col_gate), group_rows, cast(group_gate),
                                                     mass_cols, float(label_smoothing), chunk_size, need_grad,
-                                                    bool(self.hparams.get("center_gate")) and group_rows is not None)
+                                                    bool(self.hparams.get("center_gate")) and group_rows is not None,
+                                                    bias)
         self._stats = {"nll": nll.detach()}
         if rare is not None:
             rare = rare.to(y.device)
@@ -291,7 +308,7 @@ class MLE:
                                rare_mass_true=rare[y].float().mean() if len(y) else torch.zeros(()))
             if mass_cols is not None:
                 self._stats["rare_mass_pred"] = rare_mass  # mean predicted probability of the rare set
-        reg = self.regulariser(hidden, weight, targets, ignore_index)
+        reg = self.regulariser(hidden, weight, targets, ignore_index, bias)
         if reg is not None:
             self._stats["regulariser"] = reg.detach()
             loss = loss + reg
@@ -348,16 +365,23 @@ class AGG(MLE):
     rare tokens near it are pushed more (their predicted mass is over-estimated less). `center_gate=True` (method
     "agg-centered") gates only the push along the batch's mean feature (the direction shared by all pushes, along
     which rare embeddings collapse into a cone); the push from each feature's deviation from the mean stays whole.
+    Also beyond the paper, `prefill=True` (method "agg-prefill") starts the window full: the K - t steps not yet seen
+    count at the training split's expected rates (`counts`, scaled to the first step's number of targets), so the
+    first steps do not divide a few steps' counts by t and mark most of the vocabulary rare (AGG Eq. 5 during
+    warm-up); from step K on it equals AGG.
     """
     name = "agg"
     defaults = dict(alpha=0.03, window=1000, use_g1=True, use_g2=True, static_after=None, continuous_g1=False,
-                    center_gate=False)
+                    center_gate=False, prefill=False)
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
         self.history = deque()  # token counter memories m_t of the last `window` steps, stored sparse: (ids, counts)
         self.appearances = torch.zeros(vocab_size, dtype=torch.long)  # a = sum_t m_t (Eq. 5)
         self.static_rare = None  # rare group frozen after `static_after` steps ("static AGG", AGG Table 10)
+        self.prefill_rate = None  # expected appearances per step of each token (prefill), set by the first observe()
+        if self.hparams["prefill"] and self.counts is None:
+            raise ValueError(f"method {self.name!r}: prefill needs counts (the training split's token counts)")
 
     def observe(self, targets, ignore_index=-100):
         t = targets.reshape(-1)
@@ -365,6 +389,8 @@ class AGG(MLE):
         self._check_ids(t, ignore_index)
         step_counts = _all_reduce_(torch.bincount(t, minlength=self.vocab_size)[:self.vocab_size].long())
         self.appearances = self.appearances.to(step_counts.device) + step_counts
+        if self.hparams["prefill"] and self.prefill_rate is None:
+            self.prefill_rate = self.counts.double() / self.counts.sum().clamp(min=1) * step_counts.sum().item()
         ids = step_counts.nonzero().squeeze(1)
         self.history.append((ids, step_counts[ids]))
         if len(self.history) > self.hparams["window"]:
@@ -374,11 +400,19 @@ class AGG(MLE):
         if self.hparams["static_after"] is not None and self.steps == self.hparams["static_after"]:
             self.static_rare = self.rare_mask()
 
+    def window_appearances(self):
+        """a_k (Eq. 5) as a float64 tensor; with prefill, plus the expected appearances of the steps not yet seen."""
+        a = self.appearances.double()
+        if self.prefill_rate is not None and self.steps < self.hparams["window"]:
+            a = a + (self.hparams["window"] - self.steps) * self.prefill_rate.to(a.device)
+        return a
+
     def mean_counts(self):
-        """a_k / K: appearances per step over the window (K = min(steps seen, window))."""
+        """a_k / K: appearances per step over the window (K = min(steps seen, window); with prefill K = window)."""
         if self.steps == 0:
             raise RuntimeError(f"method {self.name!r}: call observe(targets) once per optimizer step before loss()")
-        return self.appearances.double() / min(self.steps, self.hparams["window"])
+        k = self.hparams["window"] if self.prefill_rate is not None else min(self.steps, self.hparams["window"])
+        return self.window_appearances() / k
 
     def rare_mask(self):
         if self.static_rare is not None:
@@ -391,7 +425,7 @@ class AGG(MLE):
         rare = self.rare_mask().to(y.device)
         if not bool(rare.any()):
             return None, None, None
-        a = self.appearances.to(y.device).double()
+        a = self.window_appearances().to(y.device)
         g1 = self.mean_counts().to(y.device)  # AGG Eq. 7: a_k / K (g in [0, 1])
         if self.hparams["continuous_g1"] and self.hparams["alpha"] > 0:
             g1 = g1 / self.hparams["alpha"]  # agg-continuous: a_k / (alpha K), 1 at the rarity threshold
@@ -405,13 +439,15 @@ class AGG(MLE):
     def state_dict(self):
         return {**super().state_dict(), "appearances": self.appearances.cpu(),
                 "history": [(i.cpu(), c.cpu()) for i, c in self.history],
-                "static_rare": None if self.static_rare is None else self.static_rare.cpu()}
+                "static_rare": None if self.static_rare is None else self.static_rare.cpu(),
+                "prefill_rate": None if self.prefill_rate is None else self.prefill_rate.cpu()}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self.appearances = state["appearances"].clone()
         self.history = deque((i.clone(), c.clone()) for i, c in state["history"])
         self.static_rare = state["static_rare"]
+        self.prefill_rate = state.get("prefill_rate")
 
 
 def _variant(base, name, **overrides):
@@ -535,7 +571,7 @@ class CosReg(MLE):
     name = "cosreg"
     defaults = dict(gamma=1.0)
 
-    def regulariser(self, hidden, weight, targets, ignore_index):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         return self.hparams["gamma"] * _pairwise_cosine(weight.float())
 
 
@@ -588,7 +624,7 @@ class FRAGE(MLE):
         super().observe(targets, ignore_index)
         self._disc_pending = True  # one discriminator step per optimizer step
 
-    def regulariser(self, hidden, weight, targets, ignore_index):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         if self.disc is None:
             self._build_disc(weight.shape[1], weight.device)
         frozen_disc = self.disc.weight.detach().clone(), self.disc.bias.detach().clone()  # the model cannot move D
@@ -612,7 +648,7 @@ class FRAGE(MLE):
         self.disc, self.disc_opt, self._saved_disc = None, None, state["disc"]
 
 
-def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None):
+def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None, bias=None):
     """Token-level unlikelihood (Welleck et al. 2020): sum over previous-context candidates c of -log(1 - p(c)),
     averaged over non-ignored positions. Candidates of position t: the distinct targets before t in the same sequence
     (not across sequences), minus the current target. weight_gate (B, T, V), optional: scales the gradient of the
@@ -631,6 +667,8 @@ def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None):
         via_w = hidden.detach() @ weight.T
         via_w.register_hook(lambda g: g * weight_gate.to(g.dtype))
         logits = hidden @ weight.detach().T + (via_w - via_w.detach())
+    if bias is not None:
+        logits = logits + bias
     logp = F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     cand_logp = logp.gather(2, targets.clamp(min=0)[:, None, :].expand(B, T, T))  # [b, t, j] = log p_t(y_j)
     penalty = -torch.log((1 - cand_logp.exp()).clamp(min=1e-5))
@@ -642,8 +680,8 @@ class UL(MLE):
     name = "ul"
     defaults = dict(alpha_ul=1.0)
 
-    def regulariser(self, hidden, weight, targets, ignore_index):
-        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index)
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, bias=bias)
 
 
 class ULAGG(AGG):
@@ -653,10 +691,10 @@ class ULAGG(AGG):
     name = "ul+agg"
     defaults = dict(AGG.defaults, alpha_ul=1.0, gate_ul=True)
 
-    def regulariser(self, hidden, weight, targets, ignore_index):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         gated = self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled()
         gate = self.ul_gate(targets) if gated else None
-        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate)
+        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate, bias)
 
     def ul_gate(self, targets):
         """(B, T, V) gate of the UL term's weight gradient: AGG's gate per row type, as GatedSoftmaxCE applies it to
@@ -665,12 +703,45 @@ class ULAGG(AGG):
         col_gate, group_rows, group_gate = self.gates(y)
         if group_rows is None:
             return None
-        gate = torch.ones(len(y), self.vocab_size, dtype=torch.float64, device=y.device)
-        if col_gate is not None:
-            gate[:] = col_gate
-        gate[group_rows] = group_gate if group_gate is not None else 1.0
-        gate[torch.arange(len(y), device=y.device), y] = 1.0  # the pull to the target is never gated
-        return gate.view(*targets.shape, self.vocab_size)
+        return gate_matrix(y, self.vocab_size, col_gate, group_rows, group_gate).view(*targets.shape, self.vocab_size)
+
+
+def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.float64):
+    """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it: col_gate on the rows of
+    non-group targets, group_gate on group rows, 1 at each row's target (the pull is never gated). For analysis
+    and the UL term, not for the loss head."""
+    gate = torch.ones(len(y), vocab_size, dtype=dtype, device=y.device)
+    if col_gate is not None:
+        gate[:] = col_gate
+    if group_rows is not None:
+        gate[group_rows] = group_gate.to(dtype) if group_gate is not None else 1.0
+    gate[torch.arange(len(y), device=y.device), y] = 1.0
+    return gate
+
+
+@torch.no_grad()
+def gradient_parts(hidden, weight, targets, rare, gates=(None, None, None), ignore_index=-100):
+    """Per embedding row k, the norms of the three parts of the mean NLL's gradient wrt w_k (AGG Eq. 4) on a batch:
+    (a) the pull towards the features of the positions whose target is k: sum (p_k - 1) h_i;
+    (b) the push from the features of positions whose target is not in `rare` (and not k): sum p_k h_i;
+    (c) the push from the features of positions whose target is another token of `rare`: sum p_k h_i;
+    each as the method applies it: gates = method.gates(valid targets) (AGG scales (b) of rare rows by g1 and (c) by
+    g2; freeze-b/c drop them); (None, None, None) = MLE. Returns (V, 3) float64: ||a_k||, ||b_k||, ||c_k|| / n."""
+    d = hidden.shape[-1]
+    h, y = hidden.reshape(-1, d).float(), targets.reshape(-1)
+    keep = y != ignore_index
+    h, y = h[keep], y[keep]
+    n, V = len(y), weight.shape[0]
+    p = torch.softmax(h @ weight.float().T, dim=-1)
+    p *= gate_matrix(y, V, *gates, dtype=p.dtype)
+    rows = torch.arange(n, device=y.device)
+    pull = p[rows, y] - 1.0
+    p[rows, y] = 0.0  # the target's own column is part (a)
+    to_rare = rare.to(y.device)[y]
+    a = torch.zeros(V, d, dtype=torch.float64, device=h.device).index_add_(0, y, (pull[:, None] * h).double())
+    b = (p[~to_rare].T @ h[~to_rare]).double()
+    c = (p[to_rare].T @ h[to_rare]).double()
+    return torch.stack([a.norm(dim=1), b.norm(dim=1), c.norm(dim=1)], dim=1) / max(n, 1)
 
 
 def repeated_ngram_mask(tokens, n=4):
@@ -706,6 +777,7 @@ METHODS = {cls.name: cls for cls in [
     _variant(AGG, "agg-static", static_after=1000),
     _variant(AGG, "agg-continuous", continuous_g1=True),
     _variant(AGG, "agg-centered", center_gate=True),
+    _variant(AGG, "agg-prefill", prefill=True),
     AGPS, FreezeRare,
     _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts,
     CosReg, FRAGE, UL, ULAGG,
@@ -728,11 +800,14 @@ def build_method(name, vocab_size, **hparams):
 
 @torch.no_grad()
 def isotropy(weight):
-    """I(W) = min_a Z(a) / max_a Z(a) over the eigenvectors a of W^T W, Z(a) = sum_i exp(w_i . a) (AGG Eq. 3).
+    """I(W) = min_a Z(a) / max_a Z(a), Z(a) = sum_i exp(w_i . a) (AGG Eq. 3), a over the eigenvectors of W^T W AND
+    their negatives: an eigenvector's sign is arbitrary (eigh may return either) and Z(a) != Z(-a) whenever the rows
+    share a direction, so taking both makes I(W) depend on W alone (isotropy(W) == isotropy(-W)).
     float64, log Z by log-sum-exp: finite for any norm."""
     w = weight.detach().double()
     _, eigvecs = torch.linalg.eigh(w.T @ w)
-    log_z = torch.logsumexp(w @ eigvecs, dim=0)
+    proj = w @ eigvecs
+    log_z = torch.cat([torch.logsumexp(proj, dim=0), torch.logsumexp(-proj, dim=0)])
     return float(torch.exp(log_z.min() - log_z.max()))
 
 
@@ -764,3 +839,28 @@ def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
     n_freq = round(fractions[0] * len(counts))
     n_med = round(fractions[1] * len(counts))
     return order[:n_freq], order[n_freq:n_freq + n_med], order[n_freq + n_med:]
+
+
+GROUPS = ("freq", "med", "rare")  # the names of frequency_groups' three groups, most frequent first
+
+
+@torch.no_grad()
+def geometry(weight, groups, seen=None):
+    """The geometry of the embedding matrix, total and per frequency group, as one dict:
+    isotropy (I(W), AGG Eq. 3), mean_cosine (S(w), AGPS Eq. 9), norm (mean row norm), each also as *_groups
+    {group: value}, cosine_rare_freq (mean cosine between rare and frequent rows, AGG Fig. 2) and rows / rows_groups
+    (rows counted). groups: {name: index tensor}, e.g. dict(zip(GROUPS, frequency_groups(counts))); seen: bool (V,) of
+    the rows to count, e.g. counts > 0, since a token never seen in training has no data to shape its embedding (the
+    gated methods leave it at its initialisation, MLE pushes it away with the rest) and the papers' vocabularies
+    have none; None counts every row."""
+    W = weight.detach().double().cpu()
+    keep = torch.ones(len(W), dtype=torch.bool) if seen is None else torch.as_tensor(seen, dtype=torch.bool).cpu()
+    rows = {g: idx[keep[idx]] for g, idx in ((g, torch.as_tensor(i).cpu()) for g, i in groups.items())}
+    Wk = W[keep]
+    out = dict(isotropy=isotropy(Wk), isotropy_groups={g: isotropy(W[i]) for g, i in rows.items()},
+               mean_cosine=mean_cosine(Wk), mean_cosine_groups={g: mean_cosine(W[i]) for g, i in rows.items()},
+               norm=float(Wk.norm(dim=1).mean()), norm_groups={g: float(W[i].norm(dim=1).mean()) for g, i in rows.items()},
+               rows=int(keep.sum()), rows_groups={g: len(i) for g, i in rows.items()})
+    if "rare" in rows and "freq" in rows:
+        out["cosine_rare_freq"] = mean_cosine_between(W[rows["rare"]], W[rows["freq"]])
+    return out

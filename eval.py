@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 
 import numpy as np
@@ -108,12 +109,13 @@ def group_index(counts):
     return gid, groups
 
 
-def geometry(weight, counts):
-    W = weight.detach().float().cpu()
+def geometry(weight, counts, include_unseen=False):
+    """agg.geometry per frequency group, over the tokens seen in training unless include_unseen."""
     _, groups = group_index(counts)
-    return dict(isotropy=agg.isotropy(W), isotropy_groups={g: agg.isotropy(W[i]) for g, i in zip(GROUPS, groups)},
-                mean_cosine=agg.mean_cosine(W),
-                mean_cosine_groups={g: agg.mean_cosine(W[i]) for g, i in zip(GROUPS, groups)})
+    seen = None if include_unseen else torch.as_tensor(counts) > 0
+    geo = agg.geometry(weight, dict(zip(GROUPS, groups)), seen)
+    geo["geometry_rows_rule"] = "all" if include_unseen else "seen in training"
+    return geo
 
 
 def pick_rare_tokens(counts, tokens, n, src_counts=None):
@@ -183,6 +185,7 @@ def evaluate_lm(out_dir, args, device):
                             max_tokens=args.max_tokens, context_window=args.context_window, n_samples=args.n_samples,
                             prefix_len=args.prefix_len, gen_len=args.gen_len, cache_dir=args.cache_dir)
     m, W = res["metrics"], res["weight"]
+    m["type_stats"] = dict(nll=res["type_nll"], count=res["type_count"])  # taken out before writing metrics.json
     sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
     sims.update({k: getattr(args, k) for k in ("men", "rg65", "rw") if getattr(args, k)})
     ws = word_similarity(W, res["tokenizer"], res["kind"], sims)
@@ -220,7 +223,7 @@ def read_checkpoint(out_dir, which="last"):
     return ck, task
 
 
-SUMMARY_SKIP = {"step", "tokens", "uniq_human", "uniq_human_groups", "gen_uniq_human", "gen_rep4_human", "n_sentences", "beam",
+SUMMARY_SKIP = {"step", "tokens", "rows", "rows_groups", "seed", "uniq_human", "uniq_human_groups", "gen_uniq_human", "gen_rep4_human", "n_sentences", "beam",
                 "lenpen", "word_similarity_pairs", "singular_values"}
 
 
@@ -260,7 +263,21 @@ def summarise(metrics):
     see variant_names): every numeric metric and every dict of numeric metrics (std with ddof 1; 0 for one run)."""
     def stat(values):
         t = torch.tensor(values, dtype=torch.float64)
-        return {"mean": float(t.mean()), "std": float(t.std()) if len(t) > 1 else 0.0}
+        return {"mean": float(t.mean()), "std": float(t.std()) if len(t) > 1 else 0.0,
+                "median": statistics.median(values)}
+
+    def numeric(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def nested(runs, key):  # a dict of numbers or of such dicts: summarised leaf by leaf
+        first = runs[0][key]
+        out = {}
+        for k, v in first.items():
+            if numeric(v):
+                out[k] = stat([r[key][k] for r in runs])
+            elif isinstance(v, dict) and v:
+                out[k] = nested([r[key] for r in runs], k)
+        return out
 
     by_method = {}
     for m in metrics.values():
@@ -271,11 +288,91 @@ def summarise(metrics):
         for key, value in runs[0].items():
             if key in SUMMARY_SKIP or isinstance(value, bool):
                 continue
-            if isinstance(value, (int, float)):
+            if numeric(value):
                 s[key] = stat([r[key] for r in runs])
-            elif isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values()):
-                s[key] = {g: stat([r[key][g] for r in runs]) for g in value}
+            elif isinstance(value, dict) and value:
+                s[key] = nested(runs, key) or None
+                if s[key] is None:
+                    del s[key]
         out[method] = s
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- paired comparison
+COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "valid_ppl", "uniq", "uniq_groups.rare",
+                "isotropy", "isotropy_groups.rare", "mean_cosine", "mean_cosine_groups.rare",
+                "rare_bias.ppl", "rare_bias.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
+                "rare_argmax.rare_argmax_recall")
+
+
+def paired_interval(diffs, n_boot=10000, seed=0):
+    """Mean of paired differences with its 95% t interval, percentile bootstrap interval and paired t-test p-value,
+    and the median difference."""
+    from scipy import stats
+    d = np.asarray(diffs, dtype=np.float64)
+    out = dict(n=len(d), mean=float(d.mean()), median=float(np.median(d)), diffs=d.tolist())
+    if len(d) > 1:
+        se = d.std(ddof=1) / math.sqrt(len(d))
+        half = float(stats.t.ppf(0.975, len(d) - 1) * se)
+        boot = np.random.default_rng(seed).choice(d, (n_boot, len(d))).mean(1)
+        out.update(t95=[out["mean"] - half, out["mean"] + half], boot95=np.percentile(boot, [2.5, 97.5]).tolist(),
+                   p=float(stats.ttest_1samp(d, 0).pvalue) if d.std() > 0 else float("nan"))
+    return out
+
+
+def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0):
+    """Variant `cand` against variant `base` over the seeds both have (pairs share a seed, hence the init and the
+    data order): per metric the paired differences (cand - base; PPLs as log ratios, so exp(mean) is the geometric
+    mean ratio) with intervals; for LM runs the rare-PPL gap split over the rare target types (pooled over the
+    pairs: what share the top types carry) with a type-level bootstrap interval of the rare-PPL ratio, and the share
+    of cand's rare-PPL gain that base gains from one bias on the rare logits fitted on valid (the free baseline)."""
+    runs = {v: {m["seed"]: k for k, m in metrics.items() if m.get("variant") == v} for v in (base, cand)}
+    for v in (base, cand):
+        if not runs[v]:
+            raise SystemExit(f"--compare: no run of variant {v!r}; variants here: "
+                             f"{', '.join(sorted({m.get('variant') for m in metrics.values()}))}")
+    seeds = sorted(set(runs[base]) & set(runs[cand]))
+    if not seeds:
+        raise SystemExit(f"--compare {base!r} {cand!r}: no seed in common; give runs of both with the same --seed")
+    pairs = [(metrics[runs[base][s]], metrics[runs[cand][s]]) for s in seeds]
+    out = dict(base=base, cand=cand, seeds=seeds, metrics={})
+    for key in COMPARE_KEYS:
+        vals = [(_get(b, key), _get(c, key)) for b, c in pairs]
+        if any(not isinstance(x, (int, float)) for pair in vals for x in pair):
+            continue
+        log = "ppl" in key
+        diffs = [math.log(c / b) if log else c - b for b, c in vals]
+        out["metrics"][key] = dict(base=[b for b, _ in vals], cand=[c for _, c in vals], log_ratio=log,
+                                   **paired_interval(diffs, n_boot, seed))
+    labels = [(runs[base][s], runs[cand][s]) for s in seeds]
+    rare_targets = [int(type_stats[b]["count"][type_stats[b]["rare"]].sum()) for b, _ in labels if b in type_stats]
+    if all(b in type_stats and c in type_stats for b, c in labels) and all(rare_targets):
+        rare = type_stats[labels[0][0]]["rare"]
+        gap = sum(type_stats[b]["nll"] - type_stats[c]["nll"] for b, c in labels)[rare]  # per rare type, pooled
+        count = sum(type_stats[b]["count"] for b, _ in labels)[rare].double()
+        ids = rare.nonzero().squeeze(1)
+        keep = count > 0
+        gap, count, ids = gap[keep], count[keep], ids[keep]
+        order = torch.argsort(gap, descending=True)
+        total = float(gap.sum()) or float("nan")  # nan shares when the two variants score alike
+        rng = np.random.default_rng(seed)
+        g_np, c_np = gap.numpy(), count.numpy()
+        boot = []
+        for _ in range(n_boot):  # resample rare target types; ratio = cand rare PPL / base rare PPL
+            i = rng.integers(0, len(g_np), len(g_np))
+            boot.append(math.exp(-g_np[i].sum() / c_np[i].sum()))
+        out["rare_types"] = dict(
+            types=len(ids), targets=int(count.sum()), ratio=math.exp(-total / float(count.sum())),
+            ratio_type_boot95=np.percentile(boot, [2.5, 97.5]).tolist(),
+            share_top1=float(gap[order[:1]].sum()) / total, share_top10=float(gap[order[:10]].sum()) / total,
+            top=[dict(token=tokens[int(ids[j])], targets=int(count[j]), share=float(gap[j]) / total)
+                 for j in order[:10].tolist()])
+    if all("rare_bias" in b for b, _ in pairs):
+        shares = [(math.log(b["ppl_groups"]["rare"]) - math.log(b["rare_bias"]["ppl_groups"]["rare"])) /
+                  ((math.log(b["ppl_groups"]["rare"]) - math.log(c["ppl_groups"]["rare"])) or float("nan"))
+                  for b, c in pairs]
+        out["free_baseline_share"] = dict(per_seed=shares, mean=float(np.mean(shares)),
+                                          base_bias=[b["rare_bias"]["bias"] for b, _ in pairs])
     return out
 
 
@@ -295,13 +392,9 @@ def plot_training_curves(run_dirs, variants, path):
             ("cosine_rare_freq", "cos(rare, frequent)"), ("ppl", "valid PPL")]
     groups = {}  # variant -> [records of each run]
     for label, d in run_dirs.items():
-        log = os.path.join(d, "log.jsonl")
-        if os.path.exists(log):
-            with open(log) as f:
-                recs = [json.loads(line) for line in f if line.strip()]
-            recs = [r for r in recs if r.get("split") == "valid" and "isotropy_rare" in r]
-            if recs:
-                groups.setdefault(variants[label], []).append((label, recs))
+        recs = [r for r in valid_records(d) if "isotropy_rare" in r]
+        if recs:
+            groups.setdefault(variants[label], []).append((label, recs))
     if not groups:
         return None
     colours = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
@@ -325,6 +418,45 @@ def plot_training_curves(run_dirs, variants, path):
                ncol=min(len(groups), 7), frameon=False)
     fig.suptitle("Validation records over training (AGG Fig. 2)", fontsize=9)
     fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(groups) - 1) // 7), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_gradient_parts(run_dirs, variants, path):
+    """AGG Eq. 4 over training: the mean row norm of the parts (a) pull, (b) push from non-rare-target features and
+    (c) push from rare-target features of the weight gradient, per frequency group, as each method applies them
+    (the valid records' grad_* keys; mean over the runs of a variant). Returns the path, or None without records."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by_variant = {}
+    for label, d in run_dirs.items():
+        recs = [r for r in valid_records(d) if "grad_b_rare" in r]
+        if recs:
+            by_variant.setdefault(variants[label], []).append(recs)
+    if not by_variant:
+        return None
+    colours = plt.get_cmap("tab10")
+    styles = {"a": ("--", "(a) pull to own features"), "b": ("-", "(b) push, non-rare targets"),
+              "c": (":", "(c) push, rare targets")}
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
+    for ax, group in zip(axes, GROUPS):
+        for i, (variant, runs) in enumerate(by_variant.items()):
+            steps = sorted(set.intersection(*({r["step"] for r in recs} for recs in runs)))
+            for part, (ls, _) in styles.items():
+                key = f"grad_{part}_{group}"
+                mean = np.array([[{r["step"]: r[key] for r in recs}[s] for s in steps] for recs in runs]).mean(0)
+                ax.plot(steps, mean, ls=ls, color=colours(i % 10), lw=1.2,
+                        label=f"{variant} {part}" if group == "rare" else None)
+        ax.set_yscale("log")
+        ax.set_title(f"{group} rows", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    axes[0].set_ylabel("mean row norm of the part", fontsize=8)
+    axes[2].legend(fontsize=6, ncol=1)
+    fig.suptitle("Parts of the embeddings' gradient (AGG Eq. 4): (a) dashed, (b) solid, (c) dotted, as each method "
+                 "applies them", fontsize=9)
+    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -369,6 +501,29 @@ def plot_snapshots(run_dirs, counts, path):
     return path
 
 
+def valid_records(out_dir):
+    """The validation records of a run's log.jsonl ([] when it has none); a torn line (a write cut short) is skipped
+    with a warning."""
+    path, recs = os.path.join(out_dir, "log.jsonl"), []
+    if os.path.exists(path):
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    r = json.loads(line) if line.strip() else {}
+                except json.JSONDecodeError:
+                    print(f"warning: {path} line {i} is not complete JSON (a torn write): skipped", file=sys.stderr)
+                    continue
+                if r.get("split") == "valid":
+                    recs.append(r)
+    return recs
+
+
+def last_valid_ppl(out_dir, step):
+    """The valid PPL logged at `step` in the run's log.jsonl (None when there is none)."""
+    ppl = [r.get("ppl") for r in valid_records(out_dir) if r.get("step") == step]
+    return ppl[-1] if ppl else None
+
+
 def labels_for(out_dirs):
     labels = [os.path.basename(os.path.normpath(d)) for d in out_dirs]
     if len(set(labels)) < len(labels):
@@ -382,7 +537,7 @@ def fmt(x, nd=2):
     return str(x)
 
 
-def write_report(path, metrics, extras, args, argv, summary=None, curves=None, snapshots=None):
+def write_report(path, metrics, extras, args, argv, summary=None, curves=None, snapshots=None, comparisons=()):
     L = ["# Evaluation report", "", f"`python eval.py {' '.join(argv)}`", "",
          f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
     if summary and any(s["n"] > 1 for s in summary.values()):
@@ -451,6 +606,45 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
             L += [f"**Test sentence {j + 1}**: {_md(t['src'])}", "", f"- reference: {_md(t['ref'])}"]
             L += [f"- {k}: {_md(metrics[k]['translations'][j]['hyp'])}" for k in shown]
             L.append("")
+    biased = [k for k in lm if "rare_bias" in metrics[k]]
+    if biased:
+        L += ["## The free baseline: one bias on the rare group's logits, fitted on the valid split", "",
+              "Fitted by minimum valid NLL, which also calibrates the rare group's predicted mass. Precision / recall: "
+              "of the argmax predictions that are rare tokens, the share that are right / of the rare targets, the "
+              "share predicted exactly.", "",
+              "| run | bias | PPL | PPL rare | rare mass pred / true | Uniq | Uniq rare | rare argmax precision | "
+              "rare argmax recall |", "|" + " --- |" * 9]
+        for k in biased:
+            a, b = metrics[k]["rare_argmax"], metrics[k]["rare_bias"]
+            L.append(f"| {k} | 0 -> {b['bias']:+.3f} | {fmt(a['ppl'])} -> {fmt(b['ppl'])} | "
+                     f"{fmt(a['ppl_groups']['rare'])} -> {fmt(b['ppl_groups']['rare'])} | "
+                     f"{a['rare_mass_pred']:.4f} -> {b['rare_mass_pred']:.4f} / {a['rare_mass_true']:.4f} | "
+                     f"{a['uniq']} -> {b['uniq']} | {a['uniq_groups']['rare']} -> {b['uniq_groups']['rare']} | "
+                     f"{fmt(a['rare_argmax_precision'], 3)} -> {fmt(b['rare_argmax_precision'], 3)} | "
+                     f"{fmt(a['rare_argmax_recall'], 3)} -> {fmt(b['rare_argmax_recall'], 3)} |")
+        L.append("")
+    for c in comparisons:
+        L += [f"## Paired comparison: {c['cand']} against {c['base']} (seeds {', '.join(map(str, c['seeds']))})", "",
+              "PPL rows: geometric-mean ratio cand / base and intervals of the ratio; other rows: differences.", "",
+              "| metric | base (mean) | cand (mean) | change | 95% t interval | 95% bootstrap | median | p (paired t) |",
+              "|" + " --- |" * 8]
+        for key, r in c["metrics"].items():
+            f = (lambda x: f"x{math.exp(x):.3f}") if r["log_ratio"] else (lambda x: f"{x:+.4g}")
+            iv = lambda name: f"[{f(r[name][0])}, {f(r[name][1])}]" if name in r else "-"
+            L.append(f"| {key} | {fmt(float(np.mean(r['base'])), 3)} | {fmt(float(np.mean(r['cand'])), 3)} | "
+                     f"{f(r['mean'])} | {iv('t95')} | {iv('boot95')} | {f(r['median'])} | {fmt(r.get('p', float('nan')), 3)} |")
+        if "rare_types" in c:
+            t = c["rare_types"]
+            L += ["", f"Rare-group PPL ratio pooled over the pairs: x{t['ratio']:.3f}, 95% interval over rare target "
+                  f"types (type-level bootstrap) [x{t['ratio_type_boot95'][0]:.3f}, x{t['ratio_type_boot95'][1]:.3f}]; "
+                  f"{t['targets']} rare targets of {t['types']} types. Share of the log-PPL gap from the top type: "
+                  f"{t['share_top1']:.0%}, top 10 types: {t['share_top10']:.0%} (" +
+                  ", ".join(f"{_md(repr(x['token']))} {x['share']:.0%} of {x['targets']}" for x in t["top"]) + ")."]
+        if "free_baseline_share" in c:
+            s = c["free_baseline_share"]
+            L += ["", f"Share of {c['cand']}'s rare-PPL gain that {c['base']} gets from one bias on the rare logits "
+                  f"(fitted on valid): {s['mean']:.0%} (per seed: " + ", ".join(f"{x:.0%}" for x in s["per_seed"]) + ")."]
+        L.append("")
     L += ["## Top-5 cosine neighbours of rare tokens (AGG Tables 12-13; * = neighbour in the rare group)", ""]
     for k, (rows, _) in extras.items():
         L += [f"**{k}**", "", "| token | top-5 neighbours |", "| --- | --- |"]
@@ -505,6 +699,11 @@ def build_parser():
     p.add_argument("--average-last", type=int, default=0,
                    help="NMT: evaluate the mean weights of the last N snapshots of a run trained with --keep-last N "
                         "(fairseq's average_checkpoints); recorded as checkpoints_averaged")
+    p.add_argument("--include-unseen", action="store_true",
+                   help="count the tokens never seen in training in the geometry metrics (default: left out)")
+    p.add_argument("--compare", nargs=2, action="append", default=[], metavar=("BASE", "CAND"),
+                   help="paired comparison of two variants (names as in summary.json, e.g. mle agg) over their common "
+                        "seeds: intervals, rare-PPL per-type split, free-baseline share -> compare.json (repeatable)")
     p.add_argument("--checkpoint", default="last", choices=["last", "best"],
                    help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM runs)")
     return p
@@ -514,7 +713,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
-    metrics, weights, counts, extras = {}, {}, {}, {}
+    metrics, weights, counts, extras, type_stats, all_tokens = {}, {}, {}, {}, {}, {}
     # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)
     tasks, configs = {}, {}
     for d in args.out_dirs:
@@ -529,7 +728,12 @@ def main(argv=None):
         if task == "lm" and args.average_last:
             raise SystemExit(f"{out_dir}: --average-last applies to NMT runs (train_nmt.py --keep-last N)")
         m, W, c, src_c, tokens = evaluate_lm(out_dir, args, device) if task == "lm" else evaluate_nmt(out_dir, args)
-        m.update(geometry(W, c))
+        m.update(geometry(W, c, args.include_unseen))
+        m["seed"] = configs[out_dir].get("seed")
+        m["valid_ppl"] = last_valid_ppl(out_dir, m.get("step"))
+        if "type_stats" in m:
+            type_stats[label] = dict(m.pop("type_stats"), rare=group_index(c)[0] == 2)
+        all_tokens[label] = tokens
         m["singular_values"] = agg.singular_spectrum(W).tolist()
         # the same probe tokens for runs on the same data (same counts), chosen from the first such run
         key = (task, int(c.sum()), len(c))
@@ -548,7 +752,11 @@ def main(argv=None):
         print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in ("ppl", "bleu", "isotropy", "mean_cosine")
                                          if k in m))
     summary = summarise(metrics)
-    for name, obj in (("metrics.json", metrics), ("summary.json", summary)):
+    comparisons = []
+    for base, cand in args.compare:
+        comparisons.append(compare(metrics, type_stats, base, cand, next(iter(all_tokens.values()))))
+    for name, obj in (("metrics.json", metrics), ("summary.json", summary)) + ((("compare.json", comparisons),)
+                                                                                  if comparisons else ()):
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(obj, f, indent=1)
     plot_singular_values({k: m["singular_values"] for k, m in metrics.items()},
@@ -558,7 +766,9 @@ def main(argv=None):
     curves = plot_training_curves(folders, {label: variants[d] for label, d in folders.items()},
                                   os.path.join(args.out, "training_curves.png"))
     snaps = plot_snapshots(folders, counts, os.path.join(args.out, "svd_over_time.png"))
-    write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves, snaps)
+    plot_gradient_parts(folders, {label: variants[d] for label, d in folders.items()},
+                        os.path.join(args.out, "gradient_parts.png"))
+    write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves, snaps, comparisons)
     print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")
     return metrics
 

@@ -5,6 +5,7 @@
     python grid.py --methods mle agg --seeds 0       # a part of the grid
     python grid.py --jobs 2                          # two runs at once, one thread each (faster on a CPU)
     python grid.py --no-train                        # the tables of the runs finished so far (a grid in progress)
+    python grid.py --methods mle agg --lrs 5e-4 1e-3 2e-3 --seeds 0 1 --out out/sweep   # a learning-rate sweep
     python grid.py --out out/grid-6l -- --dataset wikitext-103 --preset paper-6l    # the same grid on a GPU
 
 Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped and a stopped
@@ -12,6 +13,8 @@ one is resumed, so the grid can be stopped and restarted at any time. Runs go on
 each in its own process.
 Writes OUT/runs/METHOD-sSEED/ (run folders), OUT/report/ (eval.py: metrics.json, summary.json, report.md, plots)
 and OUT/tables.md: the analogues of AGG Tables 1-2, 3, 4, 7-8, 9, 10 and the peers of Table 6, mean +- std over seeds.
+With --lrs / --warmups the runs are METHOD-lrLR[-wuN]-sSEED and OUT/sweep.json lists every run's valid and test PPL
+and each method's setting with the lowest mean valid PPL (the selection never looks at test).
 """
 import argparse
 import json
@@ -53,8 +56,14 @@ HEADERS = {"ppl": "PPL", "uniq": "Uniq", "isotropy": "I(W)", "mean_cosine": "mea
               for g in ("freq", "med", "rare")}}
 
 
-def run_dir(out, method, seed):
-    return os.path.join(out, "runs", f"{method}-s{seed}")
+def run_dir(out, method, seed, lr=None, warmup=None):
+    setting = (f"-lr{lr:g}" if lr is not None else "") + (f"-wu{warmup}" if warmup is not None else "")
+    return os.path.join(out, "runs", f"{method}{setting}-s{seed}")
+
+
+def settings(args):
+    """(lr, warmup) pairs of the grid: None = the preset's."""
+    return [(lr, wu) for lr in (args.lrs or [None]) for wu in (args.warmups or [None])]
 
 
 def finished(folder):
@@ -82,24 +91,25 @@ def wait_for_slot(running, jobs):
 def train_all(args, extra):
     """Train the unfinished runs, `args.jobs` at a time. With several jobs each run gets cpu_count // jobs threads
     and writes its output to OUT/runs/METHOD-sSEED.log instead of the terminal."""
-    todo = [(m, s) for s in args.seeds for m in args.methods]  # seed-major: a stopped grid has every method at seed 0
+    todo = [(m, s, lr, wu) for s in args.seeds for lr, wu in settings(args) for m in args.methods]  # seed-major
     env = dict(os.environ)
     if args.jobs > 1:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
     running, failed = [], []
-    for i, (method, seed) in enumerate(todo):
-        folder = run_dir(args.out, method, seed)
+    for i, (method, seed, lr, wu) in enumerate(todo):
+        folder = run_dir(args.out, method, seed, lr, wu)
         if finished(folder):
-            print(f"[{i + 1}/{len(todo)}] {method} seed {seed}: done, skipped")
+            print(f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}: done, skipped")
             continue
         resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
         cmd = [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed), "--out",
-               folder, *(["--resume"] if resume else []), *extra]
+               folder, *(["--resume"] if resume else []), *extra,
+               *(["--lr", f"{lr:g}"] if lr is not None else []), *(["--warmup", str(wu)] if wu is not None else [])]
         log = None
         if args.jobs > 1:
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             log = open(folder + ".log", "a")
-        print(f"[{i + 1}/{len(todo)}] {method} seed {seed}: {'resuming' if resume else 'training'}"
+        print(f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}: {'resuming' if resume else 'training'}"
               + (f" (output: {folder}.log)" if log else ""), flush=True)
         running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None), cmd))
         if log:
@@ -138,6 +148,33 @@ def write_tables(summary, path, command):
         f.write("\n".join(lines))
 
 
+def sweep_table(metrics, command):
+    """{"command", "runs": [{method, lr, warmup, seed, valid_ppl, test_ppl, ...}], "settings": [mean valid/test PPL per
+    method, lr and warm-up], "selected": {method: the setting with the lowest mean valid PPL}}."""
+    runs = []
+    for m in metrics.values():
+        with open(os.path.join(m["out_dir"], "config.json")) as f:
+            cfg = json.load(f)
+        runs.append(dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"], seed=m["seed"], step=m["step"],
+                         valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
+                         isotropy=m["isotropy"], run=os.path.relpath(m["out_dir"], ROOT),
+                         command=" ".join(["python train_lm.py", *(os.path.relpath(a, ROOT) if os.path.isabs(a) else a
+                                                                    for a in cfg.get("argv", []))]),
+                         threads=cfg.get("versions", {}).get("threads"), git_commit=cfg.get("git_commit")))
+    by = {}
+    for r in runs:
+        by.setdefault((r["method"], r["lr"], r["warmup"]), []).append(r)
+    table = [dict(method=k[0], lr=k[1], warmup=k[2], n=len(rs),
+                  valid_ppl_mean=sum(r["valid_ppl"] for r in rs) / len(rs),
+                  test_ppl_mean=sum(r["test_ppl"] for r in rs) / len(rs)) for k, rs in sorted(by.items())]
+    selected = {}
+    for s in table:
+        if s["method"] not in selected or s["valid_ppl_mean"] < selected[s["method"]]["valid_ppl_mean"]:
+            selected[s["method"]] = s
+    return dict(command=command, selection="lowest mean valid PPL over seeds (last checkpoint)", runs=runs,
+                settings=table, selected=selected)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -148,12 +185,16 @@ def main(argv=None):
     p.add_argument("--eval-args", default="", help="extra eval.py flags, e.g. '--checkpoint best --n-samples 0'")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs trained at once (default 1); on a CPU, 2 one-thread runs train faster than 1 two-thread run")
+    p.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
+                   help="a learning-rate sweep: every method x seed at each of these (default: the preset's lr)")
+    p.add_argument("--warmups", nargs="+", type=int, default=None, metavar="N",
+                   help="a warm-up sweep: every method x seed at each of these warm-up lengths (default: the preset's)")
     p.add_argument("--no-train", action="store_true",
                    help="train nothing: evaluate the grid's finished runs only (n per method says how many)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
-    folders = [run_dir(args.out, m, s) for m in args.methods for s in args.seeds]
+    folders = [run_dir(args.out, m, s, lr, wu) for m in args.methods for lr, wu in settings(args) for s in args.seeds]
     if args.no_train:
         missing = [os.path.basename(f) for f in folders if not finished(f)]
         folders = [f for f in folders if finished(f)]
@@ -169,7 +210,16 @@ def main(argv=None):
         raise SystemExit(f"grid: `{' '.join(cmd)}` failed")
     with open(os.path.join(report, "summary.json")) as f:
         summary = json.load(f)
-    write_tables(summary, os.path.join(args.out, "tables.md"), "python grid.py " + " ".join(argv))
+    command = "python grid.py " + " ".join(argv)
+    write_tables(summary, os.path.join(args.out, "tables.md"), command)
+    if args.lrs or args.warmups:
+        with open(os.path.join(report, "metrics.json")) as f:
+            sweep = sweep_table(json.load(f), command)
+        with open(os.path.join(args.out, "sweep.json"), "w") as f:
+            json.dump(sweep, f, indent=1)
+        for method, s in sweep["selected"].items():
+            print(f"{method}: selected lr {s['lr']:g}, warm-up {s['warmup']} (mean valid PPL {s['valid_ppl_mean']:.2f} "
+                  f"over {s['n']} seeds)")
     print(f"wrote {args.out}/tables.md and {report}/")
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The regime map: where AGG's claims hold at this scale. Trains MLE and AGG-family runs over rare shares, training
-lengths and tokens per step (cpu preset otherwise), evaluates each on the test split, and plots AGG / MLE ratios of
-the same seed.
+lengths and tokens per step (cpu preset otherwise), evaluates each on the valid split (the map chooses settings, so it
+never looks at test), and plots AGG / MLE ratios of the same seed.
 
     python regime_map.py --shares 0.1 0.2 0.4 --steps 2400 --tokens 1024 --seeds 0 1      # rarity -> out/map/
     python regime_map.py --shares 0.2 --steps 600 --tokens 4096 --seeds 0 1               # same tokens, fewer steps
@@ -40,9 +40,10 @@ def ensure(folder, flags, extra):
         print(" ".join(cmd), flush=True)
         if subprocess.run(cmd).returncode:
             raise SystemExit(f"regime_map: `{' '.join(cmd)}` failed; fix it and rerun (finished runs are kept)")
-    report = os.path.join(folder, "report")
+    report = os.path.join(folder, "report-valid")
     if not os.path.exists(os.path.join(report, "metrics.json")):
-        cmd = [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out", report, "--n-samples", "0"]
+        cmd = [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out", report, "--n-samples", "0",
+               "--split", "valid"]
         if subprocess.run(cmd).returncode:
             raise SystemExit(f"regime_map: `{' '.join(cmd)}` failed")
     with open(os.path.join(report, "metrics.json")) as f:

@@ -59,6 +59,7 @@ _METHOD_HELP = {
     "rare_rank": "AGPS i_r: words from this frequency rank on are rare (instead of --rare-fraction)",
     "gate_ul": "ul+agg: gate the UL term's weight gradient with AGG's gates too",
     "continuous_g1": "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold",
+    "prefill": "agg-prefill: start AGG's window full, at the training split's expected counts (no early over-gating)",
     "until": "freeze-rare: unfreeze after this step", "parts": "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)",
     "gamma": "CosReg weight (CosReg Eq. 6)", "popular_fraction": "FRAGE: share of popular tokens",
     "lambda_": "FRAGE adversarial weight (FRAGE Eq. 5)", "disc_lr": "FRAGE discriminator learning rate",
@@ -328,7 +329,7 @@ def git_commit():
 
 def versions():
     out = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-               platform=platform.platform())
+               platform=platform.platform(), threads=torch.get_num_threads())  # CPU results depend on the thread count
     for name in ("tokenizers", "sacrebleu"):
         try:
             out[name] = __import__(name).__version__

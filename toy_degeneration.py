@@ -195,24 +195,13 @@ class ToyLM(nn.Module):
 # Geometry
 
 
-def cross_cosine(w_a, w_b):
-    """Mean cos(w_i, w_j) over i in group a, j in group b (the rare-frequent cosine of AGG Fig. 2)."""
-    return float(F.normalize(w_a.double(), dim=1).mean(0) @ F.normalize(w_b.double(), dim=1).mean(0))
-
-
-def geometry(W, groups):
-    """I(W) and mean cosine of the whole matrix and of each frequency group (AGG Eq. 3, AGPS Eq. 9)."""
-    return {"isotropy": agg.isotropy(W), "isotropy_groups": {g: agg.isotropy(W[i]) for g, i in groups.items()},
-            "mean_cosine": agg.mean_cosine(W),
-            "mean_cosine_groups": {g: agg.mean_cosine(W[i]) for g, i in groups.items()}}
-
-
 def snapshot(step, W, groups, method):
+    """The geometry over training (AGG Fig. 2) and the size of the rare group (AGG Fig. 4)."""
     rare = method.rare_mask()
     return {"step": step, "isotropy": agg.isotropy(W),
             "isotropy_freq": agg.isotropy(W[groups["freq"]]), "isotropy_rare": agg.isotropy(W[groups["rare"]]),
             "cos_rare": agg.mean_cosine(W[groups["rare"]]),
-            "cos_rare_freq": cross_cosine(W[groups["rare"]], W[groups["freq"]]),
+            "cos_rare_freq": agg.mean_cosine_between(W[groups["rare"]], W[groups["freq"]]),
             "rare_count": None if rare is None else int(rare.sum())}
 
 
@@ -263,7 +252,7 @@ def train_one(label, name, hparams, data, args):
             history.append(snapshot(step + 1, W.detach(), groups, method))
             bar.set_postfix(nll=f"{method.stats['nll']:.3f}", IW=f"{history[-1]['isotropy']:.2f}", refresh=False)
     train_seconds = time.perf_counter() - t0
-    result = {**geometry(W.detach(), groups), **evaluate(model, method, data, args),
+    result = {**agg.geometry(W, groups, data["counts"] > 0), **evaluate(model, method, data, args),
               "seconds": time.perf_counter() - t0, "train_seconds": train_seconds}  # wall time: training + evaluation
     rare = method.rare_mask()
     tokens_per_step = args.batch_seqs * args.seq_len

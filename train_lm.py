@@ -78,6 +78,9 @@ def build_parser():
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
     g.add_argument("--cache-dir", default=DEFAULT_CACHE, help="tokenizer + token-id cache")
+    g.add_argument("--split-seed", type=int, default=0,
+                   help=f"{OFFLINE_DATASET}: which articles are valid and test (0: the default split; another "
+                        f"value: another split of the same articles)")
     g = p.add_argument_group("model (override any preset field)")
     g.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: cpu on CPU, paper-6l on CUDA")
     g.add_argument("--n-layer", type=int, default=None)
@@ -86,6 +89,9 @@ def build_parser():
     g.add_argument("--d-ff", type=int, default=None)
     g.add_argument("--dropout", type=float, default=None)
     g.add_argument("--block-size", type=int, default=None, help="context length")
+    g.add_argument("--output-bias", action="store_true",
+                   help="a learned per-token bias on the tied softmax's logits (zero-initialised, no weight decay); "
+                        "every method's gates act on the weight, the bias gets the plain gradient")
     runlib.add_method_flags(p)
     runlib.add_run_flags(p, "run folder (default out/lm-METHOD-seedN)")
     g = p.add_argument_group("training")
@@ -123,6 +129,9 @@ def resolve_config(args, explicit=None):
         cfg["vocab_size"] = 0  # word level: keep every word of the train split (WikiText's closed vocabulary)
     if cfg["data_dir"]:
         cfg["dataset"] = "dir"
+    if cfg["split_seed"] and cfg["dataset"] != OFFLINE_DATASET:
+        raise SystemExit(f"--split-seed {cfg['split_seed']}: only the offline corpus {OFFLINE_DATASET} is split here; "
+                         f"{describe_source(cfg)} comes with its own splits")
     if cfg["out"] is None:
         cfg["out"] = os.path.join(ROOT, "out", f"lm-{cfg['method']}-seed{cfg['seed']}")
     for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps"):
@@ -156,9 +165,10 @@ def clean_wiki_article(markup):
     return lines
 
 
-def load_gensim_wiki():
+def load_gensim_wiki(split_seed=0):
     """The 106-article Wikipedia sample from the gensim wheel, split by article: 6 valid, 5 test, the rest train.
-    The split is deterministic: articles are ordered by the SHA-1 of their title."""
+    The split is deterministic: articles are ordered by the SHA-1 of their title (split_seed 0) or of
+    "SEED:title" (another split of the same articles, for a second measurement of the same claim)."""
     from gensim.corpora.wikicorpus import extract_pages
     path = gensim_wiki_path()
     if not os.path.exists(path):
@@ -170,7 +180,8 @@ def load_gensim_wiki():
                 continue
             lines = clean_wiki_article(markup)
             if lines:
-                articles.append((hashlib.sha1(title.encode()).hexdigest(), lines))
+                key = title if not split_seed else f"{split_seed}:{title}"
+                articles.append((hashlib.sha1(key.encode()).hexdigest(), lines))
     articles.sort()
     split = {"valid": articles[:6], "test": articles[6:11], "train": articles[11:]}
     return {k: [line for _h, lines in v for line in lines] for k, v in split.items()}
@@ -230,7 +241,7 @@ def load_corpus(cfg):
     if cfg.get("data_dir"):
         return load_text_dir(cfg["data_dir"])
     if cfg["dataset"] == OFFLINE_DATASET:
-        return load_gensim_wiki()
+        return load_gensim_wiki(cfg.get("split_seed") or 0)
     if cfg["dataset"] in HUB_DATASETS:
         return load_hub(cfg["dataset"])
     raise SystemExit(f"unknown --dataset {cfg['dataset']!r}: use {OFFLINE_DATASET}, "
@@ -268,7 +279,8 @@ def prepare_data(cfg, log=print):
     Returns dict(ids={split: np.memmap}, counts=LongTensor (V,), tokenizer, vocab_size, eos_id, pad_id, dir, reused)."""
     from tokenizers import Tokenizer
     corpus, h = None, hashlib.sha256()
-    h.update(json.dumps([DATA_VERSION, cfg["tokenizer"], cfg["vocab_size"]]).encode())
+    h.update(json.dumps([DATA_VERSION, cfg["tokenizer"], cfg["vocab_size"]]
+                        + ([cfg["split_seed"]] if cfg.get("split_seed") else [])).encode())
     files = source_files(cfg)
     if files:  # local sources: hash the files, so a cache hit needs no parsing
         for path in files:
@@ -377,10 +389,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Pre-LN decoder. The output layer is the input embedding (tied): logits = features(x) @ tok_emb.weight.T.
-    forward(x) returns the features (the input of the tied head), so DDP wraps the call that agg's losses need."""
+    """Pre-LN decoder. The output layer is the input embedding (tied): logits = features(x) @ tok_emb.weight.T, plus a
+    learned per-token bias with output_bias (zero-initialised, no weight decay: a unigram prior that can encode
+    frequency without moving the embeddings). forward(x) returns the features (the input of the tied head), so DDP
+    wraps the call that agg's losses need."""
 
-    def __init__(self, vocab_size, n_layer, d_model, n_head, d_ff, dropout, block_size):
+    def __init__(self, vocab_size, n_layer, d_model, n_head, d_ff, dropout, block_size, output_bias=False):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -388,6 +402,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
+        self.out_bias = nn.Parameter(torch.zeros(vocab_size)) if output_bias else None
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 L)
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
@@ -412,12 +427,17 @@ class GPT(nn.Module):
     def forward(self, x):
         return self.features(x)
 
+    def head(self, h):
+        """The tied output layer: logits of features h."""
+        logits = h @ self.tok_emb.weight.t()
+        return logits if self.out_bias is None else logits + self.out_bias
+
     def logits(self, x):
-        return self.features(x) @ self.tok_emb.weight.t()
+        return self.head(self.features(x))
 
 
 def build_model(cfg, vocab_size):
-    return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS})
+    return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")))
 
 
 def init_from(model, cfg):
@@ -440,7 +460,7 @@ def generate(model, prefix, n_new, autocast=contextlib.nullcontext):
     x = prefix
     for _ in range(n_new):
         with autocast():
-            logits = model.features(x[:, -model.block_size:])[:, -1] @ model.tok_emb.weight.t()
+            logits = model.head(model.features(x[:, -model.block_size:])[:, -1])
         x = torch.cat([x, logits.float().argmax(-1, keepdim=True)], dim=1)
     return x[:, prefix.shape[1]:]
 
@@ -490,11 +510,14 @@ def score(model, ids, n, cfg, device, autocast, context=0):
 
 
 @torch.no_grad()
-def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_rare=None):
+def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_rare=None, seen=None, method=None):
     """Valid PPL (the same scoring as evaluate()), total and per frequency group (30/50/20% by train counts),
-    the embedding geometry per group (AGG Fig. 2: I(W) per group, cosine between rare and frequent embeddings), and
+    the embedding geometry per group over the tokens `seen` in training (agg.geometry; AGG Fig. 2: I(W) per group,
+    cosine between rare and frequent embeddings), and
     the predicted vs true probability mass of the static rare group (`group_rare_mass_*`) and of the method's own
-    rare set (`method_rare_mass_*`; AGG can over-predict it)."""
+    rare set (`method_rare_mass_*`; AGG can over-predict it). With `method`: the mean row norms of the parts (a), (b),
+    (c) of the weight gradient (AGG Eq. 4, agg.gradient_parts) per group, as the method's gates apply them, on the
+    first micro-batch of windows (`grad_a_rare`, ...; freeze-rare's frozen rows are not shown as frozen)."""
     model.eval()
     n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
     gid = group_ids(groups, model.tok_emb.weight.shape[0]).to(device)
@@ -515,17 +538,30 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
             dyn_true += dyn[y].sum().item()
     model.train()
     count = int(count_g.sum())
-    W = model.tok_emb.weight.detach().float()
-    Wg = [W[i.to(W.device)] for i in groups]
+    geo = agg.geometry(model.tok_emb.weight, dict(zip(GROUPS, groups)), seen)
     out = dict(loss=float(nll_g.sum()) / max(1, count), ppl=ppl_of(nll_g.sum(), count), tokens=count,
                **{f"ppl_{name}": ppl_of(nll_g[k], count_g[k]) for k, name in enumerate(GROUPS)},
-               isotropy=agg.isotropy(W), **{f"isotropy_{name}": agg.isotropy(Wg[k]) for k, name in enumerate(GROUPS)},
-               mean_cosine=agg.mean_cosine(W), mean_cosine_rare=agg.mean_cosine(Wg[2]),
-               cosine_rare_freq=agg.mean_cosine_between(Wg[2], Wg[0]),
+               isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in GROUPS},
+               mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
+               cosine_rare_freq=geo["cosine_rare_freq"], **{f"norm_{g}": geo["norm_groups"][g] for g in GROUPS},
+               geometry_rows=geo["rows"],
                group_rare_mass_pred=rare_pred / max(1, count), group_rare_mass_true=int(count_g[2]) / max(1, count))
     if dyn is not None:
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / max(1, count),
                    method_rare_mass_true=dyn_true / max(1, count))
+    if method is not None:
+        block = cfg["block_size"]
+        n_seq = max(1, min(cfg["micro_batch"], (len(ids) - 1) // block))
+        t = torch.from_numpy(np.asarray(ids[:n_seq * block + 1], dtype=np.int64)).to(device)
+        x, y = t[:-1].view(n_seq, block), t[1:].view(n_seq, block)
+        model.eval()
+        with autocast():
+            hidden = model.features(x)
+        model.train()
+        gates = method.gates(y.reshape(-1)) if method.steps else (None, None, None)
+        parts = agg.gradient_parts(hidden, model.tok_emb.weight, y, gid == 2, gates).cpu()
+        for k, name in enumerate(GROUPS):
+            out.update({f"grad_{part}_{name}": float(parts[groups[k].cpu(), j].mean()) for j, part in enumerate("abc")})
     return out
 
 
@@ -539,6 +575,50 @@ def group_ids(groups, V):
 
 def ppl_of(nll_sum, count):
     return math.exp(min(50.0, float(nll_sum) / int(count))) if count > 0 else float("nan")
+
+
+def rare_logit_stats(logits, y, rare):
+    """Per scored position, all that a scalar bias b on the rare group's logits changes: the target, its logit and
+    whether it is rare, and the log-sum-exp and argmax (value, id) over the rare group and over the other tokens."""
+    z, y = logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
+    zr, zo = z.masked_fill(~rare, -math.inf), z.masked_fill(rare, -math.inf)
+    (max_rare, arg_rare), (max_other, arg_other) = zr.max(-1), zo.max(-1)
+    return dict(target=y, z_y=z.gather(1, y[:, None]).squeeze(1), y_rare=rare[y], lse_rare=torch.logsumexp(zr, -1),
+                lse_other=torch.logsumexp(zo, -1), max_rare=max_rare, arg_rare=arg_rare, max_other=max_other,
+                arg_other=arg_other)
+
+
+def fit_rare_bias(st):
+    """The scalar b on the rare group's logits that minimises the mean NLL of the positions `st` (rare_logit_stats).
+    The NLL is convex in b and its derivative is (mean predicted rare mass) - (share of rare targets), so the fitted
+    b also calibrates the rare group's predicted mass. Newton's method, steps clipped to +-4."""
+    b, y_share = 0.0, st["y_rare"].double().mean()
+    for _ in range(100):
+        p = torch.sigmoid(st["lse_rare"].double() + b - st["lse_other"].double())
+        step = float(((p.mean() - y_share) / (p * (1 - p)).mean().clamp(min=1e-12)).clamp(-4, 4))
+        b -= step
+        if abs(step) < 1e-9:
+            break
+    return b
+
+
+def rare_bias_metrics(st, b, gid):
+    """PPL total and per group, rare-group mass (predicted / true), Uniq and the precision and recall of rare argmax
+    predictions of the positions `st` with b added to the rare group's logits (b = 0: the model as it is)."""
+    lse_rare = st["lse_rare"].double() + b
+    nll = torch.logaddexp(st["lse_other"].double(), lse_rare) - (st["z_y"].double() + b * st["y_rare"].double())
+    pred = torch.where(st["max_rare"] + b > st["max_other"], st["arg_rare"], st["arg_other"])
+    g = gid[st["target"]]
+    pred_rare, hit = gid[pred] == 2, pred == st["target"]
+    up = pred.unique()
+    return dict(bias=b, ppl=ppl_of(nll.sum(), len(nll)),
+                ppl_groups={name: ppl_of(nll[g == k].sum(), int((g == k).sum())) for k, name in enumerate(GROUPS)},
+                rare_mass_pred=float(torch.sigmoid(lse_rare - st["lse_other"].double()).mean()),
+                rare_mass_true=float(st["y_rare"].double().mean()),
+                uniq=int(len(up)), uniq_groups={name: int((gid[up] == k).sum()) for k, name in enumerate(GROUPS)},
+                rare_argmax_precision=float(hit[pred_rare].double().mean()) if pred_rare.any() else float("nan"),
+                rare_argmax_recall=float(hit[g == 2].double().mean()) if (g == 2).any() else float("nan"),
+                rare_argmax_count=int(pred_rare.sum()))
 
 
 @torch.no_grad()
@@ -569,22 +649,33 @@ def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=
     ids = data["ids"][split]
     n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
     nll_sum, cnt = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
-    preds, targets = [], []
+    type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
+    preds, targets, stats = [], [], []
     for logits, y in tqdm(score(model, ids, n, cfg, device, autocast, context_window),
                           desc=f"{os.path.basename(os.path.normpath(run_dir))} {split}", leave=False):
         nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
         g = gid_d[y]
         nll_sum += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, g.flatten(), nll.flatten()).cpu()
         cnt += torch.bincount(g.flatten(), minlength=3).cpu()
+        type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
         preds.append(logits.argmax(-1).flatten().cpu())
         targets.append(y.flatten().cpu())
+        stats.append({k: v.cpu() for k, v in rare_logit_stats(logits, y, gid_d == 2).items()})
     preds, targets = torch.cat(preds), torch.cat(targets)
+    # The free re-weighting baseline: one bias on the rare group's logits, fitted on the valid split (minimum NLL,
+    # which also calibrates the group's predicted mass), applied to this split.
+    fit = [{k: v.cpu() for k, v in rare_logit_stats(lg, y, gid_d == 2).items()}
+           for lg, y in score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device, autocast,
+                              context_window)]
+    cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    stats, bias = cat(stats), fit_rare_bias(cat(fit))
     up, ut = preds.unique(), targets.unique()
     m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=run_dir, split=split,
              context_window=context_window, tokens=int(cnt.sum()), ppl=ppl_of(nll_sum.sum(), cnt.sum()),
              ppl_groups={g: ppl_of(nll_sum[k], cnt[k]) for k, g in enumerate(GROUPS)},
              uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(GROUPS)},
-             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(GROUPS)})
+             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(GROUPS)},
+             rare_argmax=rare_bias_metrics(stats, 0.0, gid), rare_bias=rare_bias_metrics(stats, bias, gid))
     gens, tok = [], data["tokenizer"]
     span = prefix_len + gen_len
     if len(ids) > span and n_samples:
@@ -603,7 +694,8 @@ def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=
     m["gen_rep4_human"] = float(np.mean([g["rep4_human"] for g in gens])) if gens else float("nan")
     tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
     return {"metrics": m, "weight": model.tok_emb.weight.detach().float().cpu(), "counts": data["counts"],
-            "tokens": tokens, "tokenizer": tok, "kind": cfg["tokenizer"]}
+            "tokens": tokens, "tokenizer": tok, "kind": cfg["tokenizer"], "type_nll": type_nll,
+            "type_count": torch.bincount(targets, minlength=V)}
 
 
 def repeated_4grams(tokens):
@@ -728,7 +820,7 @@ def main(argv=None):
         nonlocal best_ppl
         if master:
             v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
-                         method.rare_mask() if method.steps else None)
+                         method.rare_mask() if method.steps else None, seen=data["counts"] > 0, method=method)
             write_log(dict(step=step, split="valid", **v))
             if v["ppl"] < best_ppl:
                 best_ppl = v["ppl"]
@@ -812,7 +904,7 @@ def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n
     full = torch.cat([prefix, cont], dim=1)
     with autocast():
         hidden = model(full[:, :-1])[:, prefix_len - 1:]  # the features that predicted each continuation token
-        logits = hidden @ raw.tok_emb.weight.t()
+        logits = raw.head(hidden)
     loss, share = agg.sequence_unlikelihood(logits, cont, n)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
@@ -835,7 +927,7 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
         with sync:
             with autocast():
                 hidden = model(x)  # = raw.features(x), the input of the tied head
-                loss = method.loss(hidden, raw.tok_emb.weight, y)
+                loss = method.loss(hidden, raw.tok_emb.weight, y, bias=raw.out_bias)
             (loss * (y.numel() / y_all.numel())).backward()
         loss_sum += loss.item() * y.numel()
         nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()

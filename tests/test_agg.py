@@ -218,11 +218,11 @@ def test_static_agg_freezes_the_group():
     assert dynamic.rare_mask().tolist() == [True, True, False, False]
 
 
-@pytest.mark.parametrize("name", ["agg", "agg-static", "frage", "freeze-rare"])
+@pytest.mark.parametrize("name", ["agg", "agg-static", "agg-prefill", "frage", "freeze-rare"])
 def test_state_dict_round_trip_continues_identically(name):
     kw = dict(counts=make_counts(6) + 1)
     if name.startswith("agg"):
-        kw.update(alpha=0.4, window=4)
+        kw.update(alpha=0.4, window=8 if name == "agg-prefill" else 4)  # prefill: still filling at the reload
     if name == "agg-static":
         kw.update(static_after=5)
     g = torch.Generator().manual_seed(6)
@@ -423,6 +423,62 @@ def test_isotropy_metric():
     huge = torch.nn.functional.normalize(torch.randn(500, 16, generator=g), dim=1) * 1e3
     value = agg.isotropy(huge)
     assert 0.0 <= value <= 1.0 and value == value
+
+
+def test_isotropy_takes_both_signs_of_each_eigenvector():
+    g = torch.Generator().manual_seed(1)
+    cone = torch.randn(300, 8, generator=g, dtype=torch.float64) + 0.5 * torch.randn(8, generator=g, dtype=torch.float64)
+    _, vecs = torch.linalg.eigh(cone.T @ cone)
+    log_z = lambda a: torch.logsumexp(cone @ a, dim=0)  # Z(a) of AGG Eq. 3, per column of a
+    one_sign = float(torch.exp(log_z(vecs).min() - log_z(vecs).max()))
+    flipped = float(torch.exp(log_z(-vecs).min() - log_z(-vecs).max()))
+    both = torch.cat([log_z(vecs), log_z(-vecs)])
+    assert abs(one_sign - flipped) > 0.01  # the sign eigh returns would change a one-sign I(W) of this matrix
+    assert agg.isotropy(cone) == pytest.approx(float(torch.exp(both.min() - both.max())), rel=1e-9)
+    assert agg.isotropy(cone) == agg.isotropy(-cone) and agg.isotropy(cone) <= min(one_sign, flipped)
+
+
+def test_geometry_counts_the_seen_tokens_per_group():
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(60, 6, generator=g, dtype=torch.float64)
+    counts = torch.arange(60, 0, -1)
+    counts[-5:] = 0  # never seen: the least frequent, so in the rare group
+    W[-5:] = 10.0 + 0.01 * torch.randn(5, 6, generator=g, dtype=torch.float64)  # a far, tight cluster
+    groups = dict(zip(agg.GROUPS, agg.frequency_groups(counts)))
+    seen = agg.geometry(W, groups, counts > 0)
+    everything = agg.geometry(W, groups)
+    assert seen["rows"] == 55 and seen["rows_groups"] == {"freq": 18, "med": 30, "rare": 7}
+    assert seen["isotropy"] == agg.isotropy(W[:55]) and seen["mean_cosine"] == agg.mean_cosine(W[:55])
+    assert seen["isotropy_groups"]["rare"] == agg.isotropy(W[48:55])
+    assert seen["norm_groups"]["rare"] == pytest.approx(float(W[48:55].norm(dim=1).mean()))
+    assert seen["cosine_rare_freq"] == pytest.approx(agg.mean_cosine_between(W[48:55], W[:18]))
+    assert everything["rows"] == 60 and everything["mean_cosine_groups"]["rare"] > seen["mean_cosine_groups"]["rare"]
+
+
+def test_agg_prefill_starts_with_the_expected_rare_group_and_becomes_agg():
+    g = torch.Generator().manual_seed(3)
+    p = 1.0 / torch.arange(1, V + 1, dtype=torch.float64)  # a Zipf law over the vocabulary
+    counts = (p / p.sum() * 100000).round().long()
+    batches = [torch.multinomial(p, 64, replacement=True, generator=g) for _ in range(12)]
+    rate = counts.double() / counts.sum() * 64
+    alpha = float(rate.sort().values[V // 4:V // 4 + 2].mean())  # a quarter of the vocabulary rare at average rates
+    plain = agg.build_method("agg", V, alpha=alpha, window=8)
+    filled = agg.build_method("agg-prefill", V, alpha=alpha, window=8, counts=counts)
+    plain.observe(batches[0])
+    filled.observe(batches[0])
+    assert plain.rare_mask().float().mean() >= 0.45  # one step of counts: far more than a quarter looks rare
+    expected = (batches[0] == torch.arange(V)[:, None]).sum(1) / 8 + 7 / 8 * rate
+    torch.testing.assert_close(filled.mean_counts(), expected.double())
+    assert filled.rare_mask().float().mean() <= 0.35
+    for y in batches[1:]:
+        plain.observe(y)
+        filled.observe(y)
+    h, w, _ = inputs(seed=3, T=64)
+    y = batches[-1]
+    for a, b in zip(grads(plain, h, w, y), grads(filled, h, w, y)):  # past the window: exactly AGG
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="prefill needs counts"):
+        agg.build_method("agg-prefill", V, alpha=alpha)
 
 
 def test_spectrum_and_frequency_groups():
@@ -700,3 +756,84 @@ def test_agg_centered_gates_only_the_push_along_the_mean_feature():
     _, mle_gh, _ = grads(agg.build_method("mle", V), h, w, y)
     torch.testing.assert_close(gh, mle_gh, rtol=1e-12, atol=1e-14)  # the hidden gradient is MLE's
     torch.testing.assert_close(grads(method, h, w, y, chunk_size=7)[2], gw, rtol=1e-12, atol=1e-14)
+
+
+def bias_grads(method, h, w, b, y, **kw):
+    h, w, b = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    loss = method.loss(h, w, y, bias=b, **kw)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, b.grad
+
+
+def test_output_bias_gets_the_plain_gradient_and_the_gates_act_on_the_weight():
+    h, w, y = inputs(seed=11, ignore=(3, 7))
+    b = torch.randn(V, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    # mle: autograd through F.cross_entropy(h @ W.T + b, y), chunked or not
+    hh, ww, bb = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    ref = F.cross_entropy(hh @ ww.T + bb, y)
+    ref.backward()
+    for chunk in (None, 7):
+        loss, gh, gw, gb = bias_grads(agg.build_method("mle", V), h, w, b, y, chunk_size=chunk)
+        torch.testing.assert_close(loss, ref.detach())
+        for got, want in ((gh, hh.grad), (gw, ww.grad), (gb, bb.grad)):
+            torch.testing.assert_close(got, want)
+    # agg: the literal Eq. 9-10 with the bias in every logit; the bias's gradient comes from z0 alone
+    counts = make_counts(11)
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, counts)
+    rare, g1v, g2v = paper_gates(counts)
+    hh, ww, bb = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    keep = y != -100
+    h_, y_ = hh[keep], y[keep]
+    rare_other = rare[None, :] & (torch.arange(V)[None, :] != y_[:, None])
+    g1 = torch.where(rare_other, g1v[None, :], torch.ones(()))
+    g2 = torch.where(rare_other, g2v[None, :], torch.ones(()))
+    z0 = h_ @ ww.detach().T + bb
+    z1 = g1 * (h_.detach() @ ww.T) + (1 - g1) * (h_.detach() @ ww.detach().T) + bb.detach()
+    z2 = g2 * (h_.detach() @ ww.T) + (1 - g2) * (h_.detach() @ ww.detach().T) + bb.detach()
+    ce = lambda z: F.cross_entropy(z, y_, reduction="none")
+    (ce(z0) + torch.where(rare[y_], ce(z2), ce(z1))).mean().backward()
+    _, gh, gw, gb = bias_grads(method, h, w, b, y)
+    for got, want in ((gh, hh.grad), (gw, ww.grad), (gb, bb.grad)):
+        torch.testing.assert_close(got, want)
+    # ul: the unlikelihood term sees the biased logits too
+    hb, wb, bias = h.reshape(4, 15, D), w, b
+    yb = y.reshape(4, 15)
+    hh, ww, bb = hb.clone().requires_grad_(), wb.clone().requires_grad_(), bias.clone().requires_grad_()
+    ref = F.cross_entropy((hh @ ww.T + bb).reshape(-1, V), yb.reshape(-1)) + agg.unlikelihood(hh, ww, yb, bias=bb)
+    ref.backward()
+    _, gh, gw, gb = bias_grads(agg.build_method("ul", V), hb, wb, bias, yb)
+    for got, want in ((gh, hh.grad), (gw, ww.grad), (gb, bb.grad)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="bias must be"):
+        agg.build_method("mle", V).loss(h, w, y, bias=b[:-1])
+
+
+def test_gradient_parts_are_eq_4_and_add_up_to_the_methods_weight_gradient():
+    h, w, y = inputs(seed=12, ignore=(5,))
+    counts = make_counts(12)
+    rare_static = torch.arange(V) >= 30  # the rare set the parts are split by (eval's static group)
+    for name in ("mle", "agg"):
+        method = agg.build_method(name, V, alpha=ALPHA, window=WINDOW) if name == "agg" else agg.build_method("mle", V)
+        if name == "agg":
+            observe_counts(method, counts)
+        keep = y != -100
+        hk, yk = h[keep], y[keep]
+        gates = method.gates(yk)
+        parts = agg.gradient_parts(h, w, y, rare_static, gates)
+        # literal Eq. 4 with the method's dense gate
+        p = torch.softmax(hk @ w.T, -1) * agg.gate_matrix(yk, V, *gates)
+        a, b, c = (torch.zeros(V, D, dtype=torch.float64) for _ in range(3))
+        for i in range(len(yk)):
+            for k in range(V):
+                if k == yk[i]:
+                    a[k] += (p[i, k] - 1) * hk[i]
+                elif rare_static[yk[i]]:
+                    c[k] += p[i, k] * hk[i]
+                else:
+                    b[k] += p[i, k] * hk[i]
+        n = len(yk)
+        want = torch.stack([a.norm(dim=1), b.norm(dim=1), c.norm(dim=1)], 1) / n
+        torch.testing.assert_close(parts, want, rtol=1e-5, atol=1e-7)  # float32 softmax inside
+        _, _, gw = grads(method, h, w, y)
+        torch.testing.assert_close((a + b + c) / n, gw)  # the three parts are the whole weight gradient

@@ -138,9 +138,10 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
     m = ev.main([str(run), "--out", str(tmp_path / "r"), "--device", "cpu"])["nmt-run"]
     assert calls == [(str(run), "cpu", 4)]
     assert m["bleu"] == 12.5 and m["bleu_signature"].startswith("nrefs")
-    assert m["isotropy"] == pytest.approx(ev.agg.isotropy(weight)) and set(m["isotropy_groups"]) == {"freq", "med",
-                                                                                                     "rare"}
-    assert m["mean_cosine"] == pytest.approx(ev.agg.mean_cosine(weight))
+    seen = torch.arange(V).flip(0) > 0  # token 59 never occurs in training: left out of the geometry
+    assert m["isotropy"] == pytest.approx(ev.agg.isotropy(weight[seen])) and set(m["isotropy_groups"]) == {"freq", "med",
+                                                                                                           "rare"}
+    assert m["mean_cosine"] == pytest.approx(ev.agg.mean_cosine(weight[seen])) and m["rows"] == V - 1
     # neighbours of target-rare tokens most frequent on the source side (ids 59, 58, ... are target-rare)
     assert list(m["neighbours"])[:2] == [tokens[59], tokens[58]]
     assert "## Machine translation" in (tmp_path / "r" / "report.md").read_text()
@@ -186,7 +187,10 @@ def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
         assert summary["mle"][key]["freq"]["mean"] == pytest.approx(np.mean([metrics[k][key]["freq"]
                                                                                for k in ("mle", "mle-s1")]))
     for key in ("uniq", "isotropy", "mean_cosine"):
-        assert set(summary["mle"][key]) == {"mean", "std"}
+        assert set(summary["mle"][key]) == {"mean", "std", "median"}
+    assert summary["mle"]["ppl"]["median"] == pytest.approx(np.median(ppl))
+    assert summary["mle"]["rare_bias"]["ppl_groups"]["freq"]["mean"] == pytest.approx(
+        np.mean([metrics[k]["rare_bias"]["ppl_groups"]["freq"] for k in ("mle", "mle-s1")]))  # nested dicts too
     text = (report / "report.md").read_text()
     assert "Mean ± std" in text and "| mle | 2 |" in text
     assert (report / "training_curves.png").stat().st_size > 0  # from the valid records of log.jsonl
@@ -220,3 +224,79 @@ def test_runs_that_differ_in_more_than_their_seed_are_never_averaged():
     summary = ev.summarise(metrics)
     assert summary["ul+agg gate_ul=True"]["n"] == 2 and summary["ul+agg gate_ul=True"]["ppl"]["mean"] == 0.5
     assert summary["ul+agg gate_ul=False"]["n"] == 1 and summary["ul+agg gate_ul=False"]["ppl"]["mean"] == 2.0
+
+
+def test_rare_bias_is_the_nll_optimum_and_calibrates_the_rare_mass():
+    g = torch.Generator().manual_seed(0)
+    V, N = 30, 400
+    rare = torch.zeros(V, dtype=torch.bool)
+    rare[20:] = True
+    logits = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
+    logits[:, 20:] += 1.5  # the model over-predicts the rare group
+    y = torch.randint(0, V, (N,), generator=g)
+    gid = torch.where(rare, 2, torch.where(torch.arange(V) < 8, 0, 1))
+    st = train_lm.rare_logit_stats(logits, y, rare)
+    b = train_lm.fit_rare_bias(st)
+    nll = lambda c: F.cross_entropy(logits + c * rare.double(), y).item()
+    grid = torch.linspace(b - 0.5, b + 0.5, 101)
+    assert nll(b) <= min(nll(float(c)) for c in grid) + 1e-12 and b < 0
+    m = train_lm.rare_bias_metrics(st, b, gid)
+    probs = torch.softmax(logits + b * rare.double(), -1)
+    assert m["rare_mass_pred"] == pytest.approx(float(probs[:, rare].sum(1).mean()), rel=1e-6)
+    assert m["rare_mass_pred"] == pytest.approx(m["rare_mass_true"], abs=1e-7)  # the fit calibrates the mass
+    assert m["ppl"] == pytest.approx(math.exp(nll(b)), rel=1e-6)
+    pred = (logits + b * rare.double()).argmax(-1)
+    is_rare = rare[pred]
+    assert m["uniq"] == len(pred.unique()) and m["rare_argmax_count"] == int(is_rare.sum())
+    assert m["rare_argmax_precision"] == pytest.approx(float((pred == y)[is_rare].double().mean()))
+    assert m["rare_argmax_recall"] == pytest.approx(float((pred == y)[rare[y]].double().mean()))
+    rare_nll = F.cross_entropy(logits[rare[y]] + b * rare.double(), y[rare[y]]).item()
+    assert m["ppl_groups"]["rare"] == pytest.approx(math.exp(rare_nll), rel=1e-6)
+
+
+def test_paired_interval_matches_the_paired_t_test():
+    from scipy import stats
+    diffs = [0.3, -0.1, 0.5, 0.2, 0.4]
+    r = ev.paired_interval(diffs, n_boot=2000)
+    t = stats.ttest_1samp(diffs, 0)
+    assert r["p"] == pytest.approx(t.pvalue) and r["mean"] == pytest.approx(0.26) and r["median"] == 0.3
+    ci = t.confidence_interval()
+    assert r["t95"] == pytest.approx([ci.low, ci.high])
+    assert min(diffs) <= r["boot95"][0] < r["mean"] < r["boot95"][1] <= max(diffs)
+
+
+def test_compare_pairs_runs_by_seed_and_splits_the_rare_gap_by_type(runs, tmp_path):
+    ev.main([runs["mle"], runs["mle-s1"], runs["agg"], "--out", str(tmp_path), "--n-samples", "0",
+             "--compare", "mle", "agg"])
+    (c,) = json.load(open(tmp_path / "compare.json"))
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    assert c["seeds"] == [0] and c["metrics"]["ppl"]["n"] == 1  # mle seed 1 has no agg partner
+    assert c["metrics"]["ppl"]["mean"] == pytest.approx(math.log(metrics["agg"]["ppl"] / metrics["mle"]["ppl"]))
+    assert "Paired comparison: agg against mle" in (tmp_path / "report.md").read_text()
+    with pytest.raises(SystemExit, match="no run of variant 'ul'"):
+        ev.main([runs["mle"], runs["agg"], "--out", str(tmp_path), "--n-samples", "0", "--compare", "mle", "ul"])
+
+
+def test_compare_splits_the_rare_gap_over_types_and_pools_the_seeds():
+    V = 6
+    rare = torch.tensor([False, False, False, True, True, True])
+    count = torch.tensor([50, 40, 30, 8, 1, 1])
+    base_nll = torch.tensor([100.0, 90, 80, 40, 6, 6], dtype=torch.float64)  # per-type NLL sums
+    gain = torch.tensor([0.0, 0, 0, 16, 2, 2], dtype=torch.float64)  # cand is better on the rare types, mostly type 3
+    metrics, stats = {}, {}
+    for seed in (0, 1):
+        for v, nll in (("mle", base_nll), ("agg", base_nll - gain)):
+            rare_ppl = math.exp(float(nll[rare].sum()) / 10)
+            label = f"{v}-s{seed}"
+            metrics[label] = dict(variant=v, seed=seed, ppl=100.0 + seed, ppl_groups=dict(rare=rare_ppl),
+                                  rare_bias=dict(bias=-0.5, ppl_groups=dict(rare=rare_ppl * 0.9)))
+            stats[label] = dict(nll=nll, count=count, rare=rare)
+    c = ev.compare(metrics, stats, "mle", "agg", [f"t{i}" for i in range(V)], n_boot=500)
+    t = c["rare_types"]
+    assert c["seeds"] == [0, 1] and t["types"] == 3 and t["targets"] == 20
+    assert t["ratio"] == pytest.approx(math.exp(-40 / 20))
+    assert t["share_top1"] == pytest.approx(0.8) and t["top"][0]["token"] == "t3"
+    assert t["ratio_type_boot95"][0] <= t["ratio"] <= t["ratio_type_boot95"][1]
+    assert c["metrics"]["ppl"]["mean"] == 0.0 and c["metrics"]["ppl_groups.rare"]["mean"] == pytest.approx(-2.0)
+    share = math.log(1 / 0.9) / 2.0  # the bias gains log(1/0.9) of the 2.0 nats AGG gains
+    assert c["free_baseline_share"]["mean"] == pytest.approx(share)

@@ -53,3 +53,23 @@ def test_wait_for_slot_frees_slots_and_names_the_failed_runs():
     assert [cmd for _, cmd in running] == [slow] and failed == [bad]
     failed += grid.wait_for_slot(running, 1)
     assert running == [] and failed == [bad]  # the slow one ended well
+
+
+def test_sweep_folders_and_selection_on_valid_ppl(tmp_path):
+    assert grid.run_dir("o", "agg", 2, 1e-3) == os.path.join("o", "runs", "agg-lr0.001-s2")
+    assert grid.run_dir("o", "mle", 0, 5e-4, 100) == os.path.join("o", "runs", "mle-lr0.0005-wu100-s0")
+    assert grid.run_dir("o", "mle", 0) == os.path.join("o", "runs", "mle-s0")
+    metrics = {}
+    # mle: lr 1e-3 is best on valid, 2e-3 on test; the selection must follow valid
+    for method, lr, seed, valid, test in [("mle", 1e-3, 0, 300, 310), ("mle", 1e-3, 1, 310, 320),
+                                          ("mle", 2e-3, 0, 305, 290), ("mle", 2e-3, 1, 320, 291),
+                                          ("agg", 2e-3, 0, 280, 285)]:
+        folder = tmp_path / f"{method}-{lr}-{seed}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(dict(lr=lr, warmup=30)))
+        metrics[folder.name] = dict(method=method, seed=seed, step=10, valid_ppl=valid, ppl=test,
+                                    ppl_groups=dict(rare=1.0), isotropy=0.5, out_dir=str(folder))
+    sweep = grid.sweep_table(metrics, "python grid.py --lrs 1e-3 2e-3")
+    assert len(sweep["runs"]) == 5 and {r["lr"] for r in sweep["runs"]} == {1e-3, 2e-3}
+    assert sweep["selected"]["mle"]["lr"] == 1e-3 and sweep["selected"]["mle"]["valid_ppl_mean"] == 305
+    assert sweep["selected"]["agg"]["n"] == 1

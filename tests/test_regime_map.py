@@ -23,4 +23,5 @@ def test_map_end_to_end(corpus, lm_tiny, tmp_path):
     assert [(c["share"], c["steps"]) for c in cells] == [(0.9, 2), (0.9, 3)]  # the second call adds to the first
     assert set(cells[0]["seeds"][0]) == {"seed", "ppl", "rare", "anisotropy", "uniq", "cos_rare"}
     assert (tmp_path / "regime_map.png").stat().st_size > 0
-    assert (tmp_path / "runs" / "agg-r0.9-n3-t128-s0" / "report" / "metrics.json").exists()
+    m = json.load(open(tmp_path / "runs" / "agg-r0.9-n3-t128-s0" / "report-valid" / "metrics.json"))
+    assert next(iter(m.values()))["split"] == "valid"  # the map selects settings: it never scores test

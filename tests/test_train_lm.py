@@ -300,3 +300,18 @@ def test_seq_ul_flags_refuse_what_they_cannot_do(lm_run, tmp_path):
         lm_run(tmp_path / "p", "--seq-ul-prob", "1.5", steps=2)
     with pytest.raises(SystemExit, match="no checkpoint"):
         lm_run(tmp_path / "none", "--init-from", tmp_path / "nowhere", steps=2)
+
+
+@pytest.mark.parametrize("method", ["mle", "agg"])
+def test_output_bias_trains_is_checkpointed_and_never_decayed(lm_run, tmp_path, method):
+    lm_run(tmp_path / "run", "--method", method, "--output-bias", "--weight-decay", "0.5", steps=3)
+    ck = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    bias = ck["model"]["out_bias"]
+    assert bias.shape == (300,) and bias.abs().sum() > 0  # zero-initialised, then trained
+    model = train_lm.build_model(ck["config"], 300)
+    opt = runlib.make_optimizer(model, 1e-3, 0.5)  # the optimizer the run was trained with
+    assert [g["weight_decay"] for g in opt.param_groups if any(p is model.out_bias for p in g["params"])] == [0.0]
+    model.load_state_dict(ck["model"])
+    model.eval()
+    x = torch.randint(0, 300, (2, 8))
+    torch.testing.assert_close(model.logits(x), model.features(x) @ model.tok_emb.weight.T + bias)
