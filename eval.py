@@ -524,6 +524,32 @@ def last_valid_ppl(out_dir, step):
     return ppl[-1] if ppl else None
 
 
+RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_ppl", "ppl", "ppl_groups", "uniq",
+               "uniq_groups", "uniq_human", "uniq_human_groups", "isotropy", "isotropy_groups", "mean_cosine",
+               "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
+               "rare_bias", "gen_rep4", "bleu", "bleu_signature", "test_ppl")
+RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams",
+            "method_rare_share", "git_commit", "agg_sha256")
+
+
+def write_results(path, metrics, configs, folders, comparisons, argv):
+    """A small JSON for results/: per run its headline metrics, its settings and the command that trained it; the
+    evaluation command; the paired comparisons."""
+    runs = {}
+    for label, m in metrics.items():
+        saved = os.path.join(folders[label], "config.json")  # with the provenance (argv, threads) of the run
+        cfg = json.load(open(saved)) if os.path.exists(saved) else configs[folders[label]]
+        args = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in cfg.get("argv", [])]
+        script = "train_lm.py" if m.get("task") == "lm" else "train_nmt.py"
+        threads = cfg.get("versions", {}).get("threads")
+        runs[label] = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
+                           command=(f"OMP_NUM_THREADS={threads} " if threads else "") + " ".join(["python", script, *args]))
+    rel = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in argv]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(command="python eval.py " + " ".join(rel), runs=runs, compare=comparisons), f, indent=1)
+
+
 def labels_for(out_dirs):
     labels = [os.path.basename(os.path.normpath(d)) for d in out_dirs]
     if len(set(labels)) < len(labels):
@@ -704,6 +730,9 @@ def build_parser():
     p.add_argument("--compare", nargs=2, action="append", default=[], metavar=("BASE", "CAND"),
                    help="paired comparison of two variants (names as in summary.json, e.g. mle agg) over their common "
                         "seeds: intervals, rare-PPL per-type split, free-baseline share -> compare.json (repeatable)")
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="also write FILE: a small JSON of every run's headline metrics with the command that trained it "
+                        "and this evaluation's command, plus the --compare results (for results/)")
     p.add_argument("--checkpoint", default="last", choices=["last", "best"],
                    help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM runs)")
     return p
@@ -759,6 +788,9 @@ def main(argv=None):
                                                                                   if comparisons else ()):
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(obj, f, indent=1)
+    if args.results:
+        write_results(args.results, metrics, configs, dict(zip(labels_for(args.out_dirs), args.out_dirs)),
+                      comparisons, argv)
     plot_singular_values({k: m["singular_values"] for k, m in metrics.items()},
                          os.path.join(args.out, "singular_values.png"))
     plot_svd(weights, counts, os.path.join(args.out, "svd_projection.png"))

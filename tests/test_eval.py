@@ -267,8 +267,13 @@ def test_paired_interval_matches_the_paired_t_test():
 
 def test_compare_pairs_runs_by_seed_and_splits_the_rare_gap_by_type(runs, tmp_path):
     ev.main([runs["mle"], runs["mle-s1"], runs["agg"], "--out", str(tmp_path), "--n-samples", "0",
-             "--compare", "mle", "agg"])
+             "--compare", "mle", "agg", "--results", str(tmp_path / "results" / "r.json")])
     (c,) = json.load(open(tmp_path / "compare.json"))
+    res = json.load(open(tmp_path / "results" / "r.json"))
+    assert res["compare"] == [c] and res["command"].startswith("python eval.py") and set(res["runs"]) == {"mle", "mle-s1", "agg"}
+    assert res["runs"]["agg"]["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py ")
+    assert res["runs"]["agg"]["command"].endswith("--alpha 0.5 --snapshot-steps 1,3")
+    assert res["runs"]["mle-s1"]["seed"] == 1 and "rare_bias" in res["runs"]["mle"] and "generations" not in res["runs"]["mle"]
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert c["seeds"] == [0] and c["metrics"]["ppl"]["n"] == 1  # mle seed 1 has no agg partner
     assert c["metrics"]["ppl"]["mean"] == pytest.approx(math.log(metrics["agg"]["ppl"] / metrics["mle"]["ppl"]))
