@@ -256,6 +256,10 @@ class MLE:
     def after_step(self, weight):
         """Call after each optimizer.step(): lets freeze-rare undo what the optimizer did to frozen rows."""
 
+    def to(self, device):
+        """Move the state the method keeps updating (counters, a discriminator) to `device`; returns self."""
+        return self
+
     def rare_mask(self):
         """Bool (V,) of the current rare group, or None for methods without one."""
         return None
@@ -399,6 +403,12 @@ class AGG(MLE):
         self.steps += 1
         if self.hparams["static_after"] is not None and self.steps == self.hparams["static_after"]:
             self.static_rare = self.rare_mask()
+
+    def to(self, device):
+        self.appearances = self.appearances.to(device)
+        self.history = deque((i.to(device), c.to(device)) for i, c in self.history)
+        self.prefill_rate = None if self.prefill_rate is None else self.prefill_rate.to(device)
+        return self
 
     def window_appearances(self):
         """a_k (Eq. 5) as a float64 tensor; with prefill, plus the expected appearances of the steps not yet seen."""
@@ -594,6 +604,15 @@ class FRAGE(MLE):
         self.disc, self.disc_opt, self._disc_pending = None, None, False
         self._saved_disc = None  # a loaded discriminator state, restored on the device of the first loss() call
 
+    def to(self, device):
+        if self.disc is not None:
+            self.disc.to(device)
+            for state in self.disc_opt.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        state[k] = v.to(device)
+        return self
+
     def _build_disc(self, d, device):
         if self._saved_disc is None:
             self.disc = torch.nn.Linear(d, 1, device=device)
@@ -784,13 +803,39 @@ METHODS = {cls.name: cls for cls in [
 ]}
 
 
-def build_method(name, vocab_size, **hparams):
+def agg_family(name):
+    """True for AGG and its variants (the methods with AGG's dynamic rare group and alpha)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    return issubclass(METHODS[name], AGG)
+
+
+def build_method(name, vocab_size, steps_per_epoch=None, tokens_per_step=None, rare_share=None, **hparams):
     """Make the method `name` (a key of METHODS) for a vocabulary of `vocab_size` tokens.
 
     Common keywords: counts (training-split token counts, needed by static-group methods), special_ids (never rare).
-    """
+    The paper's defaults, applied where the method takes them and they are not given:
+      steps_per_epoch: AGG's window K and agg-static's static_after (AGG Sec. 4.1, Appendix D: one epoch);
+      rare_share (with counts and tokens_per_step): alpha = alpha_for_rare_share(...), the alpha whose rare group is
+      that share of the vocabulary at the training split's average rates (instead of an alpha tied to one batch size).
+    The hyper-parameters in force are method.hparams."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    accepted = METHODS[name].defaults
+    if steps_per_epoch is not None:
+        epoch = max(1, int(round(steps_per_epoch)))
+        for key in ("window", "static_after"):
+            if key in accepted and hparams.get(key) is None and (key == "window" or accepted[key] is not None):
+                hparams[key] = epoch
+    if rare_share is not None:
+        if not agg_family(name):
+            raise ValueError(f"rare_share sets AGG's alpha; method {name!r} has none")
+        if hparams.get("alpha") is not None:
+            raise ValueError("give alpha or rare_share, not both: each sets AGG's rarity threshold")
+        if hparams.get("counts") is None or tokens_per_step is None:
+            raise ValueError("rare_share needs counts (training-split token counts) and tokens_per_step")
+        hparams["alpha"] = alpha_for_rare_share(hparams["counts"], rare_share, tokens_per_step,
+                                                hparams.get("special_ids", ()))
     return METHODS[name](vocab_size, **hparams)
 
 

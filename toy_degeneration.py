@@ -210,15 +210,11 @@ def snapshot(step, W, groups, method):
 
 
 def method_hparams(name, args):
-    """Toy-scale hyper-parameters for method `name`: AGG's alpha and window K = steps per epoch (AGG Sec. 4.1)."""
-    defaults = agg.METHODS[name].defaults
-    hp = {}
-    if "alpha" in defaults:
-        hp["alpha"] = args.alpha
-    if "window" in defaults:
-        hp["window"] = args.epoch_steps
-    if "static_after" in defaults and defaults["static_after"] is not None:
-        hp["static_after"] = min(args.epoch_steps, max(1, args.steps // 2))  # fix the group within this run
+    """Toy-scale hyper-parameters of method `name` on top of agg.build_method's paper defaults (window K = steps per
+    epoch, AGG Sec. 4.1): AGG's alpha, and agg-static's group fixed within this run."""
+    hp = {"alpha": args.alpha} if agg.agg_family(name) else {}
+    if agg.METHODS[name].defaults.get("static_after") is not None:
+        hp["static_after"] = min(args.epoch_steps, max(1, args.steps // 2))
     hp.update(args.overrides.get(name, {}))
     return hp
 
@@ -227,7 +223,8 @@ def train_one(label, name, hparams, data, args):
     """Train a fresh ToyLM (same init for every method) with agg method `name`; return its metrics and history."""
     torch.manual_seed(args.seed + 1)
     model = ToyLM(args.vocab, args.dim, args.init_std)
-    method = agg.build_method(name, vocab_size=args.vocab, counts=data["counts"], **hparams)
+    method = agg.build_method(name, vocab_size=args.vocab, counts=data["counts"], steps_per_epoch=args.epoch_steps,
+                              **hparams)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     W = model.emb.weight
     train, groups = data["train"], data["groups"]

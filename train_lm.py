@@ -704,20 +704,6 @@ def repeated_4grams(tokens):
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
-def method_to_device(method, device):
-    """agg's method states are loaded on the CPU; move the tensors a resumed run keeps updating to `device`
-    (AGG's counter memory, FRAGE's discriminator and its Adam state)."""
-    if hasattr(method, "appearances"):
-        method.appearances = method.appearances.to(device)
-        method.history = type(method.history)((i.to(device), c.to(device)) for i, c in method.history)
-    if getattr(method, "disc", None) is not None:
-        method.disc.to(device)
-        for st in method.disc_opt.state.values():
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    st[k] = v.to(device)
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -774,7 +760,7 @@ def main(argv=None):
         sched.load_state_dict(ck["scheduler"])
         sched.lr_lambdas = [runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])] * len(opt.param_groups)
         method.load_state_dict(ck["method"])
-        method_to_device(method, device)
+        method.to(device)
         step = ck["step"]
         runlib.restore_rng(ck["rng"], rank, world, log)
         if ck["data_position"].get("sequences") != step * seqs_per_step:

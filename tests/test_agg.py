@@ -837,3 +837,21 @@ def test_gradient_parts_are_eq_4_and_add_up_to_the_methods_weight_gradient():
         torch.testing.assert_close(parts, want, rtol=1e-5, atol=1e-7)  # float32 softmax inside
         _, _, gw = grads(method, h, w, y)
         torch.testing.assert_close((a + b + c) / n, gw)  # the three parts are the whole weight gradient
+
+
+def test_build_method_applies_the_papers_defaults():
+    counts = make_counts(13) * 10 + 1
+    m = agg.build_method("agg-static", V, counts=counts, steps_per_epoch=12.4, tokens_per_step=64, rare_share=0.25)
+    assert m.hparams["window"] == 12 and m.hparams["static_after"] == 12
+    assert m.hparams["alpha"] == agg.alpha_for_rare_share(counts, 0.25, 64)
+    assert agg.build_method("agg", V, steps_per_epoch=12, window=5).hparams["window"] == 5  # given wins
+    assert agg.build_method("agg", V, steps_per_epoch=12).hparams["static_after"] is None  # plain AGG stays dynamic
+    assert "window" not in agg.build_method("cosreg", V, steps_per_epoch=12).hparams
+    assert [n for n in agg.METHODS if agg.agg_family(n)] == ["agg", "agg-no-g1", "agg-no-g2", "agg-static",
+                                                            "agg-continuous", "agg-centered", "agg-prefill", "ul+agg"]
+    with pytest.raises(ValueError, match="has none"):
+        agg.build_method("mle", V, counts=counts, tokens_per_step=64, rare_share=0.2)
+    with pytest.raises(ValueError, match="not both"):
+        agg.build_method("agg", V, counts=counts, tokens_per_step=64, rare_share=0.2, alpha=0.1)
+    with pytest.raises(ValueError, match="needs counts"):
+        agg.build_method("agg", V, rare_share=0.2)
