@@ -82,7 +82,9 @@ def build_parser():
                    help=f"{OFFLINE_DATASET}: which articles are valid and test (0: the default split; another "
                         f"value: another split of the same articles)")
     g = p.add_argument_group("model (override any preset field)")
-    g.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: cpu on CPU, paper-6l on CUDA")
+    g.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+                   help="default cpu on any device (the README's numbers); the paper's set-ups by name. " +
+                        "; ".join(f"{k}: " + ", ".join(f"{f}={v}" for f, v in p.items()) for k, p in PRESETS.items()))
     g.add_argument("--n-layer", type=int, default=None)
     g.add_argument("--d-model", type=int, default=None)
     g.add_argument("--n-head", type=int, default=None)
@@ -120,8 +122,7 @@ def resolve_config(args, explicit=None):
     """Fill preset defaults into the parsed flags; returns a plain dict (the run's config)."""
     cfg = dict(vars(args))
     runlib.default_device(cfg)
-    if cfg["preset"] is None:
-        cfg["preset"] = "cpu" if cfg["device"] == "cpu" else "paper-6l"
+    cfg["preset"] = cfg["preset"] or "cpu"  # a config saved without one
     for k, v in PRESETS[cfg["preset"]].items():
         if cfg.get(k) is None:
             cfg[k] = v
