@@ -392,7 +392,7 @@ def plot_training_curves(run_dirs, variants, path):
             ("cosine_rare_freq", "cos(rare, frequent)"), ("ppl", "valid PPL")]
     groups = {}  # variant -> [records of each run]
     for label, d in run_dirs.items():
-        recs = [r for r in valid_records(d) if "isotropy_rare" in r]
+        recs = [r for r in log_records(d) if "isotropy_rare" in r]
         if recs:
             groups.setdefault(variants[label], []).append((label, recs))
     if not groups:
@@ -432,7 +432,7 @@ def plot_gradient_parts(run_dirs, variants, path):
     import matplotlib.pyplot as plt
     by_variant = {}
     for label, d in run_dirs.items():
-        recs = [r for r in valid_records(d) if "grad_b_rare" in r]
+        recs = [r for r in log_records(d) if "grad_b_rare" in r]
         if recs:
             by_variant.setdefault(variants[label], []).append(recs)
     if not by_variant:
@@ -456,6 +456,34 @@ def plot_gradient_parts(run_dirs, variants, path):
     axes[2].legend(fontsize=6, ncol=1)
     fig.suptitle("Parts of the embeddings' gradient (AGG Eq. 4): (a) dashed, (b) solid, (c) dotted, as each method "
                  "applies them", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_rare_share(run_dirs, variants, path):
+    """AGG Fig. 4: the size of the method's rare group (share of the vocabulary) over training, from the train records
+    of the AGG-family runs (mean over the runs of a variant). Returns the path, or None without such records."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by_variant = {}
+    for label, d in run_dirs.items():
+        recs = [r for r in log_records(d, "train") if "method_rare_fraction" in r]
+        if recs:
+            by_variant.setdefault(variants[label], []).append({r["step"]: r["method_rare_fraction"] for r in recs})
+    if not by_variant:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for variant, runs in by_variant.items():
+        steps = sorted(set.intersection(*(set(r) for r in runs)))
+        ax.plot(steps, [np.mean([r[s] for r in runs]) for s in steps], label=f"{variant} ({len(runs)} runs)", lw=1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("optimizer step", fontsize=8)
+    ax.set_ylabel("rare group / vocabulary", fontsize=8)
+    ax.set_title("Size of the rare group over training (AGG Fig. 4)", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -501,9 +529,9 @@ def plot_snapshots(run_dirs, counts, path):
     return path
 
 
-def valid_records(out_dir):
-    """The validation records of a run's log.jsonl ([] when it has none); a torn line (a write cut short) is skipped
-    with a warning."""
+def log_records(out_dir, split="valid"):
+    """The records of one split (valid or train) of a run's log.jsonl ([] when it has none); a torn line (a write cut
+    short) is skipped with a warning."""
     path, recs = os.path.join(out_dir, "log.jsonl"), []
     if os.path.exists(path):
         with open(path) as f:
@@ -513,14 +541,14 @@ def valid_records(out_dir):
                 except json.JSONDecodeError:
                     print(f"warning: {path} line {i} is not complete JSON (a torn write): skipped", file=sys.stderr)
                     continue
-                if r.get("split") == "valid":
+                if r.get("split") == split:
                     recs.append(r)
     return recs
 
 
 def last_valid_ppl(out_dir, step):
     """The valid PPL logged at `step` in the run's log.jsonl (None when there is none)."""
-    ppl = [r.get("ppl") for r in valid_records(out_dir) if r.get("step") == step]
+    ppl = [r.get("ppl") for r in log_records(out_dir) if r.get("step") == step]
     return ppl[-1] if ppl else None
 
 
@@ -800,6 +828,7 @@ def main(argv=None):
     snaps = plot_snapshots(folders, counts, os.path.join(args.out, "svd_over_time.png"))
     plot_gradient_parts(folders, {label: variants[d] for label, d in folders.items()},
                         os.path.join(args.out, "gradient_parts.png"))
+    plot_rare_share(folders, {label: variants[d] for label, d in folders.items()}, os.path.join(args.out, "rare_share.png"))
     write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves, snaps, comparisons)
     print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")
     return metrics
