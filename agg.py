@@ -228,8 +228,9 @@ class MLE:
                              f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
         self.hparams = {**self.defaults, **hparams}
         for key in ("alpha", "rare_fraction", "popular_fraction", "gamma", "lambda_", "alpha_ul"):
-            if key in self.hparams and self.hparams[key] is not None and self.hparams[key] < 0:
-                raise ValueError(f"method {self.name!r}: {key} must be >= 0, got {self.hparams[key]}")
+            value = self.hparams.get(key)
+            if value is not None and not (value >= 0 and value != float("inf")):  # nan fails value >= 0
+                raise ValueError(f"method {self.name!r}: {key} must be a finite number >= 0, got {value}")
         if "window" in self.hparams and not self.hparams["window"] >= 1:
             raise ValueError(f"method {self.name!r}: window must be >= 1 optimizer step, got {self.hparams['window']}")
         self.vocab_size = vocab_size
@@ -287,6 +288,10 @@ class MLE:
             raise ValueError(f"weight must be (vocab_size={self.vocab_size}, d={d}), got {tuple(weight.shape)}")
         if targets.shape != hidden.shape[:-1]:
             raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without its last dim")
+        if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
+            raise ValueError(f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
+        if not 0 <= label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if bias is not None and tuple(bias.shape) != (self.vocab_size,):
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
         h, y = hidden.reshape(-1, d), targets.reshape(-1)

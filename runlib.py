@@ -179,17 +179,175 @@ def start_or_resume(cfg, explicit, task, run_control=RUN_CONTROL):
         for key in FOLLOW_INVOCATION:
             merged[key] = cfg[key]
         return merged, ck
-    if cfg["resume"]:
-        print(f"--resume: no checkpoint in {cfg['out']} yet, starting a new run")
-    elif os.path.exists(path) and not cfg["overwrite"]:
+    if cfg["resume"]:  # no checkpoint yet: the same run from step 0, from its saved config (never from defaults)
+        saved_path = os.path.join(cfg["out"], "config.json")
+        if not os.path.exists(saved_path):
+            raise SystemExit(f"--resume: {cfg['out']} holds no run to resume (no ckpt.pt, no config.json). Start it "
+                             f"without --resume.")
+        try:
+            with open(saved_path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--resume: {saved_path} is unreadable ({e}); start the run afresh with --overwrite") from None
+        if saved.get("task", task) != task:
+            raise SystemExit(f"--resume: {cfg['out']} holds a {saved.get('task')!r} run, not {task!r}")
+        for key in sorted(explicit - set(run_control)):
+            if key in saved and saved[key] != cfg.get(key):
+                raise SystemExit(f"{saved_path} was written with {key}={saved[key]!r} but this run asks for "
+                                 f"{key}={cfg.get(key)!r}. Resume with `--out {cfg['out']} --resume` alone, or start "
+                                 f"a separate run with a new --out.")
+        merged = {k: saved.get(k, v) for k, v in cfg.items()}
+        merged.update({k: cfg[k] for k in explicit if k in cfg})
+        for key in FOLLOW_INVOCATION:
+            merged[key] = cfg[key]
+        print(f"--resume: no checkpoint in {cfg['out']} yet: restarting its run ({saved.get('method')}, seed "
+              f"{saved.get('seed')}) from step 0 with its saved config")
+        return merged, None
+    if os.path.exists(path) and not cfg["overwrite"]:
         raise SystemExit(f"{path} already exists: pass --resume to continue it, --overwrite to start afresh, or "
                          f"choose another --out")
     return cfg, None
 
 
+_LOCKS = {}  # run folder -> the open file whose lock says "a process writes here" (released when the process ends)
+RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "config.json", "log.jsonl", "tokenizer.json")  # a run's files (--overwrite)
+
+
+def lock_run(out):
+    """Make this process the one writer of run folder `out`: an exclusive lock on OUT/.lock that the kernel drops
+    when the process ends (a crash never leaves it stuck). Another live writer is refused with its pid."""
+    import fcntl
+    os.makedirs(out, exist_ok=True)
+    if os.path.abspath(out) in _LOCKS:  # this process holds it already (a run resumed in the same process)
+        return
+    f = open(os.path.join(out, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise SystemExit(f"{out} is being written by another process (pid {pid}): wait for it to end, stop it, or "
+                         f"choose another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _LOCKS[os.path.abspath(out)] = f
+    for name in os.listdir(out):  # temporary files of writes that were killed
+        if ".tmp" in name:
+            os.remove(os.path.join(out, name))
+
+
+def unlock_run(out):
+    """Release lock_run's lock (the end of a run; a process that ends releases it anyway)."""
+    f = _LOCKS.pop(os.path.abspath(out), None)
+    if f is not None:
+        f.close()
+
+
+def clear_run(out):
+    """--overwrite: remove the previous run's files (checkpoints, kept snapshots, config, log, tokenizer)."""
+    import glob
+    import shutil
+    for path in [os.path.join(out, n) for n in RUN_FILES] + glob.glob(os.path.join(out, "ckpt_*.pt")):
+        if os.path.exists(path):
+            os.remove(path)
+    if os.path.isdir(os.path.join(out, "snapshots")):
+        shutil.rmtree(os.path.join(out, "snapshots"))
+
+
+def run_segments(out, argv, resumed_step):
+    """Provenance of every segment of a run, oldest first: config.json's earlier segments plus this one (git
+    commit, argv, agg.py's hash, the step it started at). A changed agg.py is reported on resume."""
+    old = []
+    path = os.path.join(out, "config.json")
+    if resumed_step is not None and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        old = saved.get("segments") or [{k: saved.get(k) for k in ("git_commit", "argv", "agg_sha256")}
+                                         | {"start_step": 0}]
+    now = dict(provenance(argv), start_step=resumed_step or 0)
+    if old and old[-1].get("agg_sha256") not in (None, now["agg_sha256"]):
+        print(f"warning: agg.py changed since this run's last segment (sha256 {old[-1]['agg_sha256'][:12]} -> "
+              f"{now['agg_sha256'][:12]}): the run continues with the new code; config.json keeps both")
+    return old + [{k: now[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256", "start_step")}]
+
+
+def check_run_flags(cfg):
+    """The run flags both scripts share, checked before anything is written: one line per mistake, with the fix."""
+    if cfg.get("stop_at") is not None and not 1 <= cfg["stop_at"] <= cfg["max_steps"]:
+        raise SystemExit(f"--stop-at {cfg['stop_at']}: must be a step in [1, --max-steps {cfg['max_steps']}]")
+    if not (math.isfinite(cfg["lr"]) and cfg["lr"] >= 0):
+        raise SystemExit(f"--lr {cfg['lr']}: must be a finite number >= 0, e.g. 1e-3")
+    if cfg.get("warmup") is not None and cfg["warmup"] < 0:
+        raise SystemExit(f"--warmup {cfg['warmup']}: must be >= 0 steps")
+    if str(cfg.get("device", "cpu")).startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {cfg['device']}: CUDA is not available on this machine; use --device cpu")
+    if os.path.exists(cfg["out"]) and not os.path.isdir(cfg["out"]):
+        raise SystemExit(f"--out {cfg['out']}: is a file, not a folder; choose another --out")
+
+
+class StopSignal:
+    """`with StopSignal() as stop:` SIGTERM (a preempted job) and SIGINT (Ctrl-C) set a flag instead of killing the
+    run, so the loop can write a checkpoint at the next step boundary and exit cleanly; a second Ctrl-C stops at
+    once. The previous handlers come back on exit."""
+
+    def __enter__(self):
+        import signal
+        self.name, self.signal, self.old = None, signal, {}
+        try:
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self.old[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread: signals keep their default behaviour
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.old.items():
+            self.signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        if self.name is not None and signum == self.signal.SIGINT:
+            raise KeyboardInterrupt
+        self.name = self.signal.Signals(signum).name
+
+    def received(self, ddp=False, device="cpu"):
+        """True once a signal came (on any rank under DDP: every rank stops at the same step)."""
+        flag = self.name is not None
+        if ddp:
+            t = torch.tensor([float(flag)], device=device)
+            torch.distributed.all_reduce(t)
+            flag = bool(t.item())
+            if flag and self.name is None:
+                self.name = "a signal on another rank"
+        return flag
+
+
 # ------------------------------------------------------------------------------------------------------ checkpoints
+def tensor_checksum(state):
+    """sha256 over every tensor of a (nested) checkpoint dict, in key order: detects bytes changed on disk."""
+    h = hashlib.sha256()
+
+    def visit(obj, key):
+        if torch.is_tensor(obj):
+            h.update(key.encode())
+            h.update(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                if k != "checksum":
+                    visit(obj[k], f"{key}/{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(v, f"{key}/{i}")
+    visit(state, "")
+    return h.hexdigest()
+
+
 def save_checkpoint(path, state):
-    """Atomic: a crash mid-write never leaves a half checkpoint under the real name."""
+    """Atomic (a crash mid-write never leaves a half checkpoint under the real name), with a checksum of its tensors
+    that load_checkpoint verifies."""
+    state = dict(state, checksum=tensor_checksum(state))
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -213,6 +371,9 @@ def load_checkpoint(path, task=None):
                          f"(or start with --overwrite) and train again, or restore a good copy.") from None
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
+    if "checksum" in ck and tensor_checksum(ck) != ck["checksum"]:
+        raise SystemExit(f"{path}: its tensors do not match the checksum written with them (the file was damaged "
+                         f"after it was written). Restore a good copy, or resume from an earlier checkpoint.")
     found = ck.get("task") or ck["config"].get("task")
     if task is not None and found != task:
         raise SystemExit(f"{path} is a checkpoint of task {found!r}, not {task!r}: use the script of that task, or "
@@ -359,8 +520,14 @@ def start_log(path, resumed_step=None):
     if resumed_step is None or not os.path.exists(path):
         open(path, "w").close()
         return
+    keep = []
     with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
+        for i, line in enumerate(f, 1):
+            try:
+                if line.strip() and json.loads(line).get("step", 0) <= resumed_step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                print(f"warning: {path} line {i} is not complete JSON (a torn write): dropped")
     with open(path, "w") as f:
         f.writelines(keep)
 

@@ -20,6 +20,7 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
 import time
 
@@ -135,9 +136,11 @@ def resolve_config(args, explicit=None):
                          f"{describe_source(cfg)} comes with its own splits")
     if cfg["out"] is None:
         cfg["out"] = os.path.join(ROOT, "out", f"lm-{cfg['method']}-seed{cfg['seed']}")
-    for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps"):
-        if cfg[k] < 1:
+    for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps",
+              "eval_interval", "log_interval", "vocab_size"):
+        if cfg[k] < (0 if k == "vocab_size" else 1):
             raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
+    runlib.check_run_flags(cfg)
     if not 0 <= cfg["seq_ul_prob"] <= 1:
         raise SystemExit(f"--seq-ul-prob {cfg['seq_ul_prob']}: must be a probability in [0, 1]")
     if cfg["seq_ul_prob"] and cfg["method"] not in ("mle", "ul"):
@@ -575,7 +578,11 @@ def group_ids(groups, V):
 
 
 def ppl_of(nll_sum, count):
-    return math.exp(min(50.0, float(nll_sum) / int(count))) if count > 0 else float("nan")
+    """exp(mean NLL); nan stays nan (a diverged model), overflow is inf."""
+    if count <= 0:
+        return float("nan")
+    mean = float(nll_sum) / int(count)
+    return math.exp(mean) if mean < 700 else (mean if math.isnan(mean) else math.inf)
 
 
 def rare_logit_stats(logits, y, rare):
@@ -636,6 +643,10 @@ def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=
     if cache_dir:
         cfg["cache_dir"] = cache_dir
     data = prepare_data(cfg, log=lambda *a: None)
+    if cfg.get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
+        raise SystemExit(f"{path}: the corpus or tokenizer changed since this run trained (its data was "
+                         f"{cfg['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the original "
+                         f"files to evaluate it")
     V = data["vocab_size"]
     model = build_model(cfg, V)
     try:
@@ -738,6 +749,7 @@ def main(argv=None):
     tokens_per_step = seqs_per_step * cfg["block_size"]
     steps_per_epoch = seq.n / seqs_per_step
     groups = agg.frequency_groups(data["counts"])
+    cfg["data_fingerprint"] = os.path.basename(data["dir"])  # corpus + tokenizer hash: checked on resume and eval
 
     # -- model, method, optimizer
     model = build_model(cfg, V)
@@ -777,11 +789,21 @@ def main(argv=None):
 
     n_params = sum(p.numel() for p in raw.parameters())
     if master:
-        os.makedirs(out, exist_ok=True)
+        runlib.lock_run(out)  # one writer per run folder
+        if ck is None:
+            runlib.clear_run(out)  # a new run (or --overwrite, or a restart before any checkpoint): no old files
+        if ck is not None and ck["config"].get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
+            raise SystemExit(f"{ckpt_path}: the corpus or tokenizer changed since this run started (its data was "
+                             f"{ck['config']['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the "
+                             f"original files, or start a new run with another --out")
+        shutil.copyfile(os.path.join(data["dir"], "tokenizer.json"), os.path.join(out, "tokenizer.json"))
+        prov = runlib.provenance(argv)
+        segments = runlib.run_segments(out, argv, step if ck is not None else None)
+        prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
         rare_share = agg.rare_share_of_alpha(data["counts"], hp["alpha"], tokens_per_step, special_ids) \
             if "alpha" in hp else None
         runlib.write_json(os.path.join(out, "config.json"), dict(
-            cfg, **runlib.provenance(argv), world_size=world, n_params=n_params, vocab_size_actual=V,
+            cfg, **prov, segments=segments, world_size=world, n_params=n_params, vocab_size_actual=V,
             data_cache=data["dir"], data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
             steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share,
             resumed_from_step=step if ck is not None else None))
@@ -797,6 +819,9 @@ def main(argv=None):
 
     def checkpoint():
         rngs = runlib.all_rng_states(ddp, world)
+        if not all(bool(torch.isfinite(p).all()) for p in raw.parameters()):
+            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {ckpt_path} keeps the last "
+                             f"good checkpoint. Lower --lr or check the method's hyper-parameters")
         if master:
             runlib.save_checkpoint(ckpt_path, dict(
                 model=raw.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
@@ -823,49 +848,60 @@ def main(argv=None):
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, dynamic_ncols=True, mininterval=1.0)
     t0, tokens_seen = time.time(), 0
     model.train()
-    while step < stop:
-        x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
-        x_all, y_all = x_all.to(device), y_all.to(device)
-        if seq_ul_now(cfg, step):  # a sequence-level unlikelihood update (fine-tuning with --seq-ul-prob)
-            seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast)
-            sched.step()
-            step += 1
-            bar.update(1)
-            write_log(dict(step=step, split="train", seq_ul_loss=seq_loss, seq_ul_share=seq_share,
-                           lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
-        else:
-            loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"],
-                                                    autocast, ddp, world)
-            sched.step()
-            step += 1
-            tokens_seen += tokens_per_step
-            if not math.isfinite(loss_mean):
-                raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's hyper-parameters")
-            tps = tokens_seen / max(1e-9, time.time() - t0)
-            post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
-            if "rare_fraction" in stats:
-                post["rare"] = f"{stats['rare_fraction']:.3f}"
-            bar.set_postfix(post, refresh=False)
-            bar.update(1)
-            if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
-                rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
-                           lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
-                           **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items()
-                              if k != "nll"})
-                if "rare_count" in stats:  # method stats are those of the last micro-batch
-                    rec["R_over_B"] = stats["rare_count"] / tokens_per_step
-                write_log(rec)
-        if master and step in cfg.get("snapshot_steps", ()):
-            os.makedirs(os.path.join(out, "snapshots"), exist_ok=True)
-            runlib.save_checkpoint(os.path.join(out, "snapshots", f"emb_{step}.pt"),
-                                   dict(step=step, weight=raw.tok_emb.weight.detach().float().cpu().clone()))
-        if step % cfg["eval_interval"] == 0 or step == stop:
-            run_validation()
-            checkpoint()
+    with runlib.StopSignal() as stop_signal:  # SIGTERM / SIGINT: checkpoint at the next step boundary
+        while step < stop:
+            x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
+            x_all, y_all = x_all.to(device), y_all.to(device)
+            if seq_ul_now(cfg, step):  # a sequence-level unlikelihood update (fine-tuning with --seq-ul-prob)
+                seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast)
+                sched.step()
+                step += 1
+                bar.update(1)
+                write_log(dict(step=step, split="train", seq_ul_loss=seq_loss, seq_ul_share=seq_share,
+                               lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
+            else:
+                loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"],
+                                                        autocast, ddp, world)
+                sched.step()
+                step += 1
+                tokens_seen += tokens_per_step
+                if not math.isfinite(loss_mean):
+                    raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's "
+                                     f"hyper-parameters ({ckpt_path} keeps the last good checkpoint)")
+                tps = tokens_seen / max(1e-9, time.time() - t0)
+                post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
+                if "rare_fraction" in stats:
+                    post["rare"] = f"{stats['rare_fraction']:.3f}"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+                if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
+                    rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
+                               lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
+                               **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items()
+                                  if k != "nll"})
+                    if "rare_count" in stats:  # method stats are those of the last micro-batch
+                        rec["R_over_B"] = stats["rare_count"] / tokens_per_step
+                    write_log(rec)
+            if master and step in cfg.get("snapshot_steps", ()):
+                os.makedirs(os.path.join(out, "snapshots"), exist_ok=True)
+                runlib.save_checkpoint(os.path.join(out, "snapshots", f"emb_{step}.pt"),
+                                       dict(step=step, weight=raw.tok_emb.weight.detach().float().cpu().clone()))
+            evaluated = step % cfg["eval_interval"] == 0 or step == stop
+            if evaluated:
+                run_validation()
+                checkpoint()
+            if step < stop and stop_signal.received(ddp, device):
+                if not evaluated:
+                    checkpoint()
+                log(f"\n{stop_signal.name} at step {step}: checkpoint {ckpt_path} written; continue with "
+                    f"`python train_lm.py --out {out} --resume`")
+                break
     bar.close()
     if ddp:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    if master:
+        runlib.unlock_run(out)
     log(f"done: step {step}, checkpoint {ckpt_path}")
     return out
 

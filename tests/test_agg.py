@@ -585,7 +585,7 @@ def test_observe_rejects_ids_outside_the_vocabulary_and_build_rejects_bad_hparam
         with pytest.raises(ValueError, match="target id -3"):
             method.observe(torch.tensor([0, -3]))
         method.observe(torch.tensor([0, -100]))  # ignore_index is fine
-    with pytest.raises(ValueError, match="alpha must be >= 0"):
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
         agg.build_method("agg", V, alpha=-0.1)
     with pytest.raises(ValueError, match="window must be >= 1"):
         agg.build_method("agg", V, window=0)
@@ -855,3 +855,16 @@ def test_build_method_applies_the_papers_defaults():
         agg.build_method("agg", V, counts=counts, tokens_per_step=64, rare_share=0.2, alpha=0.1)
     with pytest.raises(ValueError, match="needs counts"):
         agg.build_method("agg", V, rare_share=0.2)
+
+
+def test_bad_numbers_are_refused_with_the_parameter_named():
+    for kw, match in ((dict(alpha=float("nan")), "alpha must be a finite number"),
+                      (dict(alpha=float("inf")), "alpha must be a finite number"), (dict(alpha=-1.0), "alpha")):
+        with pytest.raises(ValueError, match=match):
+            agg.build_method("agg", V, **kw)
+    h, w, y = inputs(seed=14)
+    m = agg.build_method("mle", V)
+    for kw, match in ((dict(chunk_size=-4), "chunk_size"), (dict(chunk_size=0), "chunk_size"),
+                      (dict(label_smoothing=1.0), "label_smoothing"), (dict(label_smoothing=-0.1), "label_smoothing")):
+        with pytest.raises(ValueError, match=match):
+            m.loss(h, w, y, **kw)

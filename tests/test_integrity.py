@@ -1,0 +1,175 @@
+"""A run never silently becomes another run: resume before the first checkpoint, one writer per folder, torn logs,
+preemption, divergence, a changed corpus, --overwrite, damaged checkpoints, provenance, bad flags (train_lm.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import eval as ev
+import runlib
+import train_lm
+from conftest import LM_TINY, ROOT
+
+
+def lm_argv(corpus, out, *extra, steps=2):
+    return ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(out), "--max-steps",
+            str(steps), "--eval-interval", "2", *LM_TINY, *extra]
+
+
+def start_subprocess(argv):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train_lm.py"), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(out, step, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        path = os.path.join(out, "log.jsonl")
+        if os.path.exists(path) and any(f'"step": {step},' in line for line in open(path)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def test_resume_before_the_first_checkpoint_restarts_that_run(corpus, tmp_path):
+    out = tmp_path / "r"
+    os.makedirs(out)
+    # the run was started (config.json written) and stopped before its first checkpoint
+    train_lm.main(lm_argv(corpus, out, "--method", "agg", "--alpha", "0.5", "--seed", "3"))
+    os.remove(out / "ckpt.pt")
+    train_lm.main(["--out", str(out), "--resume"])  # the README's resume command
+    cfg = json.load(open(out / "config.json"))
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert cfg["method"] == ck["config"]["method"] == "agg" and cfg["seed"] == 3 and cfg["data_dir"] == corpus["data"]
+    with pytest.raises(SystemExit, match="holds no run to resume"):
+        train_lm.main(["--out", str(tmp_path / "empty"), "--resume"])
+
+
+def test_one_writer_per_run_folder(corpus, tmp_path):
+    out = tmp_path / "busy"
+    proc = start_subprocess(lm_argv(corpus, out, steps=400) + ["--eval-interval", "400"])
+    try:
+        wait_for_step(out, 10, proc)
+        with pytest.raises(SystemExit, match="being written by another process"):
+            train_lm.main(lm_argv(corpus, out, "--overwrite"))
+        assert os.path.exists(out / "log.jsonl")  # nothing of the first run was removed
+    finally:
+        proc.kill()
+        proc.wait()
+    train_lm.main(lm_argv(corpus, out, "--overwrite"))  # a killed writer leaves no stuck lock
+
+
+def test_sigterm_writes_a_checkpoint_at_the_step_it_stopped_and_resume_continues(corpus, tmp_path):
+    out = tmp_path / "pre"
+    proc = start_subprocess(lm_argv(corpus, out, steps=400) + ["--eval-interval", "400"])
+    wait_for_step(out, 20, proc)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "SIGTERM at step" in text
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    logged = [json.loads(line)["step"] for line in open(out / "log.jsonl")]
+    assert ck["step"] >= 20 and ck["step"] == max(logged)
+    assert not [n for n in os.listdir(out) if ".tmp" in n]
+    train_lm.main(["--out", str(out), "--resume", "--max-steps", str(ck["step"] + 2)])
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == ck["step"] + 2
+
+
+def test_a_torn_log_line_is_dropped_on_resume_and_in_eval(corpus, tmp_path, capsys):
+    out = tmp_path / "torn"
+    train_lm.main(lm_argv(corpus, out, steps=4) + ["--stop-at", "2"])
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "split": "tra')  # a write cut short
+    train_lm.main(["--out", str(out), "--resume"])
+    records = [json.loads(line) for line in open(out / "log.jsonl")]  # every line parses again
+    assert records[-1]["step"] == 4 and "torn write" in capsys.readouterr().out
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 9, "spl')
+    assert [r["step"] for r in ev.log_records(str(out))] == [2, 4]  # eval.py reads past it
+    assert ev.last_valid_ppl(str(out), 4) == [r for r in records if r["split"] == "valid"][-1]["ppl"]
+
+
+def test_divergence_keeps_the_last_good_checkpoint_and_nan_is_reported_as_nan(corpus, tmp_path):
+    out = tmp_path / "nan"
+    train_lm.main(lm_argv(corpus, out, steps=6) + ["--stop-at", "2"])
+    good = torch.load(out / "ckpt.pt", weights_only=True)
+    good["model"]["ln_f.weight"][0] = float("nan")  # a state that diverges at the next step
+    runlib.save_checkpoint(str(out / "ckpt.pt"), good)
+    before = (out / "ckpt.pt").read_bytes()
+    with pytest.raises(SystemExit, match="keeps the last good checkpoint"):
+        train_lm.main(["--out", str(out), "--resume"])
+    assert (out / "ckpt.pt").read_bytes() == before  # no checkpoint of the diverged model was written
+    assert train_lm.ppl_of(float("nan"), 10) != train_lm.ppl_of(float("nan"), 10)  # nan, not 5.18e21
+    assert train_lm.ppl_of(1e6, 1) == float("inf")
+
+
+def test_a_changed_corpus_is_refused_on_resume_and_in_eval(corpus_writer, tmp_path):
+    data = corpus_writer(str(tmp_path / "data"))
+    argv = ["--data-dir", data, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
+            "--max-steps", "4", "--eval-interval", "2", *LM_TINY, "--stop-at", "2"]
+    train_lm.main(argv)
+    assert os.path.exists(tmp_path / "run" / "tokenizer.json")  # the run folder holds its tokenizer
+    with open(os.path.join(data, "train.txt"), "a") as f:
+        f.write("An extra line changes the corpus .\n")
+    with pytest.raises(SystemExit, match="corpus or tokenizer changed"):
+        train_lm.main(["--out", str(tmp_path / "run"), "--resume"])
+    with pytest.raises(SystemExit, match="corpus or tokenizer changed"):
+        ev.main([str(tmp_path / "run"), "--out", str(tmp_path / "rep"), "--n-samples", "0"])
+
+
+def test_overwrite_removes_the_previous_runs_files(corpus, tmp_path):
+    out = tmp_path / "ow"
+    train_lm.main(lm_argv(corpus, out, "--snapshot-steps", "1,2"))
+    assert os.path.exists(out / "snapshots" / "emb_2.pt")
+    (out / "ckpt.pt.tmp999").write_text("left by a killed write")
+    train_lm.main(lm_argv(corpus, out, "--overwrite", steps=1) + ["--eval-interval", "1"])
+    assert not os.path.exists(out / "snapshots") and not os.path.exists(out / "ckpt.pt.tmp999")
+    assert [json.loads(line)["step"] for line in open(out / "log.jsonl")][-1] == 1
+
+
+def test_damaged_checkpoint_tensors_are_detected(corpus, tmp_path):
+    out = tmp_path / "dmg"
+    train_lm.main(lm_argv(corpus, out))
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    ck["model"]["tok_emb.weight"][0, 0] += 1.0  # changed after the checksum was written
+    torch.save(ck, out / "ckpt.pt")
+    with pytest.raises(SystemExit, match="do not match the checksum"):
+        runlib.load_checkpoint(str(out / "ckpt.pt"))
+
+
+def test_provenance_of_every_segment_is_kept(corpus, tmp_path):
+    out = tmp_path / "prov"
+    train_lm.main(lm_argv(corpus, out, steps=4) + ["--stop-at", "2"])
+    first = json.load(open(out / "config.json"))
+    train_lm.main(["--out", str(out), "--resume"])
+    cfg = json.load(open(out / "config.json"))
+    assert [s["start_step"] for s in cfg["segments"]] == [0, 2]
+    assert cfg["segments"][1]["argv"] == ["--out", str(out), "--resume"]
+    assert cfg["argv"] == first["argv"] and cfg["segments"][0]["argv"] == first["argv"]  # the original kept
+
+
+@pytest.mark.parametrize("flags, match", [(["--stop-at", "0"], "--stop-at 0"), (["--stop-at", "-1"], "--stop-at -1"),
+                                          (["--stop-at", "9"], "--stop-at 9"), (["--lr", "nan"], "--lr nan"),
+                                          (["--eval-interval", "0"], "--eval-interval 0"),
+                                          (["--log-interval", "0"], "--log-interval 0"),
+                                          (["--vocab-size", "-5"], "--vocab-size -5"),
+                                          (["--device", "cuda"], "CUDA is not available")])
+def test_bad_run_flags_end_in_one_line_before_anything_is_written(corpus, tmp_path, flags, match):
+    if "cuda" in flags and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit, match=match):
+        train_lm.main(lm_argv(corpus, tmp_path / "bad", *flags, steps=2))
+    assert not os.path.exists(tmp_path / "bad")
+
+
+def test_out_that_is_a_file_is_refused(corpus, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match="is a file"):
+        train_lm.main(lm_argv(corpus, tmp_path / "afile"))
