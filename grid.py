@@ -19,6 +19,7 @@ and each method's setting with the lowest mean valid PPL (the selection never lo
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,23 +89,74 @@ def wait_for_slot(running, jobs):
     return failed
 
 
+def same_flags(folder, cmd):
+    """None when the run in `folder` was started with the training settings of `cmd` (flags that only steer an
+    invocation, such as --stop-at or --device, aside), else what differs: a grid never tabulates or continues a run
+    made with other flags."""
+    import train_lm
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    was = (saved.get("segments") or [saved])[0].get("argv")
+    if not was:
+        return None
+    parse = lambda argv: vars(train_lm.build_parser().parse_args(argv))
+    steer = train_lm.RUN_CONTROL - {"max_steps"}
+    a, b = parse(was), parse(cmd[2:])
+    diff = sorted(k for k in a if k not in steer and a[k] != b[k])
+    return None if not diff else "trained with " + ", ".join(f"{k}={a[k]!r} (now {b[k]!r})" for k in diff)
+
+
+def stop_children(running):
+    """SIGTERM to every running train_lm.py (each writes a checkpoint at its next step and exits), then wait."""
+    for proc, _ in running:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc, _ in running:
+        proc.wait()
+
+
 def train_all(args, extra):
     """Train the unfinished runs, `args.jobs` at a time. With several jobs each run gets cpu_count // jobs threads
-    and writes its output to OUT/runs/METHOD-sSEED.log instead of the terminal."""
+    and writes its output to OUT/runs/METHOD-sSEED.log instead of the terminal. SIGTERM or SIGINT to the grid
+    stops its runs cleanly (each checkpoints) before the grid exits; rerun it to continue."""
     todo = [(m, s, lr, wu) for s in args.seeds for lr, wu in settings(args) for m in args.methods]  # seed-major
     env = dict(os.environ)
     if args.jobs > 1:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
     running, failed = [], []
+
+    def stop(signum, frame):
+        stop_children(running)
+        raise SystemExit(f"grid: {signal.Signals(signum).name}: its runs wrote checkpoints and stopped; rerun the "
+                         f"same command to continue")
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        failed = _train_todo(args, extra, todo, env, running)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if failed:
+        raise SystemExit(f"grid: `{' '.join(failed[0])}` failed; fix it and rerun grid.py (finished runs are kept)")
+
+
+def _train_todo(args, extra, todo, env, running):
+    failed = []
     for i, (method, seed, lr, wu) in enumerate(todo):
         folder = run_dir(args.out, method, seed, lr, wu)
-        if finished(folder):
-            print(f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}: done, skipped")
-            continue
         resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
         cmd = [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed), "--out",
                folder, *(["--resume"] if resume else []), *extra,
                *(["--lr", f"{lr:g}"] if lr is not None else []), *(["--warmup", str(wu)] if wu is not None else [])]
+        differs = same_flags(folder, cmd)
+        if differs:
+            raise SystemExit(f"grid: {folder} was {differs}: give another --out for other flags, or delete the run "
+                             f"to redo it")
+        if finished(folder):
+            print(f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}: done, skipped")
+            continue
         log = None
         if args.jobs > 1:
             os.makedirs(os.path.dirname(folder), exist_ok=True)
@@ -117,9 +169,7 @@ def train_all(args, extra):
         failed += wait_for_slot(running, args.jobs)
         if failed:
             break
-    failed += wait_for_slot(running, 1)
-    if failed:
-        raise SystemExit(f"grid: `{' '.join(failed[0])}` failed; fix it and rerun grid.py (finished runs are kept)")
+    return failed + wait_for_slot(running, 1)
 
 
 def cell(summary, method, key):

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -73,3 +74,24 @@ def test_sweep_folders_and_selection_on_valid_ppl(tmp_path):
     assert len(sweep["runs"]) == 5 and {r["lr"] for r in sweep["runs"]} == {1e-3, 2e-3}
     assert sweep["selected"]["mle"]["lr"] == 1e-3 and sweep["selected"]["mle"]["valid_ppl_mean"] == 305
     assert sweep["selected"]["agg"]["n"] == 1
+
+
+def test_a_finished_run_with_other_flags_is_refused(corpus, lm_tiny, tmp_path):
+    import train_lm
+    flags = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny, "--max-steps", "2",
+             "--eval-interval", "2"]
+    train_lm.main(["--method", "mle", "--seed", "0", "--out", str(tmp_path / "runs" / "mle-s0"), *flags])
+    with pytest.raises(SystemExit, match="dropout=None \\(now 0.3\\)"):
+        grid.main(["--methods", "mle", "--seeds", "0", "--out", str(tmp_path), "--", *flags, "--dropout", "0.3"])
+    cmd = [sys.executable, "train_lm.py", "--method", "mle", "--seed", "0", "--out", str(tmp_path / "runs" / "mle-s0"),
+           *flags, "--device", "cpu", "--stop-at", "1"]
+    assert grid.same_flags(str(tmp_path / "runs" / "mle-s0"), cmd) is None  # steering flags do not count
+
+
+def test_sigterm_to_the_grid_stops_its_runs_with_checkpoints(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\ntime.sleep(60)"])
+    time.sleep(0.5)
+    running = [(child, ["x"])]
+    grid.stop_children(running)
+    assert child.returncode == 0  # the child got SIGTERM (its handler ran) and the grid waited for it
