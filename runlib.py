@@ -465,6 +465,8 @@ def lr_schedule(kind, warmup, max_steps):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
     def inverse_sqrt(step):
+        if warmup == 0:  # no warm-up: the peak at the first step, then 1 / sqrt(step)
+            return 1 / math.sqrt(step + 1)
         return min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
     return {"cosine": cosine, "inverse-sqrt": inverse_sqrt}[kind]
 

@@ -132,6 +132,12 @@ def resolve_config(args):
     cfg["out"] = cfg["out"] or str(ROOT / "out" / f"nmt_{cfg['dataset']}_{cfg['method']}_s{cfg['seed']}")
     if cfg["micro_tokens"] > cfg["tokens_per_step"]:
         cfg["micro_tokens"] = cfg["tokens_per_step"]
+    for k in ("max_steps", "eval_interval", "log_interval", "tokens_per_step", "micro_tokens"):
+        if cfg[k] < 1:
+            raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
+    if cfg["vocab_size"] < 1:
+        raise SystemExit(f"--vocab-size {cfg['vocab_size']}: must be a positive integer")
+    runlib.check_run_flags(cfg)
     cfg["task"] = "nmt"
     return cfg
 
@@ -210,10 +216,18 @@ def load_dir(data_dir, src, tgt):
             if not path.is_file():
                 raise SystemExit(f"--data-dir {data_dir}: missing {path}; expected train.{src}/train.{tgt}, "
                                  f"valid.{src}/valid.{tgt}, test.{src}/test.{tgt}, one sentence per line")
-            sides.append(path.read_text(encoding="utf-8").rstrip("\n").split("\n"))
+            try:
+                sides.append(path.read_text(encoding="utf-8").rstrip("\n").split("\n"))
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"--data-dir {data_dir}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                                 f"convert it to UTF-8") from None
         if len(sides[0]) != len(sides[1]):
             raise SystemExit(f"--data-dir {data_dir}: {split}.{src} has {len(sides[0])} lines but {split}.{tgt} "
                              f"has {len(sides[1])}; the files must be line-aligned")
+        keep = [i for i in range(len(sides[0])) if sides[0][i].strip() and sides[1][i].strip()]
+        if not keep:
+            raise SystemExit(f"--data-dir {data_dir}: {split}.{src} / {split}.{tgt} hold no sentence pair with text "
+                             f"on both sides; put at least a few aligned sentences in each split")
         out[split] = tuple(sides)
     return out
 
@@ -840,10 +854,15 @@ def train(cfg, explicit=frozenset(), argv=()):
         if master:
             print(f"resumed {ckpt_path} at step {step} (epoch {epoch})")
     if master:
-        out.mkdir(parents=True, exist_ok=True)
+        runlib.lock_run(str(out))  # one writer per run folder
+        if ck is None:
+            runlib.clear_run(str(out))  # a new run (or --overwrite): no files of an earlier one
+        segments = runlib.run_segments(str(out), argv, step if ck is not None else None)
+        prov = dict(runlib.provenance(argv))
+        prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
         rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, target_special) \
             if "alpha" in hp else None
-        info = dict(cfg, **runlib.provenance(argv), vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
+        info = dict(cfg, **prov, segments=segments, vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
                     grad_accum=accum, world_size=world, method_hparams=hp, method_rare_share=rare_share,
                     target_tokens_per_step=target_tokens_per_step, data_cache=str(data.cache),
                     source_only_tokens=len(never_targets),
@@ -866,6 +885,9 @@ def train(cfg, explicit=frozenset(), argv=()):
 
     def checkpoint():
         rngs = runlib.all_rng_states(ddp, world)
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {ckpt_path} keeps the last "
+                             f"good checkpoint. Lower --lr or raise --warmup")
         if master:
             runlib.save_checkpoint(str(ckpt_path), {
                 "format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -883,71 +905,81 @@ def train(cfg, explicit=frozenset(), argv=()):
     pbar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, desc=f"nmt {cfg['method']}")
     t0, tok_count = time.time(), 0
     model.train()
-    while step < stop:
-        if cursor + per_step > len(order):  # next epoch (the remainder is dropped)
-            epoch, cursor = epoch + 1, 0
-            order = epoch_order(epoch)
-        mine = order[cursor + rank * accum: cursor + (rank + 1) * accum]
-        cursor += per_step
-        micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
-        n_tok = sum(int((m[2] != PAD).sum()) for m in micro)
-        n_all = n_tok  # target tokens of the step over all ranks: each micro-batch weighs by its share of them
-        if ddp:
-            t = torch.tensor([n_tok], device=device)
-            torch.distributed.all_reduce(t)
-            n_all = int(t)
-        method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
-        opt.zero_grad(set_to_none=True)
-        loss_sum, nll_sum = 0.0, 0.0
-        for j, (s, ti, to) in enumerate(micro):
-            sync = not ddp or j == len(micro) - 1
-            with (contextlib.nullcontext() if sync else fwd.no_sync()):
-                with autocast():
-                    hidden = fwd(s, ti)
-                share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
-                # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
-                loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD,
-                                   label_smoothing=cfg["label_smoothing"])
-                (loss * share).backward()
-            loss_sum += loss.item() * share
-            nll_sum += method.stats["nll"] * share
-        if ddp:  # the logged loss: the mean over all ranks' targets
-            t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(t)
-            loss_sum, nll_sum = (t / world).tolist()
-        opt.step()
-        method.after_step(model.embed)
-        sched.step()
-        step += 1
-        tok_count += n_tok * world
-        if not math.isfinite(loss_sum):
-            raise SystemExit(f"step {step}: loss is {loss_sum}; lower --lr or raise --warmup")
-        pbar.update(1)
-        if master and (step % cfg["log_interval"] == 0 or step == stop):
-            el = time.time() - t0
-            st = method.stats
-            rec = {"step": step, "split": "train", "loss": loss_sum, "nll": nll_sum, "ppl": math.exp(min(nll_sum, 50)),
-                   "lr": sched.get_last_lr()[0], "epoch": epoch, "tokens_per_s": tok_count / max(el, 1e-9),
-                   "target_tokens_per_step": n_tok * world}
-            rec.update({("method_" + k if k.startswith("rare") else k): v for k, v in st.items() if k != "nll"})
-            if "rare_count" in st:  # method stats are those of the last micro-batch
-                rec["R_over_B"] = st["rare_count"] / max(n_tok * world, 1)
-            runlib.append_log(log_path, rec)
-            post = dict(loss=f"{loss_sum:.3f}", ppl=f"{rec['ppl']:.1f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            if "rare_fraction" in st:
-                post["rare"] = f"{st['rare_fraction']:.3f}"
-            pbar.set_postfix(post)
-            t0, tok_count = time.time(), 0
-        if step % cfg["eval_interval"] == 0 or step == stop:
-            if master:
-                res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
-                runlib.append_log(log_path, {"step": step, "split": "valid", **res})
-                tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
-                           f"I(W) {res['isotropy']:.3f}")
-            checkpoint()
-            t0 = time.time()
+    with runlib.StopSignal() as stop_signal:  # SIGTERM / SIGINT: checkpoint at the next step boundary
+        while step < stop:
+            if cursor + per_step > len(order):  # next epoch (the remainder is dropped)
+                epoch, cursor = epoch + 1, 0
+                order = epoch_order(epoch)
+            mine = order[cursor + rank * accum: cursor + (rank + 1) * accum]
+            cursor += per_step
+            micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
+            n_tok = sum(int((m[2] != PAD).sum()) for m in micro)
+            n_all = n_tok  # target tokens of the step over all ranks: each micro-batch weighs by its share of them
             if ddp:
-                torch.distributed.barrier()
+                t = torch.tensor([n_tok], device=device)
+                torch.distributed.all_reduce(t)
+                n_all = int(t)
+            method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
+            opt.zero_grad(set_to_none=True)
+            loss_sum, nll_sum = 0.0, 0.0
+            for j, (s, ti, to) in enumerate(micro):
+                sync = not ddp or j == len(micro) - 1
+                with (contextlib.nullcontext() if sync else fwd.no_sync()):
+                    with autocast():
+                        hidden = fwd(s, ti)
+                    share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
+                    # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
+                    loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD,
+                                       label_smoothing=cfg["label_smoothing"])
+                    (loss * share).backward()
+                loss_sum += loss.item() * share
+                nll_sum += method.stats["nll"] * share
+            if ddp:  # the logged loss: the mean over all ranks' targets
+                t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=device)
+                torch.distributed.all_reduce(t)
+                loss_sum, nll_sum = (t / world).tolist()
+            opt.step()
+            method.after_step(model.embed)
+            sched.step()
+            step += 1
+            tok_count += n_tok * world
+            if not math.isfinite(loss_sum):
+                raise SystemExit(f"step {step}: loss is {loss_sum}; lower --lr or raise --warmup ({ckpt_path} keeps the "
+                                 f"last good checkpoint)")
+            pbar.update(1)
+            if master and (step % cfg["log_interval"] == 0 or step == stop):
+                el = time.time() - t0
+                st = method.stats
+                rec = {"step": step, "split": "train", "loss": loss_sum, "nll": nll_sum, "ppl": math.exp(min(nll_sum, 50)),
+                       "lr": sched.get_last_lr()[0], "epoch": epoch, "tokens_per_s": tok_count / max(el, 1e-9),
+                       "target_tokens_per_step": n_tok * world}
+                rec.update({("method_" + k if k.startswith("rare") else k): v for k, v in st.items() if k != "nll"})
+                if "rare_count" in st:  # method stats are those of the last micro-batch
+                    rec["R_over_B"] = st["rare_count"] / max(n_tok * world, 1)
+                runlib.append_log(log_path, rec)
+                post = dict(loss=f"{loss_sum:.3f}", ppl=f"{rec['ppl']:.1f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                if "rare_fraction" in st:
+                    post["rare"] = f"{st['rare_fraction']:.3f}"
+                pbar.set_postfix(post)
+                t0, tok_count = time.time(), 0
+            evaluated = step % cfg["eval_interval"] == 0 or step == stop
+            if evaluated:
+                if master:
+                    res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
+                    runlib.append_log(log_path, {"step": step, "split": "valid", **res})
+                    tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
+                               f"I(W) {res['isotropy']:.3f}")
+                checkpoint()
+                t0 = time.time()
+                if ddp:
+                    torch.distributed.barrier()
+            if step < stop and stop_signal.received(ddp, device):
+                if not evaluated:
+                    checkpoint()
+                if master:
+                    tqdm.write(f"{stop_signal.name} at step {step}: checkpoint {ckpt_path} written; continue with "
+                               f"`python train_nmt.py --out {out} --resume`")
+                break
     pbar.close()
     result = None
     if master and step >= cfg["max_steps"] and not cfg["no_test"]:
@@ -957,6 +989,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         print(f"test: BLEU {res['bleu']:.2f} ({res['bleu_signature']}) I(W) {res['isotropy']:.3f} "
               f"loss {res['loss']:.3f}")
         result = res
+    if master:
+        runlib.unlock_run(str(out))
     if ddp:
         torch.distributed.destroy_process_group()
     return result

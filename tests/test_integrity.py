@@ -173,3 +173,29 @@ def test_out_that_is_a_file_is_refused(corpus, tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit, match="is a file"):
         train_lm.main(lm_argv(corpus, tmp_path / "afile"))
+
+
+def test_nmt_refuses_empty_data_and_bad_steps_and_keeps_one_writer(nmt_tiny, tmp_path):
+    import train_nmt
+    data = tmp_path / "d"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        (data / f"{split}.en").write_text("hello world\nthe cat\n")
+        (data / f"{split}.de").write_text("hallo welt\ndie katze\n")
+    (data / "valid.en").write_text("  \n\n")
+    (data / "valid.de").write_text(" \n\n")
+    with pytest.raises(SystemExit, match="no sentence pair with text"):
+        train_nmt.main(["--data-dir", str(data), "--src", "en", "--tgt", "de", "--out", str(tmp_path / "o"),
+                        "--device", "cpu", "--max-steps", "2"])
+    for flags, match in ((["--max-steps", "0"], "--max-steps 0"), (["--max-steps", "4", "--stop-at", "0"], "--stop-at 0"),
+                         (["--max-steps", "4", "--stop-at", "-1"], "--stop-at -1"), (["--lr", "nan"], "--lr nan")):
+        with pytest.raises(SystemExit, match=match):
+            train_nmt.main(["--out", str(tmp_path / "bad"), *nmt_tiny, *flags])
+    assert not os.path.exists(tmp_path / "bad")
+    out = tmp_path / "nmt"
+    train_nmt.main(["--out", str(out), *nmt_tiny, "--max-steps", "4", "--eval-interval", "2", "--stop-at", "2",
+                    "--warmup", "0", "--synthetic-size", "300", "--no-test"])
+    train_nmt.main(["--out", str(out), "--resume", "--no-test"])
+    cfg = json.load(open(out / "config.json"))
+    assert [s["start_step"] for s in cfg["segments"]] == [0, 2]
+    assert runlib.load_checkpoint(str(out / "ckpt.pt"))["step"] == 4  # checksum verified on load
