@@ -13,15 +13,20 @@ Copy `AGGTrainer` (and agg.py) into your own code. What it does, and why:
 - loss scale: each micro-batch's mean loss is weighted by its share of the step's valid targets, so the gradient is
   the mean over all valid targets of the optimizer step (under DDP, over all ranks' targets), exactly;
 - method state: saved as `agg_method.pt` in every Trainer checkpoint and restored on resume (AGG's window);
-- `method.stats` (nll, rare_fraction, ...) are added to the Trainer's logs as `agg/...`.
+- `method.stats` (nll, rare_fraction, ...) are added to the Trainer's logs as `agg/...`;
+- the model's own logit transform is kept: lm_head's bias and a logit scale (Cohere's logit_scale, Granite's
+  logits_scaling) are applied; final-logit soft-capping (Gemma 2) is not linear in the weight and is refused;
+- resume takes the newest checkpoint that holds the method's state and says why it skipped a newer one.
 """
 import argparse
+import glob
 import inspect
 import os
+import re
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import agg
 
@@ -36,6 +41,7 @@ class AGGTrainer(Trainer):
     def __init__(self, *args, method, **kwargs):
         super().__init__(*args, **kwargs)
         self.method = method
+        self.logit_scale = logit_scale(self.model)
         self._step_targets = None  # valid targets in the current optimizer step, all ranks
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -56,8 +62,12 @@ class AGGTrainer(Trainer):
         outputs = model(**inputs, output_hidden_states=True)
         hidden = outputs.hidden_states[-1][:, :-1]  # the input of lm_head, shifted: position t predicts t + 1
         targets = labels[:, 1:]
-        weight = unwrapped.get_output_embeddings().weight  # tied with the input embedding
-        loss = self.method.loss(hidden, weight, targets, ignore_index=-100)
+        head = unwrapped.get_output_embeddings()  # tied with the input embedding
+        if self.logit_scale != 1.0:  # logits = scale * (h W^T + b): scale the features (and the bias below)
+            hidden = hidden * self.logit_scale
+        bias = getattr(head, "bias", None)
+        bias = None if bias is None else bias * self.logit_scale if self.logit_scale != 1.0 else bias
+        loss = self.method.loss(hidden, head.weight, targets, ignore_index=-100, bias=bias)
         if model.training and self._step_targets:
             share = (targets != -100).sum() / self._step_targets
             loss = loss * share * self.args.world_size  # DDP averages gradients over ranks
@@ -76,7 +86,7 @@ class AGGTrainer(Trainer):
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, METHOD_STATE)
             if not os.path.exists(path):
@@ -84,6 +94,35 @@ class AGGTrainer(Trainer):
                                  f"state (AGG's window) cannot be restored")
             self.method.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+
+def logit_scale(model):
+    """The factor the model applies to h W^T (+ b) to get its logits: 1, Cohere's logit_scale, or 1 / Granite's
+    logits_scaling. A model whose logits are not linear in W (Gemma 2's final-logit soft-capping) is refused: the
+    gated head would train it on another loss than its own."""
+    cfg = model.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        raise ValueError(f"{type(model).__name__}: config.final_logit_softcapping={cap} squashes the logits with tanh, "
+                         f"which AGGTrainer's head (logits = h W^T + b) does not reproduce; set "
+                         f"final_logit_softcapping=None to train it with an agg.py method")
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    return scale
+
+
+def last_complete_checkpoint(output_dir):
+    """The newest checkpoint-N folder of output_dir that holds the method's state (None when there is none); a newer
+    one without it (the run was killed between the Trainer's save and the method's) is skipped, with a message."""
+    found = sorted(((int(m.group(1)), d) for d in glob.glob(os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*"))
+                    if (m := re.search(r"-(\d+)$", d)) and os.path.isdir(d)), reverse=True)
+    for step, folder in found:
+        if os.path.exists(os.path.join(folder, METHOD_STATE)):
+            return folder
+        print(f"AGGTrainer: skipping {folder}: it has no {METHOD_STATE} (the run stopped while saving it); "
+              f"resuming from an earlier checkpoint")
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- runnable example
@@ -98,6 +137,7 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report-to", default="none", help="experiment logging of the HF Trainer: none, tensorboard, wandb")
     args = p.parse_args(argv)
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
@@ -121,7 +161,7 @@ def main(argv=None):
     training_args = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, seed=args.seed,
                                       per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
                                       learning_rate=2e-3, warmup_steps=30, lr_scheduler_type="cosine",
-                                      weight_decay=0.01, logging_steps=10, save_steps=100, report_to="none",
+                                      weight_decay=0.01, logging_steps=10, save_steps=100, report_to=args.report_to,
                                       use_cpu=not torch.cuda.is_available())
     trainer = AGGTrainer(model=model, args=training_args, train_dataset=dataset, method=method)
     trainer.train(resume_from_checkpoint=True if args.resume else None)

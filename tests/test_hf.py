@@ -89,3 +89,46 @@ def test_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)
     logged = [r for r in trainer.state.log_history if "agg/nll" in r]
     assert logged and "agg/rare_fraction" in logged[-1]
+
+
+def tiny(name, **kw):
+    """A tiny random causal LM of a transformers architecture (tied embeddings, no dropout)."""
+    cfg = getattr(transformers, f"{name}Config")(vocab_size=V, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                                 max_position_embeddings=T, tie_word_embeddings=True, **kw)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+
+
+def trainer_loss(model, ids, labels, tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = hf_agg.AGGTrainer(model=model, args=args, method=agg.build_method("mle", V))
+    return trainer.compute_loss(model, {"input_ids": ids, "labels": labels})
+
+
+@pytest.mark.parametrize("name, kw", [("Llama", {}), ("Cohere", dict(logit_scale=0.25)),
+                                      ("Gemma2", dict(final_logit_softcapping=None, head_dim=8))])
+def test_the_trainers_loss_is_the_models_own(tmp_path, name, kw):
+    model = tiny(name, **kw)
+    batch = dataset(4)
+    ids, labels = torch.stack([r["input_ids"] for r in batch]), torch.stack([r["labels"] for r in batch])
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels).loss
+        ours = trainer_loss(model, ids, labels, tmp_path)
+    torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-6)
+
+
+def test_a_soft_capped_model_is_refused(tmp_path):
+    model = tiny("Gemma2", final_logit_softcapping=30.0, head_dim=8)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        trainer_loss(model, torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long), tmp_path)
+
+
+def test_resume_skips_a_checkpoint_without_the_method_state(tmp_path, capsys):
+    for step, complete in ((2, True), (4, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / hf_agg.METHOD_STATE).write_bytes(b"")
+    assert hf_agg.last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert "skipping" in capsys.readouterr().out and hf_agg.last_complete_checkpoint(str(tmp_path / "none")) is None
