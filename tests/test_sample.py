@@ -1,0 +1,51 @@
+"""sample.py: text from an LM run folder, translations from an NMT run folder, the LM exported to transformers."""
+import os
+
+import pytest
+import torch
+
+import sample
+import train_lm
+import train_nmt
+
+
+@pytest.fixture(scope="module")
+def lm_folder(tmp_path_factory, corpus, lm_tiny):
+    out = str(tmp_path_factory.mktemp("s") / "lm")
+    train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out, *lm_tiny,
+                   "--max-steps", "3", "--eval-interval", "3"])
+    return out
+
+
+def test_greedy_sampling_is_the_models_greedy_continuation(lm_folder, capsys):
+    texts = sample.main([lm_folder, "--prompt", "Abc de", "--temperature", "0", "--num-samples", "2",
+                         "--max-new-tokens", "12", "--device", "cpu"])
+    model, tok, _ = sample.load_lm(lm_folder, "last", "cpu")
+    ids = tok.encode("Abc de").ids
+    greedy = train_lm.generate(model, torch.tensor([ids]), 12)[0].tolist()
+    assert texts == [tok.decode(ids + greedy)] * 2 and texts[0] in capsys.readouterr().out
+    a = sample.main([lm_folder, "--seed", "1", "--max-new-tokens", "8", "--num-samples", "1", "--device", "cpu"])
+    b = sample.main([lm_folder, "--seed", "1", "--max-new-tokens", "8", "--num-samples", "1", "--device", "cpu"])
+    assert a == b  # seeded
+
+
+def test_export_to_transformers_gives_the_same_logits(lm_folder, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    sample.main([lm_folder, "--export-hf", str(tmp_path / "hf"), "--device", "cpu"])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    model, _, _ = sample.load_lm(lm_folder, "last", "cpu")
+    x = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model.logits(x), rtol=1e-4, atol=1e-4)
+    assert os.path.exists(tmp_path / "hf" / "tokenizer.json")
+
+
+def test_an_nmt_run_translates_a_file(nmt_tiny, tmp_path, capsys):
+    out = str(tmp_path / "nmt")
+    train_nmt.main(["--out", out, *nmt_tiny, "--max-steps", "2", "--eval-interval", "2", "--synthetic-size", "300",
+                    "--no-test"])
+    (tmp_path / "in.txt").write_text("w1 w2 w3\nw4 w5\n")
+    hyps = sample.main([out, "--file", str(tmp_path / "in.txt"), "--beam", "1", "--device", "cpu"])
+    assert len(hyps) == 2 and all(isinstance(h, str) for h in hyps)
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        sample.main([str(tmp_path / "none")])
