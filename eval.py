@@ -567,11 +567,9 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
     for label, m in metrics.items():
         saved = os.path.join(folders[label], "config.json")  # with the provenance (argv, threads) of the run
         cfg = json.load(open(saved)) if os.path.exists(saved) else configs[folders[label]]
-        args = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in cfg.get("argv", [])]
         script = "train_lm.py" if m.get("task") == "lm" else "train_nmt.py"
-        threads = cfg.get("versions", {}).get("threads")
         runs[label] = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
-                           command=(f"OMP_NUM_THREADS={threads} " if threads else "") + " ".join(["python", script, *args]))
+                           command=runlib.run_command(cfg, script))
     rel = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in argv]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

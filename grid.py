@@ -27,6 +27,7 @@ import time
 import torch
 
 import agg
+import runlib
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 METHODS = ["mle", "agg", "agg-no-g1", "agg-no-g2", "agg-static", "ul", "ul+agg", "agps", "freeze-rare", "freeze-b",
@@ -208,8 +209,7 @@ def sweep_table(metrics, command):
         runs.append(dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"], seed=m["seed"], step=m["step"],
                          valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
                          isotropy=m["isotropy"], run=os.path.relpath(m["out_dir"], ROOT),
-                         command=" ".join(["python train_lm.py", *(os.path.relpath(a, ROOT) if os.path.isabs(a) else a
-                                                                    for a in cfg.get("argv", []))]),
+                         command=runlib.run_command(cfg, "train_lm.py"),
                          threads=cfg.get("versions", {}).get("threads"), git_commit=cfg.get("git_commit")))
     by = {}
     for r in runs:

@@ -501,6 +501,20 @@ def versions():
     return out
 
 
+def run_command(saved, script, root=ROOT):
+    """The command that reproduces a run from its config.json (`saved`): its original argv with paths relative to
+    the repository, the thread count it ran with (CPU results depend on it), and --lr / --warmup spelled out when
+    they came from a preset (presets can change; the values cannot)."""
+    argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in
+            ((saved.get("segments") or [saved])[0].get("argv") or [])]
+    for key in ("lr", "warmup"):
+        flag = "--" + key
+        if flag not in argv and saved.get(key) is not None:
+            argv += [flag, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
+    threads = saved.get("versions", {}).get("threads")
+    return (f"OMP_NUM_THREADS={threads} " if threads else "") + " ".join(["python", script, *argv])
+
+
 def provenance(argv):
     """What config.json records about the code and machine a run came from."""
     commit, dirty = git_commit()
