@@ -577,6 +577,12 @@ def chunked_table(rows):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/bench", help="folder for bench.json")
+    p.add_argument("--plan", default=None, metavar="PRESET",
+                   help="print what a preset of train_lm.py / train_nmt.py costs (parameters, FLOPs, tokens, memory "
+                        "per GPU, hours) instead of timing anything")
+    p.add_argument("--gpus", type=int, default=1, help="--plan: number of GPUs")
+    p.add_argument("--tflops", type=float, default=312.0, help="--plan: peak TFLOP/s per GPU (A100 bf16: 312)")
+    p.add_argument("--mfu", type=float, default=0.4, help="--plan: model FLOPs utilisation")
     p.add_argument("--quick", action="store_true",
                    help="one V (8192), T=1024, d=128, 2 repeats, a small chunked case, no lm: under a minute")
     p.add_argument("--sections", default="head,chunked,lm", help="comma list of head, chunked, lm")
@@ -618,9 +624,51 @@ QUICK = dict(vocab=[8192], tokens=1024, d_model=128, seq_len=256, repeats=2, war
              sections="head,chunked", window=50)
 
 
+def plan(task, preset, gpus=1, tflops=100.0, mfu=0.4):
+    """What a preset costs, by formula: parameters (counted on the meta device), training FLOPs per token
+    6 N + 12 L d T (Kaplan et al. 2020: forward + backward of every weight, plus attention scores over a context of
+    T), the run's tokens and FLOPs, memory per GPU (16 bytes per parameter for fp32 weights, gradients and Adam's two
+    moments; activations ~34 d bytes per token and layer in bf16 (Korthikanti et al. 2022, no recomputation) for a
+    micro-batch; the head's fp32 logits buffer, micro-batch tokens x V x 4 bytes), and hours at gpus x tflops x mfu."""
+    import train_lm
+    import train_nmt
+    if task == "lm":
+        cfg = dict(train_lm.PRESETS[preset])
+        with torch.device("meta"):
+            model = train_lm.build_model(cfg, cfg["vocab_size"])
+        layers, ctx, micro = cfg["n_layer"], cfg["block_size"], cfg["micro_batch"] * cfg["block_size"]
+    else:
+        cfg = dict(train_nmt.PRESETS[preset])
+        model = train_nmt.build_model(cfg, cfg["vocab_size"], "meta")
+        layers, ctx, micro = cfg["enc_layers"] + cfg["dec_layers"], cfg["max_len"] // 2, cfg["micro_tokens"]
+    n = sum(p.numel() for p in model.parameters())
+    d, V = cfg["d_model"], cfg["vocab_size"]
+    flops_token = 6 * n + 12 * layers * d * ctx
+    tokens = cfg["max_steps"] * cfg["tokens_per_step"]
+    total = flops_token * tokens
+    mem = 16 * n + 34 * d * layers * micro + 4 * micro * V
+    hours = total / (gpus * tflops * 1e12 * mfu) / 3600
+    return dict(task=task, preset=preset, params=n, flops_per_token=flops_token, tokens=tokens, flops=total,
+                memory_per_gpu_gb=mem / 1e9, gpus=gpus, tflops=tflops, mfu=mfu, hours=hours,
+                micro_batch_tokens=micro, steps=cfg["max_steps"])
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plan:
+        import train_lm
+        import train_nmt
+        task = "lm" if args.plan in train_lm.PRESETS else "nmt"
+        if args.plan not in train_lm.PRESETS and args.plan not in train_nmt.PRESETS:
+            parser.error(f"--plan {args.plan}: not a preset of train_lm.py or train_nmt.py")
+        p = plan(task, args.plan, args.gpus, args.tflops, args.mfu)
+        print(f"{p['task']} preset {p['preset']}: {p['params'] / 1e6:.1f}M parameters, "
+              f"{p['flops_per_token'] / 1e9:.2f} GFLOPs per training token, {p['steps']} steps x "
+              f"{p['tokens'] // p['steps']} tokens = {p['tokens'] / 1e9:.2f}B tokens, {p['flops']:.2e} FLOPs; "
+              f"~{p['memory_per_gpu_gb']:.1f} GB per GPU at {p['micro_batch_tokens']} tokens per micro-batch; "
+              f"{p['hours']:.1f} h on {p['gpus']} GPU(s) at {p['tflops']:g} TFLOP/s x MFU {p['mfu']:g}")
+        return p
     if args.quick:  # quick values, unless a flag was given explicitly
         given = argv if argv is not None else sys.argv[1:]
         explicit = {a.dest for a in parser._actions

@@ -155,3 +155,17 @@ def test_lm_trainer_runs_train_lm_step():
     t.step(x, y)
     assert t.method.steps == 2
     assert not torch.equal(before, t.model.tok_emb.weight.detach())
+
+
+def test_plan_counts_the_presets_parameters_and_does_the_arithmetic():
+    import train_nmt
+    p = bench.plan("nmt", "base", gpus=8, tflops=100.0, mfu=0.5)
+    assert round(p["params"] / 1e6, 1) == 63.1  # the Transformer base of the papers
+    cfg = train_nmt.PRESETS["base"]
+    assert p["tokens"] == cfg["max_steps"] * cfg["tokens_per_step"]
+    assert p["flops_per_token"] == 6 * p["params"] + 12 * 12 * 512 * 128
+    assert p["hours"] == pytest.approx(p["flops"] / (8 * 100e12 * 0.5) / 3600)
+    assert round(bench.plan("lm", "gpt2-medium")["params"] / 1e6, 1) == 348.7
+    import train_lm
+    built = train_lm.build_model(train_lm.PRESETS["cpu"], train_lm.PRESETS["cpu"]["vocab_size"])
+    assert bench.main(["--plan", "cpu"])["params"] == sum(q.numel() for q in built.parameters())
