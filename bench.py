@@ -185,12 +185,12 @@ def build_candidate(name, data):
         raise ValueError(f"unknown method {name!r}; valid: {', '.join(list(agg.METHODS) + EXTRA)}")
     defaults = agg.METHODS[name].defaults
     hp = {}
-    if "alpha" in defaults:
+    if agg.agg_family(name):
         hp.update(alpha=data["alpha"], window=data["window"])
     if "rare_fraction" in defaults:
         hp.update(rare_fraction=data["rare_fraction"])
     m = agg.build_method(name, vocab_size=V, counts=data["counts"], special_ids=SPECIAL_IDS, **hp)
-    if "alpha" in defaults:
+    if agg.agg_family(name):
         for y in data["history"]:
             m.observe(y)
     return m
@@ -487,7 +487,7 @@ def bench_lm(args, log):
     trainers = {}
     K = max(1, int(round(steps_per_epoch)))
     for name in names:
-        cfg_m = dict(cfg, method=name, alpha=args.lm_alpha if "alpha" in agg.METHODS[name].defaults else None)
+        cfg_m = dict(cfg, method=name, alpha=args.lm_alpha if agg.agg_family(name) else None)
         hp = runlib.method_hparams(cfg_m, steps_per_epoch, counts, tps, special)  # window = steps per epoch
         trainers[name] = LMTrainer(train_lm, cfg, name, V, counts, special, hp)
         for s in range(K if "window" in hp else 0):  # a full counter window, as after the first epoch

@@ -29,7 +29,7 @@ import agg
 import runlib
 import train_lm
 
-GROUPS = ("freq", "med", "rare")
+GROUPS = agg.GROUPS
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}  # as AGG Fig. 1
 
 

@@ -151,13 +151,9 @@ def main(argv=None):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4,
                                        bos_token_id=data["eos_id"], eos_token_id=data["eos_id"]))
     tokens_per_step = args.batch * args.accum * T
-    hp = {}
-    if "alpha" in agg.METHODS[args.method].defaults:
-        hp = dict(alpha=agg.alpha_for_rare_share(data["counts"], args.rare_share, tokens_per_step,
-                                                 [data["eos_id"], data["pad_id"]]),
-                  window=max(1, len(blocks) // (args.batch * args.accum)))  # K = steps per epoch
     method = agg.build_method(args.method, V, counts=data["counts"], special_ids=[data["eos_id"], data["pad_id"]],
-                              **hp)
+                              steps_per_epoch=len(blocks) / (args.batch * args.accum), tokens_per_step=tokens_per_step,
+                              rare_share=args.rare_share if agg.agg_family(args.method) else None)
     training_args = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, seed=args.seed,
                                       per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
                                       learning_rate=2e-3, warmup_steps=30, lr_scheduler_type="cosine",

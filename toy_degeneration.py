@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 import agg
 
-GROUPS = ("freq", "med", "rare")
+GROUPS = agg.GROUPS
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}
 
 

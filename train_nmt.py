@@ -726,7 +726,7 @@ def build_model(cfg, vocab_size, device):
                        ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
 
 
-GROUPS = ("freq", "med", "rare")  # frequency groups of agg.frequency_groups over both sides' train counts
+GROUPS = agg.GROUPS  # frequency groups of agg.frequency_groups over both sides' train counts
 
 
 @torch.no_grad()
@@ -824,7 +824,7 @@ def train(cfg, explicit=frozenset(), argv=()):
     # --source-only-rare keeps the paper's literal rule instead: a_k = 0, so rare with g1 = 0 (no push at all).
     # Either way --rare-share is a share of the target vocabulary, so both rules gate the same target tokens.
     never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
-    dynamic = "alpha" in agg.METHODS[cfg["method"]].defaults
+    dynamic = agg.agg_family(cfg["method"])
     target_special = special_ids + (never_targets if dynamic else [])
     method_special = special_ids if cfg.get("source_only_rare") else target_special
     target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
