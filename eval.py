@@ -203,6 +203,8 @@ def evaluate_nmt(out_dir, args):
                          f"from the repository root that has train_nmt.py") from None
     res = train_nmt.evaluate(out_dir, device=args.device, beam=args.beam, average_last=args.average_last)
     m = dict(res["metrics"])
+    if "hyps" in res:  # for --compare's paired bootstrap; taken out before writing metrics.json
+        m["texts"] = {k: res[k] for k in ("hyps", "refs", "bleu_tokenize")}
     m.setdefault("task", "nmt")
     m.setdefault("out_dir", out_dir)
     return m, res["weight"].detach().float().cpu(), torch.as_tensor(res["counts"]), res.get("src_counts"), \
@@ -302,12 +304,18 @@ def summarise(metrics):
 COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "valid_ppl", "uniq", "uniq_groups.rare",
                 "isotropy", "isotropy_groups.rare", "mean_cosine", "mean_cosine_groups.rare",
                 "rare_bias.ppl", "rare_bias.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
-                "rare_argmax.rare_argmax_recall")
+                "rare_argmax.rare_argmax_recall",
+                # NMT: BLEU, test PPL and the target side (train_nmt.validate's "target")
+                "bleu", "test_ppl", "target.ppl_groups.freq", "target.ppl_groups.med", "target.ppl_groups.rare",
+                "target.rare_mass_pred", "target.uniq", "target.uniq_groups.rare", "target.rare_recall",
+                "target.rare_precision", "target.isotropy", "target.isotropy_groups.rare", "target.mean_cosine",
+                "target.cosine_rare_freq")
 
 
 def paired_interval(diffs, n_boot=10000, seed=0):
     """Mean of paired differences with its 95% t interval, percentile bootstrap interval and paired t-test p-value,
-    and the median difference."""
+    the median difference, and min_detectable: the smallest true mean difference this many pairs detect with 80%
+    power at a two-sided 5% level, given the differences' spread ((t_.975 + t_.8) sd / sqrt(n))."""
     from scipy import stats
     d = np.asarray(diffs, dtype=np.float64)
     out = dict(n=len(d), mean=float(d.mean()), median=float(np.median(d)), diffs=d.tolist())
@@ -316,16 +324,19 @@ def paired_interval(diffs, n_boot=10000, seed=0):
         half = float(stats.t.ppf(0.975, len(d) - 1) * se)
         boot = np.random.default_rng(seed).choice(d, (n_boot, len(d))).mean(1)
         out.update(t95=[out["mean"] - half, out["mean"] + half], boot95=np.percentile(boot, [2.5, 97.5]).tolist(),
-                   p=float(stats.ttest_1samp(d, 0).pvalue) if d.std() > 0 else float("nan"))
+                   p=float(stats.ttest_1samp(d, 0).pvalue) if d.std() > 0 else float("nan"),
+                   min_detectable=float((stats.t.ppf(0.975, len(d) - 1) + stats.t.ppf(0.8, len(d) - 1)) * se))
     return out
 
 
-def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0):
+def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts=None):
     """Variant `cand` against variant `base` over the seeds both have (pairs share a seed, hence the init and the
     data order): per metric the paired differences (cand - base; PPLs as log ratios, so exp(mean) is the geometric
     mean ratio) with intervals; for LM runs the rare-PPL gap split over the rare target types (pooled over the
     pairs: what share the top types carry) with a type-level bootstrap interval of the rare-PPL ratio, and the share
-    of cand's rare-PPL gain that base gains from one bias on the rare logits fitted on valid (the free baseline)."""
+    of cand's rare-PPL gain that base gains from one bias on the rare logits fitted on valid (the free baseline);
+    for NMT runs (texts: {label: test hypotheses and references}) the paired bootstrap of BLEU over test sentences
+    for each seed (train_nmt.paired_bleu)."""
     runs = {v: {m["seed"]: k for k, m in metrics.items() if m.get("variant") == v} for v in (base, cand)}
     for v in (base, cand):
         if not runs[v]:
@@ -367,6 +378,12 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0):
             share_top1=float(gap[order[:1]].sum()) / total, share_top10=float(gap[order[:10]].sum()) / total,
             top=[dict(token=tokens[int(ids[j])], targets=int(count[j]), share=float(gap[j]) / total)
                  for j in order[:10].tolist()])
+    if texts and all(b in texts and c in texts for b, c in labels):
+        import train_nmt
+        out["bleu_paired_bootstrap"] = [
+            dict(seed=s, **train_nmt.paired_bleu(texts[b]["hyps"], texts[c]["hyps"], texts[b]["refs"], None,
+                                                 texts[b]["bleu_tokenize"], seed=seed))
+            for s, (b, c) in zip(seeds, labels)]
     if all("rare_bias" in b for b, _ in pairs):
         shares = [(math.log(b["ppl_groups"]["rare"]) - math.log(b["rare_bias"]["ppl_groups"]["rare"])) /
                   ((math.log(b["ppl_groups"]["rare"]) - math.log(c["ppl_groups"]["rare"])) or float("nan"))
@@ -692,6 +709,13 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
                   f"{t['targets']} rare targets of {t['types']} types. Share of the log-PPL gap from the top type: "
                   f"{t['share_top1']:.0%}, top 10 types: {t['share_top10']:.0%} (" +
                   ", ".join(f"{_md(repr(x['token']))} {x['share']:.0%} of {x['targets']}" for x in t["top"]) + ")."]
+        if "bleu_paired_bootstrap" in c:
+            L += ["", "BLEU, paired bootstrap over test sentences (per seed; cand - base): " + "; ".join(
+                f"seed {x['seed']}: {x['diff']:+.2f} [{x['boot95'][0]:+.2f}, {x['boot95'][1]:+.2f}], p {x['p']:.3f}"
+                for x in c["bleu_paired_bootstrap"]) + "."]
+            if "min_detectable" in c["metrics"].get("bleu", {}):
+                L += ["", f"Smallest BLEU difference {len(c['seeds'])} paired seeds detect (80% power, 5% two-sided): "
+                      f"{c['metrics']['bleu']['min_detectable']:.2f}."]
         if "free_baseline_share" in c:
             s = c["free_baseline_share"]
             L += ["", f"Share of {c['cand']}'s rare-PPL gain that {c['base']} gets from one bias on the rare logits "
@@ -768,7 +792,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
-    metrics, weights, counts, extras, type_stats, all_tokens = {}, {}, {}, {}, {}, {}
+    metrics, weights, counts, extras, type_stats, all_tokens, texts = {}, {}, {}, {}, {}, {}, {}
     # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)
     tasks, configs = {}, {}
     for d in args.out_dirs:
@@ -786,6 +810,8 @@ def main(argv=None):
         m.update(geometry(W, c, args.include_unseen))
         m["seed"] = configs[out_dir].get("seed")
         m["valid_ppl"] = last_valid_ppl(out_dir, m.get("step"))
+        if "texts" in m:
+            texts[label] = m.pop("texts")
         if "type_stats" in m:
             type_stats[label] = dict(m.pop("type_stats"), rare=group_index(c)[0] == 2)
         all_tokens[label] = tokens
@@ -809,7 +835,7 @@ def main(argv=None):
     summary = summarise(metrics)
     comparisons = []
     for base, cand in args.compare:
-        comparisons.append(compare(metrics, type_stats, base, cand, next(iter(all_tokens.values()))))
+        comparisons.append(compare(metrics, type_stats, base, cand, next(iter(all_tokens.values())), texts=texts))
     for name, obj in (("metrics.json", metrics), ("summary.json", summary)) + ((("compare.json", comparisons),)
                                                                                   if comparisons else ()):
         with open(os.path.join(args.out, name), "w") as f:

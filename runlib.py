@@ -3,6 +3,7 @@ state, checkpoints (data only, loaded with weights_only=True), provenance and th
 Models, data and training loops stay in each script; agg.py does not depend on this file."""
 import argparse
 import contextlib
+import datetime
 import hashlib
 import json
 import math
@@ -22,9 +23,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # config keys that may change when a run is resumed (they steer this invocation, not the run's result)
 RUN_CONTROL = {"out", "resume", "overwrite", "max_steps", "stop_at", "device", "dtype", "compile", "eval_interval",
-               "log_interval"}
+               "log_interval", "log_to", "prepare_only"}
 # of those, the ones that always follow the current invocation (not the saved config) unless given
-FOLLOW_INVOCATION = ("device", "dtype", "resume", "stop_at", "overwrite", "compile")
+FOLLOW_INVOCATION = ("device", "dtype", "resume", "stop_at", "overwrite", "compile", "prepare_only")
 
 
 # ------------------------------------------------------------------------------------------------------------ flags
@@ -40,9 +41,16 @@ def add_run_flags(p, out_help):
     g.add_argument("--stop-at", type=int, default=None,
                    help="checkpoint and stop after this step without changing the schedule (split a run into jobs)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="autocast dtype of the matmuls, on CPU too (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype of the matmuls, on CPU too (default: bfloat16 on CUDA, float32 on CPU); "
+                        "float16 (V100, T4) adds dynamic loss scaling")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--log-to", default="none", choices=["none", "tensorboard", "wandb"],
+                   help="also send the train/valid records to TensorBoard (OUT/tensorboard) or Weights & Biases "
+                        "(project $WANDB_PROJECT, default agg); log.jsonl is always written")
+    g.add_argument("--prepare-only", action="store_true",
+                   help="build the data cache (tokenizer and token ids) and exit: run it once, as one process, "
+                        "before a multi-GPU job on a large corpus")
     return g
 
 
@@ -428,6 +436,14 @@ def restore_rng(states, rank, world, log=print):
 
 
 # ---------------------------------------------------------------------------------------------------- DDP, autocast
+def wait_for_rank0(ddp):
+    """A barrier that does not time out while rank 0 prepares the data (BPE training and token ids of a large corpus
+    can outlast NCCL's default timeout): a gloo group with a one-week limit. Every rank calls it once."""
+    if ddp:
+        group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+        torch.distributed.barrier(group=group)
+
+
 def setup_ddp(cfg):
     """Initialise torch.distributed under torchrun; returns (ddp, rank, world). CUDA ranks get their own device."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -448,11 +464,20 @@ def default_device(cfg):
 
 
 def autocast(cfg):
-    """A context factory: bf16 autocast on the run's device (CPU too) when --dtype bfloat16, else a no-op."""
-    if cfg["dtype"] == "bfloat16":
-        device_type = torch.device(cfg["device"]).type
-        return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
+    """A context factory: autocast to --dtype bfloat16 / float16 on the run's device (CPU too), else a no-op."""
+    if cfg["dtype"] in ("bfloat16", "float16"):
+        device_type, dtype = torch.device(cfg["device"]).type, getattr(torch, cfg["dtype"])
+        return lambda: torch.autocast(device_type, dtype=dtype)
     return contextlib.nullcontext
+
+
+def grad_scaler(cfg):
+    """float16's dynamic loss scaling (torch.amp.GradScaler: a step with inf/NaN gradients is skipped and the scale
+    lowered); for float32 / bfloat16 a disabled scaler whose calls are no-ops, so the step is unchanged."""
+    return torch.amp.GradScaler(torch.device(cfg["device"]).type, enabled=cfg["dtype"] == "float16")
+
+
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 
 
 def lr_schedule(kind, warmup, max_steps):
@@ -548,9 +573,50 @@ def start_log(path, resumed_step=None):
         f.writelines(keep)
 
 
-def append_log(path, record):
+def append_log(path, record, tracker=None):
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    if tracker is not None:
+        tracker(record)
+
+
+class Tracker:
+    """--log-to: mirrors each log.jsonl record's numbers to TensorBoard (OUT/tensorboard) or Weights & Biases, as
+    SPLIT/KEY at the record's step. Off ("none") by default; log.jsonl stays the record of the run."""
+
+    def __init__(self, kind, out, cfg):
+        self.kind, self.writer = kind, None
+        if kind == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise SystemExit("--log-to tensorboard needs the tensorboard package: pip install tensorboard") from None
+            self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+        elif kind == "wandb":
+            try:
+                import wandb
+            except ImportError:
+                raise SystemExit("--log-to wandb needs the wandb package: pip install wandb (and wandb login)") from None
+            run_id = hashlib.sha256(os.path.abspath(out).encode()).hexdigest()[:16]  # one wandb run per folder
+            self.writer = wandb.init(project=os.environ.get("WANDB_PROJECT", "agg"), name=os.path.basename(out),
+                                     id=run_id, resume="allow", config=cfg, dir=out)
+
+    def __call__(self, record):
+        if self.writer is None:
+            return
+        split = record.get("split", "train")
+        scalars = {f"{split}/{k}": float(v) for k, v in record.items()
+                   if k not in ("step", "split") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.kind == "tensorboard":
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, record["step"])
+            self.writer.flush()
+        else:
+            self.writer.log(scalars, step=record["step"])
+
+    def close(self):
+        if self.writer is not None:
+            (self.writer.close if self.kind == "tensorboard" else self.writer.finish)()
 
 
 # ------------------------------------------------------------------------------------------------- Hugging Face hub

