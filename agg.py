@@ -808,6 +808,33 @@ METHODS = {cls.name: cls for cls in [
 ]}
 
 
+# Every method hyper-parameter (a key of some method's defaults): (type, meaning). The training scripts make each a
+# flag; tests check that the table covers every method.
+HPARAMS = {
+    "alpha": (float, "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)"),
+    "window": (int, "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)"),
+    "use_g1": (bool, "AGG: apply gate g1 (Eq. 7)"),
+    "use_g2": (bool, "AGG: apply gate g2 (Eq. 8)"),
+    "static_after": (int, "freeze AGG's rare group after N steps (agg-static default: steps per epoch, AGG Appendix D)"),
+    "continuous_g1": (bool, "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold"),
+    "center_gate": (bool, "agg-centered: gate only the push along the batch's mean feature"),
+    "prefill": (bool, "agg-prefill: start AGG's window full, at the training split's expected counts"),
+    "rare_fraction": (float, "share of the vocabulary in the static rare group (by train counts)"),
+    "mu1": (float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)"),
+    "mu2": (float, "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)"),
+    "rare_rank": (int, "AGPS i_r: words from this frequency rank on are rare (instead of rare_fraction)"),
+    "until": (int, "freeze-rare: release the rare embeddings after this step"),
+    "parts": (str, "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)"),
+    "gamma": (float, "CosReg weight (CosReg Eq. 6)"),
+    "popular_fraction": (float, "FRAGE: share of popular tokens"),
+    "lambda_": (float, "FRAGE adversarial weight (FRAGE Eq. 5)"),
+    "disc_lr": (float, "FRAGE discriminator learning rate"),
+    "disc_steps": (int, "FRAGE discriminator updates per step"),
+    "alpha_ul": (float, "unlikelihood weight"),
+    "gate_ul": (bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (this project's choice)"),
+}
+
+
 def agg_family(name):
     """True for AGG and its variants (the methods with AGG's dynamic rare group and alpha)."""
     if name not in METHODS:

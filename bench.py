@@ -427,7 +427,7 @@ def bench_chunked(args, devices, log):
 def lm_setup(args, log):
     """train_lm.py's cpu-preset config, model builder and training data; synthetic Zipf ids if its data is unusable."""
     import train_lm
-    cfg = train_lm.resolve_config(train_lm.build_parser().parse_args(["--device", "cpu", "--preset", "cpu"]))
+    cfg = train_lm.make_config(device="cpu", preset="cpu")
     try:
         data = train_lm.prepare_data(cfg, log=lambda *a: None)
         ids = torch.from_numpy(data["ids"]["train"].astype("int64"))

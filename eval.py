@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Evaluate trained runs side by side: the task metrics and the geometry of the tied embedding matrix.
 
-    python eval.py out/lm-mle-seed0 out/lm-agg-seed0 --out out/report
+    python eval.py out/lm-mle-s0 out/lm-agg-s0 --out out/report
 
 Each run folder holds ckpt.pt; its config's "task" picks the evaluation:
   lm  (train_lm.py): test PPL total and per frequency group, Uniq (distinct argmax next-token predictions) total and
@@ -196,11 +196,7 @@ def evaluate_lm(out_dir, args, device):
 
 # ------------------------------------------------------------------------------------------------------------ NMT
 def evaluate_nmt(out_dir, args):
-    try:
-        import train_nmt
-    except ImportError as e:
-        raise SystemExit(f"{out_dir} holds an NMT checkpoint but train_nmt.py cannot be imported ({e}): run eval.py "
-                         f"from the repository root that has train_nmt.py") from None
+    import train_nmt  # imported when an NMT run is evaluated: its decoding is train_nmt's
     res = train_nmt.evaluate(out_dir, device=args.device, beam=args.beam, average_last=args.average_last)
     m = dict(res["metrics"])
     if "hyps" in res:  # for --compare's paired bootstrap; taken out before writing metrics.json

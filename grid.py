@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 
-import torch
 
 import agg
 import runlib
@@ -66,15 +65,6 @@ def run_dir(out, method, seed, lr=None, warmup=None):
 def settings(args):
     """(lr, warmup) pairs of the grid: None = the preset's."""
     return [(lr, wu) for lr in (args.lrs or [None]) for wu in (args.warmups or [None])]
-
-
-def finished(folder):
-    """True when the run's checkpoint holds its last step."""
-    path = os.path.join(folder, "ckpt.pt")
-    if not os.path.exists(path):
-        return False
-    ck = torch.load(path, map_location="cpu", weights_only=True)
-    return ck["step"] >= ck["config"]["max_steps"]
 
 
 def wait_for_slot(running, jobs):
@@ -155,7 +145,7 @@ def _train_todo(args, extra, todo, env, running):
         if differs:
             raise SystemExit(f"grid: {folder} was {differs}: give another --out for other flags, or delete the run "
                              f"to redo it")
-        if finished(folder):
+        if runlib.finished(folder):
             print(f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}: done, skipped")
             continue
         log = None
@@ -246,8 +236,8 @@ def main(argv=None):
         p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
     folders = [run_dir(args.out, m, s, lr, wu) for m in args.methods for lr, wu in settings(args) for s in args.seeds]
     if args.no_train:
-        missing = [os.path.basename(f) for f in folders if not finished(f)]
-        folders = [f for f in folders if finished(f)]
+        missing = [os.path.basename(f) for f in folders if not runlib.finished(f)]
+        folders = [f for f in folders if runlib.finished(f)]
         if not folders:
             raise SystemExit(f"grid: no finished run in {args.out}/runs; run grid.py without --no-train first")
         if missing:

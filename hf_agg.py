@@ -142,7 +142,7 @@ def main(argv=None):
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
     import train_lm
-    cfg = train_lm.resolve_config(train_lm.build_parser().parse_args(["--device", "cpu"]))
+    cfg = train_lm.make_config(device="cpu")
     data = train_lm.prepare_data(cfg)
     V, ids, T = data["vocab_size"], data["ids"]["train"], args.block_size
     blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]

@@ -21,7 +21,8 @@ import sys
 
 import numpy as np
 
-from grid import finished
+import runlib
+
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CLAIMS = {"ppl": 1.01, "rare": 0.5, "anisotropy": 0.5}  # AGG Table 3's directions, as thresholds
@@ -34,7 +35,7 @@ def run_name(method, steps, tokens, seed, share=None):
 
 def ensure(folder, flags, extra):
     """Train (or resume) the run, then evaluate it into folder/report/ unless done."""
-    if not finished(folder):
+    if not runlib.finished(folder):
         resume = ["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []
         cmd = [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume, *extra]
         print(" ".join(cmd), flush=True)

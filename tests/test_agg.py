@@ -868,3 +868,12 @@ def test_bad_numbers_are_refused_with_the_parameter_named():
                       (dict(label_smoothing=1.0), "label_smoothing"), (dict(label_smoothing=-0.1), "label_smoothing")):
         with pytest.raises(ValueError, match=match):
             m.loss(h, w, y, **kw)
+
+
+def test_hparams_table_covers_every_method_with_the_defaults_types():
+    """agg.HPARAMS documents every method hyper-parameter (the scripts' flags) with its defaults' type."""
+    for name, cls in agg.METHODS.items():
+        for key, default in cls.defaults.items():
+            assert key in agg.HPARAMS, (name, key)
+            if default is not None:
+                assert isinstance(default, agg.HPARAMS[key][0]), (name, key, default)

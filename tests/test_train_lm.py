@@ -343,8 +343,8 @@ def test_data_dir_reads_raw_wikitext_parquet_and_saved_datasets(corpus, tmp_path
     out = tmp_path / "run"
     train_lm.main(["--data-dir", str(d), "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--max-steps", "1",
             "--eval-interval", "1", *lm_tiny, "--method", "mle"])
-    ref = train_lm.prepare_data(dict(train_lm.resolve_config(train_lm.build_parser().parse_args(
-        ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny]))), log=lambda *a: None)
+    ref = train_lm.prepare_data(train_lm.make_config(data_dir=corpus["data"], cache_dir=corpus["cache"],
+                                                     vocab_size=300, block_size=16), log=lambda *a: None)
     mine = json.load(open(out / "config.json"))
     assert mine["data_tokens"] == ref["meta"]["tokens"]
 
