@@ -29,7 +29,6 @@ import agg
 import runlib
 import train_lm
 
-GROUPS = agg.GROUPS
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}  # as AGG Fig. 1
 
 
@@ -113,7 +112,7 @@ def geometry(weight, counts, include_unseen=False):
     """agg.geometry per frequency group, over the tokens seen in training unless include_unseen."""
     _, groups = group_index(counts)
     seen = None if include_unseen else torch.as_tensor(counts) > 0
-    geo = agg.geometry(weight, dict(zip(GROUPS, groups)), seen)
+    geo = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen)
     geo["geometry_rows_rule"] = "all" if include_unseen else "seen in training"
     return geo
 
@@ -167,7 +166,7 @@ def plot_svd(weights, counts, path):
         gid, _ = group_index(counts[label])
         for g in (0, 1, 2):  # frequent drawn last, on top
             m = (gid == 2 - g).numpy()
-            name = GROUPS[2 - g]
+            name = agg.GROUPS[2 - g]
             ax.scatter(P[m, 0], P[m, 1], s=2, alpha=0.5, c=GROUP_COLOURS[name], label=name, rasterized=True)
         ax.set_title(label, fontsize=9)
         ax.set_aspect("equal", adjustable="datalim")
@@ -454,7 +453,7 @@ def plot_gradient_parts(run_dirs, variants, path):
     styles = {"a": ("--", "(a) pull to own features"), "b": ("-", "(b) push, non-rare targets"),
               "c": (":", "(c) push, rare targets")}
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
-    for ax, group in zip(axes, GROUPS):
+    for ax, group in zip(axes, agg.GROUPS):
         for i, (variant, runs) in enumerate(by_variant.items()):
             steps = sorted(set.intersection(*({r["step"] for r in recs} for recs in runs)))
             for part, (ls, _) in styles.items():
@@ -530,7 +529,7 @@ def plot_snapshots(run_dirs, counts, path):
             ax = axes[r][c]
             for g in (2, 1, 0):
                 m = (gid == g).numpy()
-                ax.scatter(P[m, 0], P[m, 1], s=1, alpha=0.5, c=GROUP_COLOURS[GROUPS[g]], rasterized=True)
+                ax.scatter(P[m, 0], P[m, 1], s=1, alpha=0.5, c=GROUP_COLOURS[agg.GROUPS[g]], rasterized=True)
             ax.set_title(f"{label} step {step}", fontsize=8)
             ax.set_aspect("equal", adjustable="datalim")
         for c in range(len(files), n_col):
@@ -630,12 +629,12 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
         for k in lm:
             m = metrics[k]
             L.append(f"| {k} | {m['method']} | {m['step']} | " +
-                     " | ".join(fmt(m["ppl_groups"][g]) for g in GROUPS) + f" | {fmt(m['ppl'])} | " +
-                     " | ".join(str(m["uniq_groups"][g]) for g in GROUPS) + f" | {m['uniq']} | {fmt(m['isotropy'], 3)} | " +
-                     " | ".join(fmt(m["isotropy_groups"][g], 3) for g in GROUPS) + f" | {fmt(m['mean_cosine'], 3)} | " +
+                     " | ".join(fmt(m["ppl_groups"][g]) for g in agg.GROUPS) + f" | {fmt(m['ppl'])} | " +
+                     " | ".join(str(m["uniq_groups"][g]) for g in agg.GROUPS) + f" | {m['uniq']} | {fmt(m['isotropy'], 3)} | " +
+                     " | ".join(fmt(m["isotropy_groups"][g], 3) for g in agg.GROUPS) + f" | {fmt(m['mean_cosine'], 3)} | " +
                      " | ".join(fmt(v, 3) for v in m["word_similarity"].values()) + " |")
         h = metrics[lm[0]]
-        L.append("| human | - | - | - | - | - | - | " + " | ".join(str(h["uniq_human_groups"][g]) for g in GROUPS) +
+        L.append("| human | - | - | - | - | - | - | " + " | ".join(str(h["uniq_human_groups"][g]) for g in agg.GROUPS) +
                  f" | {h['uniq_human']} |" + " - |" * (5 + len(h["word_similarity"])))
         L += ["", "Word similarity: Spearman correlation of the cosine of mean subword embeddings with human scores "
               "(pairs used / total: " + "; ".join(f"{n} {u}/{t}" for n, (u, t) in
@@ -658,8 +657,8 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
             m = metrics[k]
             L.append(f"| {k} | {m.get('method', '?')} | {fmt(m.get('bleu', float('nan')))} | "
                      f"{fmt(m.get('test_ppl', float('nan')))} | " +
-                     " | ".join(fmt(m.get("ppl_groups", {}).get(g, float("nan"))) for g in GROUPS) +
-                     f" | {fmt(m['isotropy'], 3)} | " + " | ".join(fmt(m["isotropy_groups"][g], 3) for g in GROUPS) +
+                     " | ".join(fmt(m.get("ppl_groups", {}).get(g, float("nan"))) for g in agg.GROUPS) +
+                     f" | {fmt(m['isotropy'], 3)} | " + " | ".join(fmt(m["isotropy_groups"][g], 3) for g in agg.GROUPS) +
                      f" | {fmt(m['mean_cosine'], 3)} | {fmt(m.get('group_rare_mass_pred', float('nan')), 4)} / "
                      f"{fmt(m.get('group_rare_mass_true', float('nan')), 4)} | `{_md(m.get('bleu_signature', ''))}` |")
         L += ["", "PPL per group: of the target tokens in each frequency group (30% / 50% / 20% of the vocabulary by "

@@ -37,7 +37,6 @@ from tqdm import tqdm
 
 import agg
 
-GROUPS = agg.GROUPS
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}
 
 
@@ -281,7 +280,7 @@ def evaluate(model, method, data, args, chunk_seqs=128):
     tgt_group = group_of[y_all]
     out = {"ppl": math.exp(float(nll.mean())),
            "ppl_groups": {g: math.exp(float(nll[tgt_group == i].mean())) if bool((tgt_group == i).any()) else None
-                          for i, g in enumerate(GROUPS)},  # None: no held-out target in that group
+                          for i, g in enumerate(agg.GROUPS)},  # None: no held-out target in that group
            "uniq": int(torch.cat(preds).unique().numel())}
     if pred_mass:
         out.update(rare_mass_pred=sum(pred_mass) / len(nll), rare_mass_true=sum(true_mass) / len(nll))
@@ -301,7 +300,7 @@ def make_data(args):
     for i, idx in enumerate((freq, med, rare)):
         group_of[idx] = i
     unigram = (counts.double() + 1) / (counts.sum() + args.vocab)  # add-one unigram model of the training split
-    return {"train": train, "val": val, "counts": counts, "groups": dict(zip(GROUPS, (freq, med, rare))),
+    return {"train": train, "val": val, "counts": counts, "groups": dict(zip(agg.GROUPS, (freq, med, rare))),
             "group_of": group_of, "oracle_ppl": math.exp(true_nll(lang, val)),
             "unigram_ppl": math.exp(float(-unigram[val[:, 2:]].log().mean()))}
 
@@ -317,7 +316,7 @@ def table(results):
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for label, r in results.items():
         ig, cg, pg = r["isotropy_groups"], r["mean_cosine_groups"], r["ppl_groups"]
-        group_ppl = "/".join("-" if pg[g] is None else f"{pg[g]:.0f}" for g in GROUPS)
+        group_ppl = "/".join("-" if pg[g] is None else f"{pg[g]:.0f}" for g in agg.GROUPS)
         rare = "-" if r["rare_count"] is None else f"{r['rare_count']} ({r['R_over_B']:.3f})"
         mass = "-" if "rare_mass_pred" not in r else f"{r['rare_mass_pred']:.4f}/{r['rare_mass_true']:.4f}"
         lines.append(f"| {label} | {r['isotropy']:.3f} | {ig['freq']:.2f}/{ig['med']:.2f}/{ig['rare']:.2f} "
@@ -382,7 +381,7 @@ def plot_svd(weights, results, groups, path, title):
         for row in range(2):
             axes[2 * (j // cols) + row, j % cols].axis("off")
     handles = [plt.Line2D([], [], marker="o", ls="", color=GROUP_COLOURS[g], label=f"{g} ({lab})")
-               for g, lab in zip(GROUPS, ("top 30%", "middle 50%", "bottom 20%"))]
+               for g, lab in zip(agg.GROUPS, ("top 30%", "middle 50%", "bottom 20%"))]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False, fontsize=10,
                title="frequency group, by training counts", title_fontsize=10)
     fig.suptitle(title, fontsize=12)

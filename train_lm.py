@@ -64,7 +64,6 @@ PRESETS = {
 AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), language modelling
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
-GROUPS = agg.GROUPS  # frequency groups of agg.frequency_groups: 30% / 50% / 20% by train counts
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
 RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "cache_dir", "eval_tokens", "snapshot_steps"}
 CKPT_FORMAT = "train_lm/1"  # the "format" of a training checkpoint (runlib.restore_training checks it)
@@ -673,12 +672,12 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
             dyn_true += dyn[y].sum().item()
     model.train()
     count = int(count_g.sum())
-    geo = agg.geometry(model.tok_emb.weight, dict(zip(GROUPS, groups)), seen)
+    geo = agg.geometry(model.tok_emb.weight, dict(zip(agg.GROUPS, groups)), seen)
     out = dict(loss=float(nll_g.sum()) / max(1, count), ppl=ppl_of(nll_g.sum(), count), tokens=count,
-               **{f"ppl_{name}": ppl_of(nll_g[k], count_g[k]) for k, name in enumerate(GROUPS)},
-               isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in GROUPS},
+               **{f"ppl_{name}": ppl_of(nll_g[k], count_g[k]) for k, name in enumerate(agg.GROUPS)},
+               isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
                mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
-               cosine_rare_freq=geo["cosine_rare_freq"], **{f"norm_{g}": geo["norm_groups"][g] for g in GROUPS},
+               cosine_rare_freq=geo["cosine_rare_freq"], **{f"norm_{g}": geo["norm_groups"][g] for g in agg.GROUPS},
                geometry_rows=geo["rows"],
                group_rare_mass_pred=rare_pred / max(1, count), group_rare_mass_true=int(count_g[2]) / max(1, count))
     if dyn is not None:
@@ -695,7 +694,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
         model.train()
         gates = method.gates(y.reshape(-1)) if method.steps else (None, None, None)
         parts = agg.gradient_parts(hidden, model.tok_emb.weight, y, gid == 2, gates).cpu()
-        for k, name in enumerate(GROUPS):
+        for k, name in enumerate(agg.GROUPS):
             out.update({f"grad_{part}_{name}": float(parts[groups[k].cpu(), j].mean()) for j, part in enumerate("abc")})
     return out
 
@@ -936,10 +935,10 @@ def rare_bias_metrics(st, b, gid):
     pred_rare, hit = gid[pred] == 2, pred == st["target"]
     up = pred.unique()
     return dict(bias=b, ppl=ppl_of(nll.sum(), len(nll)),
-                ppl_groups={name: ppl_of(nll[g == k].sum(), int((g == k).sum())) for k, name in enumerate(GROUPS)},
+                ppl_groups={name: ppl_of(nll[g == k].sum(), int((g == k).sum())) for k, name in enumerate(agg.GROUPS)},
                 rare_mass_pred=float(torch.sigmoid(lse_rare - st["lse_other"].double()).mean()),
                 rare_mass_true=float(st["y_rare"].double().mean()),
-                uniq=int(len(up)), uniq_groups={name: int((gid[up] == k).sum()) for k, name in enumerate(GROUPS)},
+                uniq=int(len(up)), uniq_groups={name: int((gid[up] == k).sum()) for k, name in enumerate(agg.GROUPS)},
                 rare_argmax_precision=float(hit[pred_rare].double().mean()) if pred_rare.any() else float("nan"),
                 rare_argmax_recall=float(hit[g == 2].double().mean()) if (g == 2).any() else float("nan"),
                 rare_argmax_count=int(pred_rare.sum()))
@@ -1000,9 +999,9 @@ def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=
     up, ut = preds.unique(), targets.unique()
     m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=run_dir, split=split,
              context_window=context_window, tokens=int(cnt.sum()), ppl=ppl_of(nll_sum.sum(), cnt.sum()),
-             ppl_groups={g: ppl_of(nll_sum[k], cnt[k]) for k, g in enumerate(GROUPS)},
-             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(GROUPS)},
-             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(GROUPS)},
+             ppl_groups={g: ppl_of(nll_sum[k], cnt[k]) for k, g in enumerate(agg.GROUPS)},
+             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
+             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
              rare_argmax=rare_bias_metrics(stats, 0.0, gid), rare_bias=rare_bias_metrics(stats, bias, gid))
     gens, tok = [], data["tokenizer"]
     span = prefix_len + gen_len

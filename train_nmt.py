@@ -759,7 +759,6 @@ def build_model(cfg, vocab_size, device):
                        ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
 
 
-GROUPS = agg.GROUPS  # frequency groups of agg.frequency_groups over both sides' train counts
 
 
 def rare_rule(cfg):
@@ -777,7 +776,7 @@ def target_groups(tgt_counts):
     vocabulary mix in source-only tokens the decoder never emits."""
     ids = (torch.as_tensor(tgt_counts) > 0).nonzero().squeeze(1)
     ids = ids[ids >= len(SPECIALS)]
-    return {g: ids[i] for g, i in zip(GROUPS, agg.frequency_groups(torch.as_tensor(tgt_counts)[ids]))}
+    return {g: ids[i] for g, i in zip(agg.GROUPS, agg.frequency_groups(torch.as_tensor(tgt_counts)[ids]))}
 
 
 def rare_token_recall(hyps, refs, rare):
@@ -850,7 +849,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     loss = float(nll_g.sum()) / count
     out = {"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens": count,
            **{f"ppl_{g}": math.exp(min(float(nll_g[k] / count_g[k]), 50)) if count_g[k] else float("nan")
-              for k, g in enumerate(GROUPS)},
+              for k, g in enumerate(agg.GROUPS)},
            "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(count_g[2]) / count}
     if dyn is not None:
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / count,
@@ -858,9 +857,9 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     tid_cpu = tid.cpu()
 
     def uniq(tokens):
-        return {g: sum(1 for t in tokens if tid_cpu[t] == k) for k, g in enumerate(GROUPS)}
+        return {g: sum(1 for t in tokens if tid_cpu[t] == k) for k, g in enumerate(agg.GROUPS)}
     target = dict(ppl_groups={g: math.exp(min(float(t_nll[k] / t_count[k]), 50)) if t_count[k] else float("nan")
-                              for k, g in enumerate(GROUPS)},
+                              for k, g in enumerate(agg.GROUPS)},
                   rare_mass_pred=t_rare_pred / count, rare_mass_true=int(t_count[2]) / count,
                   uniq=len(predicted), uniq_groups=uniq(predicted), uniq_human=len(referenced),
                   uniq_human_groups=uniq(referenced), tokens_outside=int(t_count[3]))
@@ -881,7 +880,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     target.update(agg.geometry(W, tgroups, seen=tid_cpu < 3))
     out["target"] = target
     Wg = [W[i] for i in groups]
-    out.update(isotropy=agg.isotropy(W), **{f"isotropy_{g}": agg.isotropy(Wg[k]) for k, g in enumerate(GROUPS)},
+    out.update(isotropy=agg.isotropy(W), **{f"isotropy_{g}": agg.isotropy(Wg[k]) for k, g in enumerate(agg.GROUPS)},
                mean_cosine=agg.mean_cosine(W), mean_cosine_rare=agg.mean_cosine(Wg[2]),
                cosine_rare_freq=agg.mean_cosine_between(Wg[2], Wg[0]))
     model.train()
@@ -1140,7 +1139,7 @@ def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, ave
     res, hyps = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
     print(f"{out_dir}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
     metrics = {"bleu": res["bleu"], "bleu_signature": res["bleu_signature"], "test_loss": res["loss"],
-               "test_ppl": res["ppl"], "ppl_groups": {g: res[f"ppl_{g}"] for g in GROUPS},
+               "test_ppl": res["ppl"], "ppl_groups": {g: res[f"ppl_{g}"] for g in agg.GROUPS},
                "group_rare_mass_pred": res["group_rare_mass_pred"], "group_rare_mass_true": res["group_rare_mass_true"],
                "decode_s": res["decode_s"], "n_sentences": res["bleu_sents"], "beam": beam, "lenpen": cfg["lenpen"],
                "src": cfg["src"], "tgt": cfg["tgt"], "dataset": cfg["dataset"], "method": cfg["method"],
