@@ -709,13 +709,18 @@ class UL(MLE):
 
 
 class ULAGG(AGG):
-    """AGG's gated NLL + token-level unlikelihood (AGG Table 4). gate_ul=True also gates the UL term's gradient wrt
-    the weight with AGG's gates (the UL term's softmax otherwise pulls every rare embedding towards the features,
-    ungated); gate_ul=False adds the UL term as it is."""
+    """AGG's gated NLL + token-level unlikelihood (AGG Table 4; the paper does not say how the two combine, so the
+    three ways are this project's): gate_ul=True (default) also gates the UL term's gradient wrt the weight with
+    AGG's gates (the UL term's softmax otherwise pulls every rare embedding towards the features, ungated);
+    gate_ul=False adds the UL term as it is; ul_features_only=True (ul+agg-features) lets the UL term reach the
+    features only, none of its gradient reaching the weight."""
     name = "ul+agg"
-    defaults = dict(AGG.defaults, alpha_ul=1.0, gate_ul=True)
+    defaults = dict(AGG.defaults, alpha_ul=1.0, gate_ul=True, ul_features_only=False)
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+        if self.hparams["ul_features_only"]:
+            return self.hparams["alpha_ul"] * unlikelihood(hidden, weight.detach(), targets, ignore_index,
+                                                           bias=None if bias is None else bias.detach())
         gated = self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled()
         gate = self.ul_gate(targets) if gated else None
         return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate, bias)
@@ -804,7 +809,7 @@ METHODS = {cls.name: cls for cls in [
     _variant(AGG, "agg-prefill", prefill=True),
     AGPS, FreezeRare,
     _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts,
-    CosReg, FRAGE, UL, ULAGG,
+    CosReg, FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True),
 ]}
 
 
@@ -832,6 +837,7 @@ HPARAMS = {
     "disc_steps": (int, "FRAGE discriminator updates per step"),
     "alpha_ul": (float, "unlikelihood weight"),
     "gate_ul": (bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (this project's choice)"),
+    "ul_features_only": (bool, "ul+agg-features: the UL term's gradient reaches the features only, not the weight"),
 }
 
 

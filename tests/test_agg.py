@@ -699,11 +699,12 @@ def test_pass_stats_accumulate_a_whole_validation_pass():
     assert method.pass_stats == {"tokens": 0}
 
 
-@pytest.mark.parametrize("gate_ul", [True, False])
+@pytest.mark.parametrize("gate_ul", [True, False, "features"])
 def test_ul_agg_gates_the_ul_weight_gradient_like_the_nll(gate_ul):
     counts = make_counts(13)
     rare, g1, g2 = paper_gates(counts)
-    method = agg.build_method("ul+agg", V, alpha=ALPHA, window=WINDOW, alpha_ul=0.7, gate_ul=gate_ul)
+    name, kw = ("ul+agg-features", {}) if gate_ul == "features" else ("ul+agg", dict(gate_ul=gate_ul))
+    method = agg.build_method(name, V, alpha=ALPHA, window=WINDOW, alpha_ul=0.7, **kw)
     observe_counts(method, counts)
     h, w, y = inputs(seed=13)
     h, y = h.reshape(6, 10, D), y.reshape(6, 10)
@@ -724,7 +725,7 @@ def test_ul_agg_gates_the_ul_weight_gradient_like_the_nll(gate_ul):
     gate = torch.where(rare[y][..., None], g2, g1).expand(B, T, V).clone()
     gate = torch.where(rare[None, None, :], gate, torch.ones(()))  # only rare columns are gated
     gate.scatter_(2, y[..., None], 1.0)
-    w_part = (g_logits * (gate if gate_ul else 1)).reshape(-1, V)
+    w_part = (g_logits * (gate if gate_ul is True else 1)).reshape(-1, V) * (gate_ul != "features")
     ref_gw = nll_gw + 0.7 * w_part.T @ h.reshape(-1, D)
     ref_gh = nll_gh.reshape(B, T, D) + 0.7 * g_logits @ w
     torch.testing.assert_close(gh, ref_gh, rtol=1e-10, atol=1e-12)
@@ -848,7 +849,8 @@ def test_build_method_applies_the_papers_defaults():
     assert agg.build_method("agg", V, steps_per_epoch=12).hparams["static_after"] is None  # plain AGG stays dynamic
     assert "window" not in agg.build_method("cosreg", V, steps_per_epoch=12).hparams
     assert [n for n in agg.METHODS if agg.agg_family(n)] == ["agg", "agg-no-g1", "agg-no-g2", "agg-static",
-                                                            "agg-continuous", "agg-centered", "agg-prefill", "ul+agg"]
+                                                            "agg-continuous", "agg-centered", "agg-prefill", "ul+agg",
+                                                            "ul+agg-features"]
     with pytest.raises(ValueError, match="has none"):
         agg.build_method("mle", V, counts=counts, tokens_per_step=64, rare_share=0.2)
     with pytest.raises(ValueError, match="not both"):
