@@ -377,18 +377,24 @@ def prepare_data(cfg, log=print):
         dtype = np.uint16 if V <= 65535 else np.uint32
         meta = dict(vocab_size=V, eos_id=eos_id, pad_id=pad_id, dtype=np.dtype(dtype).name, tokens={},
                     dataset=name, tokenizer=cfg["tokenizer"], lines={k: len(v) for k, v in corpus.items()})
-        os.makedirs(cdir, exist_ok=True)
+        # built in a folder of this process, then renamed into place: runs started together (grid.py --jobs) never
+        # write the same files, and a cache appears whole or not at all
+        tmp = f"{cdir}.tmp{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
         for split, ids in encoded.items():
             if split == "train":
-                np.save(os.path.join(cdir, "counts.npy"), np.bincount(ids, minlength=V).astype(np.int64))
-            tmp = os.path.join(cdir, f"{split}.bin.tmp")
-            ids.astype(dtype).tofile(tmp)
-            os.replace(tmp, os.path.join(cdir, f"{split}.bin"))
+                np.save(os.path.join(tmp, "counts.npy"), np.bincount(ids, minlength=V).astype(np.int64))
+            ids.astype(dtype).tofile(os.path.join(tmp, f"{split}.bin"))
             meta["tokens"][split] = int(len(ids))
-        tok.save(os.path.join(cdir, "tokenizer.json"))
-        with open(meta_path + ".tmp", "w") as f:
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-        os.replace(meta_path + ".tmp", meta_path)  # meta.json last: its presence marks a complete cache
+        if os.path.isdir(cdir) and not os.path.exists(meta_path):  # the remains of a build that was killed
+            shutil.rmtree(cdir, ignore_errors=True)
+        try:
+            os.rename(tmp, cdir)
+        except OSError:  # another process finished the same cache first: theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
     else:
         log(f"reusing cached tokenizer + token ids in {cdir}")
     with open(meta_path) as f:

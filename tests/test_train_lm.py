@@ -395,3 +395,29 @@ def test_float16_trains_with_loss_scaling_and_resumes_exactly(lm_run, read_log, 
         assert torch.equal(v, resumed["model"][k]), k
     lm_run(tmp_path / "fp32", "--method", "agg", steps=2)
     assert torch.load(tmp_path / "fp32" / "ckpt.pt", weights_only=True)["scaler"] == {}
+
+
+def _prepare(data, cache, lm_tiny, queue):
+    cfg = train_lm.make_config(data_dir=data, cache_dir=cache, vocab_size=300, block_size=16)
+    d = train_lm.prepare_data(cfg, log=lambda *a: None)
+    queue.put((d["dir"], {k: int(len(v)) for k, v in d["ids"].items()}))
+
+
+def test_runs_started_together_build_one_whole_cache(corpus_writer, tmp_path, lm_tiny):
+    """Two processes preparing the same corpus at once (grid.py --jobs 2 on a fresh clone) end with one complete
+    cache and no temporary folders."""
+    import multiprocessing as mp
+    data = corpus_writer(str(tmp_path / "data"), n_lines=(3000, 30, 30))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_prepare, args=(data, str(tmp_path / "cache"), lm_tiny, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (d1, n1), (d2, n2) = queue.get(), queue.get()
+    assert d1 == d2 and n1 == n2 and os.listdir(tmp_path / "cache") == [os.path.basename(d1)]
+    ref = train_lm.prepare_data(train_lm.make_config(data_dir=data, cache_dir=str(tmp_path / "cache"), vocab_size=300,
+                                                     block_size=16), log=lambda *a: None)
+    assert ref["reused"] and {k: len(v) for k, v in ref["ids"].items()} == n1
