@@ -410,10 +410,21 @@ def plot_training_curves(run_dirs, variants, path):
     if not groups:
         return None
     colours = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
+    release = {}  # variant -> the step freeze-rare releases the rare embeddings (AGG Fig. 2), marked dotted
+    for label, d in run_dirs.items():
+        try:
+            with open(os.path.join(d, "config.json")) as f:
+                until = json.load(f).get("method_hparams", {}).get("until")
+        except (OSError, json.JSONDecodeError):
+            until = None
+        if until is not None:
+            release[variants[label]] = until
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.4))
     for ax, (key, title) in zip(axes, keys):
         for i, (variant, runs) in enumerate(groups.items()):
             colour = colours(i % colours.N)
+            if variant in release:
+                ax.axvline(release[variant], color=colour, ls=":", lw=1)
             if len(runs) == 1:
                 label, recs = runs[0]
                 ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=label, lw=1, color=colour)

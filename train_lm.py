@@ -831,6 +831,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         if master:
             v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
                          method.rare_mask() if method.steps else None, seen=data["counts"] > 0, method=method)
+            if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
+                v["rare_frozen"] = method.frozen()
             write_log(dict(step=step, split="valid", **v))
             if v["ppl"] < best_ppl:
                 best_ppl = v["ppl"]

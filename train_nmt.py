@@ -851,6 +851,8 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
            **{f"ppl_{g}": math.exp(min(float(nll_g[k] / count_g[k]), 50)) if count_g[k] else float("nan")
               for k, g in enumerate(agg.GROUPS)},
            "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(count_g[2]) / count}
+    if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
+        out["rare_frozen"] = method.frozen()
     if dyn is not None:
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / count,
                    method_rare_mass_true=dyn_true / count)

@@ -421,3 +421,19 @@ def test_runs_started_together_build_one_whole_cache(corpus_writer, tmp_path, lm
     ref = train_lm.prepare_data(train_lm.make_config(data_dir=data, cache_dir=str(tmp_path / "cache"), vocab_size=300,
                                                      block_size=16), log=lambda *a: None)
     assert ref["reused"] and {k: len(v) for k, v in ref["ids"].items()} == n1
+
+
+def test_freeze_rare_until_releases_the_rare_rows_and_logs_it(lm_run, read_log, tmp_path):
+    """freeze-rare --until 3 (AGG Fig. 2): the rare rows stay at init through step 2, train from step 3 on, and the
+    valid records say when they were released."""
+    lm_run(tmp_path / "r", "--method", "freeze-rare", "--until", "3", "--eval-interval", "1", steps=5)
+    frozen = {r["step"]: r["rare_frozen"] for r in read_log(tmp_path / "r") if r["split"] == "valid"}
+    assert frozen == {1: True, 2: True, 3: False, 4: False, 5: False}
+    cfg = json.load(open(tmp_path / "r" / "config.json"))
+    assert cfg["method_hparams"]["until"] == 3
+    counts = torch.from_numpy(__import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy")))
+    rare = agg.least_frequent_mask(counts, 0.2, [1, 0])
+    torch.manual_seed(0)
+    init = train_lm.build_model(dict(cfg), len(counts)).tok_emb.weight.detach()
+    w = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)["model"]["tok_emb.weight"]
+    assert rare.any() and not torch.equal(w[rare], init[rare])  # released rows moved (the softmax pushes them)
