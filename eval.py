@@ -485,6 +485,45 @@ def plot_gradient_parts(run_dirs, variants, path):
     return path
 
 
+def output_bias_stats(bias, counts):
+    """How a learned output bias (train_lm.py --output-bias) encodes frequency, over the tokens seen in training:
+    Pearson and Spearman correlation with log train counts, the least-squares slope (bias per nat of frequency), and
+    the mean bias per frequency group."""
+    from scipy import stats
+    b, c = bias.double(), torch.as_tensor(counts).double()
+    seen = c > 0
+    x, y = c[seen].log().numpy(), b[seen].numpy()
+    gid, _ = group_index(counts)
+    return dict(pearson_log_count=float(stats.pearsonr(x, y)[0]), spearman_log_count=float(stats.spearmanr(x, y)[0]),
+                slope_per_log_count=float(np.polyfit(x, y, 1)[0]),
+                mean_groups={g: float(b[seen & (gid == k)].mean()) for k, g in enumerate(agg.GROUPS)})
+
+
+def plot_output_bias(biases, counts, path):
+    """The learned output bias of each run against its token's log train count (seen tokens), coloured by group."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(biases), figsize=(4 * len(biases), 3.6), squeeze=False, sharey=True)
+    for ax, (label, b) in zip(axes[0], biases.items()):
+        c = torch.as_tensor(counts[label]).double()
+        gid, _ = group_index(counts[label])
+        seen = c > 0
+        for k, g in enumerate(agg.GROUPS):
+            m = seen & (gid == k)
+            ax.scatter(c[m].log().numpy(), b.double()[m].numpy(), s=2, alpha=0.4, c=GROUP_COLOURS[g], label=g,
+                       rasterized=True)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("log train count", fontsize=8)
+    axes[0][0].set_ylabel("learned output bias", fontsize=8)
+    axes[0][0].legend(markerscale=5, fontsize=7)
+    fig.suptitle("Learned output bias against token frequency (--output-bias)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_rare_share(run_dirs, variants, path):
     """AGG Fig. 4: the size of the method's rare group (share of the vocabulary) over training, from the train records
     of the AGG-family runs (mean over the runs of a variant). Returns the path, or None without such records."""
@@ -800,10 +839,12 @@ def main(argv=None):
     device = torch.device(args.device)
     metrics, weights, counts, extras, type_stats, all_tokens, texts = {}, {}, {}, {}, {}, {}, {}
     # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)
-    tasks, configs = {}, {}
+    tasks, configs, out_bias = {}, {}, {}
     for d in args.out_dirs:
         ck, tasks[d] = read_checkpoint(d, args.checkpoint)
         configs[d] = ck["config"]
+        if ck["model"].get("out_bias") is not None:  # train_lm.py --output-bias
+            out_bias[d] = ck["model"]["out_bias"].detach().float().cpu()
         del ck
     variants = variant_names(configs)
     os.makedirs(args.out, exist_ok=True)
@@ -822,6 +863,8 @@ def main(argv=None):
             type_stats[label] = dict(m.pop("type_stats"), rare=group_index(c)[0] == 2)
         all_tokens[label] = tokens
         m["singular_values"] = agg.singular_spectrum(W).tolist()
+        if out_dir in out_bias:
+            m["output_bias"] = output_bias_stats(out_bias[out_dir], c)
         # the same probe tokens for runs on the same data (same counts), chosen from the first such run
         key = (task, int(c.sum()), len(c))
         if key not in picks:
@@ -859,6 +902,9 @@ def main(argv=None):
     plot_gradient_parts(folders, {label: variants[d] for label, d in folders.items()},
                         os.path.join(args.out, "gradient_parts.png"))
     plot_rare_share(folders, {label: variants[d] for label, d in folders.items()}, os.path.join(args.out, "rare_share.png"))
+    if out_bias:
+        plot_output_bias({label: out_bias[d] for label, d in folders.items() if d in out_bias}, counts,
+                         os.path.join(args.out, "output_bias.png"))
     write_report(os.path.join(args.out, "report.md"), metrics, extras, args, argv, summary, curves, snaps, comparisons)
     print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")
     return metrics

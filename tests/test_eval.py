@@ -367,3 +367,17 @@ def test_rare_token_recall_clips_counts_per_sentence():
     r = train_nmt.rare_token_recall(hyps=[[1, 7, 7, 7], [2, 3]], refs=[[7, 8, 1], [8]], rare=rare)
     assert (r["rare_matched"], r["rare_ref_tokens"], r["rare_hyp_tokens"]) == (1, 3, 3)
     assert r["rare_recall"] == pytest.approx(1 / 3) and r["rare_precision"] == pytest.approx(1 / 3)
+
+
+def test_output_bias_is_reported_against_frequency(lm_run, tmp_path):
+    lm_run(tmp_path / "b", "--method", "mle", "--output-bias", "--lr", "3e-2", steps=6)
+    m = ev.main([str(tmp_path / "b"), "--out", str(tmp_path / "r"), "--n-samples", "0"])["b"]
+    ob = m["output_bias"]
+    bias = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["model"]["out_bias"]
+    cfg = json.load(open(tmp_path / "b" / "config.json"))
+    counts = torch.from_numpy(np.load(os.path.join(cfg["data_cache"], "counts.npy")))
+    seen = counts > 0
+    from scipy import stats
+    assert ob["spearman_log_count"] == pytest.approx(stats.spearmanr(counts[seen].log(), bias[seen]).statistic)
+    assert ob["spearman_log_count"] > 0  # frequent tokens get the larger bias within a few steps
+    assert set(ob["mean_groups"]) == {"freq", "med", "rare"} and (tmp_path / "r" / "output_bias.png").exists()
