@@ -206,10 +206,13 @@ def lock_run(out):
     """Make this process the one writer of run folder `out`: an exclusive lock on OUT/.lock that the kernel drops
     when the process ends (a crash never leaves it stuck). Another live writer is refused with its pid."""
     import fcntl
-    os.makedirs(out, exist_ok=True)
     if os.path.abspath(out) in _LOCKS:  # this process holds it already (a run resumed in the same process)
         return
-    f = open(os.path.join(out, ".lock"), "a+")
+    try:
+        os.makedirs(out, exist_ok=True)
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise SystemExit(f"cannot write the run folder {out} ({e.strerror}): choose a writable --out") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -338,8 +341,14 @@ def save_checkpoint(path, state):
     that load_checkpoint verifies."""
     state = dict(state, checksum=tensor_checksum(state))
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # a full disk or a folder that became read-only (torch wraps some as RuntimeError)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise SystemExit(f"cannot write {path} ({type(e).__name__}: {str(e)[:200]}); the previous checkpoint is "
+                         f"intact. Free disk space or make the folder writable, then --resume") from None
 
 
 def load_checkpoint(path, task=None):

@@ -243,8 +243,12 @@ def read_split(layout, paths):
     if layout in ("text", "wikitext"):
         lines = []
         for path in paths:
-            with open(path, encoding="utf-8") as f:
-                lines += [line.strip() for line in f]
+            try:
+                with open(path, encoding="utf-8") as f:
+                    lines += [line.strip() for line in f]
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
+                                 f"iconv -f latin1 -t utf-8") from None
     else:
         import pyarrow.parquet as pq
         if layout == "parquet":
@@ -399,6 +403,12 @@ def prepare_data(cfg, log=print):
         log(f"reusing cached tokenizer + token ids in {cdir}")
     with open(meta_path) as f:
         meta = json.load(f)
+    for s in ("train", "valid", "test"):  # a cache damaged after it was built (a copy cut short, a full disk)
+        path, want = os.path.join(cdir, f"{s}.bin"), meta["tokens"][s] * np.dtype(meta["dtype"]).itemsize
+        if not os.path.exists(path) or os.path.getsize(path) != want:
+            raise SystemExit(f"the data cache {cdir} is damaged ({s}.bin has "
+                             f"{os.path.getsize(path) if os.path.exists(path) else 0} bytes, not {want}): delete "
+                             f"that folder and run again to rebuild it")
     ids = {s: np.memmap(os.path.join(cdir, f"{s}.bin"), dtype=meta["dtype"], mode="r", shape=(meta["tokens"][s],))
            for s in ("train", "valid", "test")}
     return dict(ids=ids, counts=torch.from_numpy(np.load(os.path.join(cdir, "counts.npy"))), meta=meta,

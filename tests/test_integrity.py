@@ -199,3 +199,34 @@ def test_nmt_refuses_empty_data_and_bad_steps_and_keeps_one_writer(nmt_tiny, tmp
     cfg = json.load(open(out / "config.json"))
     assert [s["start_step"] for s in cfg["segments"]] == [0, 2]
     assert runlib.load_checkpoint(str(out / "ckpt.pt"))["step"] == 4  # checksum verified on load
+
+
+def test_data_that_is_not_utf8_and_a_damaged_cache_end_in_one_line(corpus_writer, tmp_path):
+    data = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
+    with open(os.path.join(data, "valid.txt"), "ab") as f:
+        f.write(b"caf\xe9 latin-1\n")
+    argv = ["--data-dir", data, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "o"), "--max-steps",
+            "2", "--eval-interval", "2", *LM_TINY]
+    with pytest.raises(SystemExit, match=r"valid.txt: not UTF-8 text .*iconv"):
+        train_lm.main(argv)
+    corpus_writer(data, n_lines=(200, 20, 20))  # clean files again
+    train_lm.main(argv)
+    cache = os.path.join(tmp_path / "cache", os.listdir(tmp_path / "cache")[0])
+    with open(os.path.join(cache, "valid.bin"), "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(SystemExit, match=r"data cache .* is damaged \(valid.bin has 10 bytes.*delete that folder"):
+        train_lm.main(argv[:5] + [str(tmp_path / "o2")] + argv[6:])
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(corpus, tmp_path, monkeypatch):
+    train_lm.main(lm_argv(corpus, tmp_path / "r", "--stop-at", "2", steps=4))
+    before = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SystemExit, match="cannot write .*ckpt.*No space left.*previous checkpoint is intact"):
+        train_lm.main(["--out", str(tmp_path / "r"), "--resume"])
+    monkeypatch.undo()
+    after = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
+    assert after["step"] == before["step"] == 2 and not [n for n in os.listdir(tmp_path / "r") if ".tmp" in n]
