@@ -229,13 +229,25 @@ NOT_A_VARIANT = {"seed", "out", "resume", "overwrite", "stop_at", "device", "com
                  "cache_dir", "snapshot_steps", "keep_last", "no_test", "valid_bleu_sents"}
 
 
+_FLAG_DEFAULTS = {}
+
+
+def flag_default(task, key):
+    """The default of a training flag (by config key) of task's script: what a run saved before the flag existed ran."""
+    if task not in _FLAG_DEFAULTS:
+        import train_nmt
+        script = train_lm if task == "lm" else train_nmt
+        _FLAG_DEFAULTS[task] = vars(script.build_parser().parse_args([]))
+    return _FLAG_DEFAULTS[task].get(key)
+
+
 def variant_names(configs):
     """{run: summary key} for runs given as {run: config}: the run's method, or, where runs of one method differ in
     more than their seed, the method followed by the settings that tell them apart (e.g. 'ul+agg gate_ul=False'), so
     runs of different experiments are never averaged together. A method flag left unset shows the method's default;
     init_from shows whether one was given (the runs it names differ by seed)."""
     def setting(cfg, key):
-        value = cfg.get(key)
+        value = cfg[key] if key in cfg else flag_default(cfg.get("task", "lm"), key)  # a run saved before the flag
         if key == "init_from":
             return value is not None
         if value is None:

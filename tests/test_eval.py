@@ -381,3 +381,11 @@ def test_output_bias_is_reported_against_frequency(lm_run, tmp_path):
     assert ob["spearman_log_count"] == pytest.approx(stats.spearmanr(counts[seen].log(), bias[seen]).statistic)
     assert ob["spearman_log_count"] > 0  # frequent tokens get the larger bias within a few steps
     assert set(ob["mean_groups"]) == {"freq", "med", "rare"} and (tmp_path / "r" / "output_bias.png").exists()
+
+
+def test_a_run_saved_before_a_flag_existed_is_the_same_variant_as_its_default():
+    old = {"task": "lm", "method": "agg", "lr": 0.002, "seed": 0}
+    new = dict(old, seed=1, output_bias=False, split_seed=0)
+    other = dict(old, seed=2, output_bias=True)
+    names = ev.variant_names({"old": old, "new": new, "other": other})
+    assert names["old"] == names["new"] != names["other"] and "output_bias=True" in names["other"]
