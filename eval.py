@@ -226,7 +226,8 @@ SUMMARY_SKIP = {"step", "tokens", "rows", "rows_groups", "seed", "uniq_human", "
 
 # config keys that do not make two runs different experiments: the seed, where the run lives and how it was driven
 NOT_A_VARIANT = {"seed", "out", "resume", "overwrite", "stop_at", "device", "compile", "eval_interval", "log_interval",
-                 "cache_dir", "snapshot_steps", "keep_last", "no_test", "valid_bleu_sents"}
+                 "cache_dir", "snapshot_steps", "keep_last", "no_test", "valid_bleu_sents", "data_fingerprint",
+                 "log_to", "prepare_only"}
 
 
 _FLAG_DEFAULTS = {}
@@ -859,6 +860,11 @@ def main(argv=None):
             out_bias[d] = ck["model"]["out_bias"].detach().float().cpu()
         del ck
     variants = variant_names(configs)
+    for pair in args.compare:  # before any long work: every variant compared must be among the runs
+        for v in pair:
+            if v not in variants.values():
+                raise SystemExit(f"--compare: no run of variant {v!r}; variants here: "
+                                 f"{', '.join(sorted(set(variants.values())))}")
     os.makedirs(args.out, exist_ok=True)
     picks = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):

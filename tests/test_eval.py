@@ -389,3 +389,9 @@ def test_a_run_saved_before_a_flag_existed_is_the_same_variant_as_its_default():
     other = dict(old, seed=2, output_bias=True)
     names = ev.variant_names({"old": old, "new": new, "other": other})
     assert names["old"] == names["new"] != names["other"] and "output_bias=True" in names["other"]
+
+
+def test_compare_names_are_checked_before_any_evaluation(runs, tmp_path):
+    with pytest.raises(SystemExit, match="no run of variant 'nope'; variants here: agg, mle"):
+        ev.main([runs["mle"], runs["agg"], "--out", str(tmp_path / "r"), "--compare", "mle", "nope"])
+    assert not (tmp_path / "r" / "metrics.json").exists()
