@@ -48,7 +48,7 @@ DATA_VERSION = 1  # bump when the cleaning / encoding below changes, so caches a
 # one setting fit for the baseline.
 PRESETS = {
     "cpu": dict(n_layer=4, d_model=128, n_head=4, d_ff=512, dropout=0.1, block_size=128, vocab_size=8192,
-                tokens_per_step=1024, micro_batch=32, lr=2e-3, warmup=240, max_steps=2400, eval_interval=200,
+                tokens_per_step=1024, micro_batch=32, lr=4e-3, warmup=240, max_steps=2400, eval_interval=200,
                 weight_decay=0.01),
     "paper-6l": dict(n_layer=6, d_model=512, n_head=8, d_ff=2048, dropout=0.1, block_size=512, vocab_size=44256,
                      tokens_per_step=32768, micro_batch=16, lr=7e-4, warmup=4000, max_steps=40000,
