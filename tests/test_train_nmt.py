@@ -195,7 +195,7 @@ def test_evaluate_returns_the_contract(trained):
     for g, idx in enumerate(agg.frequency_groups(ev["counts"])):
         gid[idx] = g
     n_g = torch.bincount(gid[torch.cat(targets)], minlength=3).double()
-    log_ppl = torch.tensor([math.log(m["ppl_groups"][g]) if n_g[k] else 0.0 for k, g in enumerate(T.GROUPS)])
+    log_ppl = torch.tensor([math.log(m["ppl_groups"][g]) if n_g[k] else 0.0 for k, g in enumerate(agg.GROUPS)])
     assert float((n_g * log_ppl).sum() / n_g.sum()) == pytest.approx(math.log(m["test_ppl"]), rel=1e-6)
     hyps = (out / "test_hyps.txt").read_text().splitlines()
     assert [t["src"] for t in m["translations"]] == data.text["test"][0][:5]
