@@ -95,6 +95,16 @@ def add_method_flags(p):
     return g
 
 
+def make_config(parser, resolve_config, fields):
+    """A script's resolved config from its parser's defaults with `fields` (config keys) set, as if given as flags."""
+    args = parser.parse_args([])
+    unknown = set(fields) - set(vars(args))
+    if unknown:
+        raise TypeError(f"unknown config fields {sorted(unknown)}")
+    vars(args).update(fields)
+    return resolve_config(args, set(fields))
+
+
 def explicit_flags(parser, argv):
     """The config keys given on the command line (parsed with every default suppressed)."""
     for action in parser._actions:

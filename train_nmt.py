@@ -148,12 +148,7 @@ def resolve_config(args, explicit=None):
 def make_config(**fields):
     """The resolved config of a run with `fields` set as their flags would set them (names as in config.json): how
     bench.py, hf_agg.py and the tests get a config without a command line."""
-    args = build_parser().parse_args([])
-    unknown = set(fields) - set(vars(args))
-    if unknown:
-        raise TypeError(f"unknown config fields {sorted(unknown)}")
-    vars(args).update(fields)
-    return resolve_config(args, set(fields))
+    return runlib.make_config(build_parser(), resolve_config, fields)
 
 
 # -------------------------------------------------------------------------------------------------------------- data
