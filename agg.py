@@ -927,6 +927,15 @@ def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
 GROUPS = ("freq", "med", "rare")  # the names of frequency_groups' three groups, most frequent first
 
 
+def group_of(groups, vocab_size, missing=-1):
+    """(V,) long: each token's group number in `groups` (frequency_groups' order: 0 frequent, 1 medium, 2 rare),
+    `missing` for tokens in none."""
+    gid = torch.full((vocab_size,), missing, dtype=torch.long)
+    for g, idx in enumerate(groups):
+        gid[torch.as_tensor(idx, dtype=torch.long)] = g
+    return gid
+
+
 @torch.no_grad()
 def geometry(weight, groups, seen=None):
     """The geometry of the embedding matrix, total and per frequency group, as one dict:

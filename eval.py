@@ -102,10 +102,7 @@ def word_similarity(weight, tokenizer, kind, datasets):
 def group_index(counts):
     """Tensor (V,) of group ids 0/1/2 (freq/med/rare) and the three index tensors (AGG Sec. 3.1)."""
     groups = agg.frequency_groups(counts)
-    gid = torch.empty(len(counts), dtype=torch.long)
-    for g, idx in enumerate(groups):
-        gid[idx] = g
-    return gid, groups
+    return agg.group_of(groups, len(counts)), groups
 
 
 def geometry(weight, counts, include_unseen=False):

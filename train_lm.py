@@ -665,7 +665,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
     first micro-batch of windows (`grad_a_rare`, ...; freeze-rare's frozen rows are not shown as frozen)."""
     model.eval()
     n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
-    gid = group_ids(groups, model.tok_emb.weight.shape[0]).to(device)
+    gid = agg.group_of(groups, model.tok_emb.weight.shape[0]).to(device)
     rare = gid == 2
     dyn = None if method_rare is None else method_rare.to(device)
     nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
@@ -708,14 +708,6 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
         for k, name in enumerate(agg.GROUPS):
             out.update({f"grad_{part}_{name}": float(parts[groups[k].cpu(), j].mean()) for j, part in enumerate("abc")})
     return out
-
-
-def group_ids(groups, V):
-    """(V,) group id per token: 0 frequent, 1 medium, 2 rare (agg.frequency_groups)."""
-    gid = torch.empty(V, dtype=torch.long)
-    for g, idx in enumerate(groups):
-        gid[idx] = g
-    return gid
 
 
 def ppl_of(nll_sum, count):
@@ -984,7 +976,7 @@ def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=
                          f"data cache is inconsistent: retrain or check --cache-dir") from None
     model.to(device).eval()
     autocast = runlib.autocast(cfg)
-    gid = group_ids(agg.frequency_groups(data["counts"]), V)
+    gid = agg.group_of(agg.frequency_groups(data["counts"]), V)
     gid_d = gid.to(device)
     ids = data["ids"][split]
     n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)

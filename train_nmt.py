@@ -803,20 +803,14 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     model.eval()
     src, tgt = data.ids[f"{split}.src"], data.ids[f"{split}.tgt"]
     groups = agg.frequency_groups(data.corpus_counts)
-    gid = torch.empty(data.vocab_size, dtype=torch.long)
-    for g, idx in enumerate(groups):
-        gid[idx] = g
-    gid = gid.to(device)
+    gid = agg.group_of(groups, data.vocab_size).to(device)
     rare = gid == 2
     dyn = method.rare_mask() if method is not None and method.steps > 0 else None
     dyn = None if dyn is None else dyn.to(device)
     nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
     rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
     tgroups = target_groups(data.counts)
-    tid = torch.full((data.vocab_size,), 3, dtype=torch.long)  # 3: not a training target
-    for g, idx in enumerate(tgroups.values()):
-        tid[idx] = g
-    tid = tid.to(device)
+    tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3).to(device)  # 3: not a training target
     t_rare = tid == 2
     t_nll, t_count = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
     t_rare_pred, predicted, referenced = 0.0, set(), set()

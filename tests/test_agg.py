@@ -879,3 +879,11 @@ def test_hparams_table_covers_every_method_with_the_defaults_types():
             assert key in agg.HPARAMS, (name, key)
             if default is not None:
                 assert isinstance(default, agg.HPARAMS[key][0]), (name, key, default)
+
+
+def test_group_of_numbers_tokens_by_frequency_group():
+    counts = torch.tensor([5, 0, 9, 1, 7, 3, 2, 8, 4, 6])
+    groups = agg.frequency_groups(counts)
+    gid = agg.group_of(groups, len(counts))
+    assert gid.tolist() == [1, 2, 0, 2, 0, 1, 1, 0, 1, 1]  # 3 frequent (9, 8, 7), 5 medium, 2 rare (1, 0)
+    assert agg.group_of([groups[0]], 10, missing=3).tolist().count(3) == 7
