@@ -813,7 +813,9 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3).to(device)  # 3: not a training target
     t_rare = tid == 2
     t_nll, t_count = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
-    t_rare_pred, predicted, referenced = 0.0, set(), set()
+    t_rare_pred = 0.0
+    predicted = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)  # Uniq: argmax tokens seen
+    referenced = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)
     for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):
         s, ti, to = collate(src, tgt, idx, device)
         with runlib.autocast(cfg)():
@@ -826,8 +828,8 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         count_g += torch.bincount(gid[y], minlength=3).cpu()
         t_nll += torch.zeros(4, dtype=torch.float64, device=device).index_add_(0, tid[y], nll).cpu()
         t_count += torch.bincount(tid[y], minlength=4).cpu()
-        predicted.update(logp.argmax(1).tolist())
-        referenced.update(y.tolist())
+        predicted[logp.argmax(1)] = True
+        referenced[y] = True
         p = logp.exp()
         rare_pred += p[:, rare].sum().item()
         t_rare_pred += p[:, t_rare].sum().item()
@@ -847,12 +849,12 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
                    method_rare_mass_true=dyn_true / count)
     tid_cpu = tid.cpu()
 
-    def uniq(tokens):
-        return {g: sum(1 for t in tokens if tid_cpu[t] == k) for k, g in enumerate(agg.GROUPS)}
+    def uniq(mask):  # distinct tokens per target group
+        return {g: int((mask.cpu() & (tid_cpu == k)).sum()) for k, g in enumerate(agg.GROUPS)}
     target = dict(ppl_groups={g: math.exp(min(float(t_nll[k] / t_count[k]), 50)) if t_count[k] else float("nan")
                               for k, g in enumerate(agg.GROUPS)},
                   rare_mass_pred=t_rare_pred / count, rare_mass_true=int(t_count[2]) / count,
-                  uniq=len(predicted), uniq_groups=uniq(predicted), uniq_human=len(referenced),
+                  uniq=int(predicted.sum()), uniq_groups=uniq(predicted), uniq_human=int(referenced.sum()),
                   uniq_human_groups=uniq(referenced), tokens_outside=int(t_count[3]))
     n = bleu_sents or len(src)
     t0 = time.time()
