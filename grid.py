@@ -6,6 +6,7 @@
     python grid.py --jobs 2                          # two runs at once, one thread each (faster on a CPU)
     python grid.py --no-train                        # the tables of the runs finished so far (a grid in progress)
     python grid.py --methods mle agg --lrs 5e-4 1e-3 2e-3 --seeds 0 1 --out out/sweep   # a learning-rate sweep
+    python grid.py --methods cosreg --sweep gamma 0.3 1 3 --seeds 0 --out out/peers-gamma  # a method's knob
     python grid.py --out out/grid-6l -- --dataset wikitext-103 --preset paper-6l    # the same grid on a GPU
 
 Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped and a stopped
@@ -13,8 +14,8 @@ one is resumed, so the grid can be stopped and restarted at any time. Runs go on
 each in its own process.
 Writes OUT/runs/METHOD-sSEED/ (run folders), OUT/report/ (eval.py: metrics.json, summary.json, report.md, plots)
 and OUT/tables.md: the analogues of AGG Tables 1-2, 3, 4, 7-8, 9, 10 and the peers of Table 6, mean +- std over seeds.
-With --lrs / --warmups the runs are METHOD-lrLR[-wuN]-sSEED and OUT/sweep.json lists every run's valid and test PPL
-and each method's setting with the lowest mean valid PPL (the selection never looks at test).
+With --lrs / --warmups / --sweep the runs are METHOD-lrLR[-wuN][-FLAG=V]-sSEED and OUT/sweep.json lists every run's
+valid and test PPL and each method's setting with the lowest mean valid PPL (the selection never looks at test).
 """
 import argparse
 import json
@@ -48,7 +49,7 @@ TABLES = [
      ["mle", "freeze-rare", "freeze-bc", "freeze-b", "freeze-c"],
      ["ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "ppl", "isotropy_groups.freq", "isotropy_groups.med",
       "isotropy_groups.rare", "isotropy"]),
-    ("Peers (AGG Table 6's methods, on the LM)", ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"],
+    ("Other methods against the degeneration (AGG Table 6's Adv-MLE and spectrum control are not implemented)", ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"],
      ["ppl_groups.rare", "ppl", "uniq", "isotropy", "mean_cosine"]),
 ]
 
@@ -57,14 +58,30 @@ HEADERS = {"ppl": "PPL", "uniq": "Uniq", "isotropy": "I(W)", "mean_cosine": "mea
               for g in ("freq", "med", "rare")}}
 
 
-def run_dir(out, method, seed, lr=None, warmup=None):
-    setting = (f"-lr{lr:g}" if lr is not None else "") + (f"-wu{warmup}" if warmup is not None else "")
+def run_dir(out, method, seed, lr=None, warmup=None, knob=None):
+    """OUT/runs/METHOD[-lrLR][-wuN][-FLAG=V]-sSEED; knob = (flag, value) of a --sweep."""
+    setting = (f"-lr{lr:g}" if lr is not None else "") + (f"-wu{warmup}" if warmup is not None else "") \
+        + (f"-{knob[0]}={knob[1]:g}" if knob is not None else "")  # :g names 1 and 1.0 alike
     return os.path.join(out, "runs", f"{method}{setting}-s{seed}")
 
 
 def settings(args):
-    """(lr, warmup) pairs of the grid: None = the preset's."""
-    return [(lr, wu) for lr in (args.lrs or [None]) for wu in (args.warmups or [None])]
+    """(lr, warmup, knob) triples of the grid: None = the preset's; knob = (flag, value) of --sweep."""
+    knobs = [(args.sweep[0], v) for v in args.sweep[1]] if args.sweep else [None]
+    return [(lr, wu, k) for lr in (args.lrs or [None]) for wu in (args.warmups or [None]) for k in knobs]
+
+
+def sweep_flag(flag, methods):
+    """(flag, config key) of a method hyper-parameter given to --sweep (e.g. 'lambda' -> 'lambda_'); a one-line
+    error when it is not one, or when a method of the grid does not take it."""
+    keys = {k.rstrip("_").replace("_", "-"): k for k in agg.HPARAMS}
+    key = keys.get(flag.lstrip("-"))
+    if key is None:
+        raise SystemExit(f"grid: --sweep {flag}: not a method hyper-parameter; give one of: {', '.join(keys)}")
+    without = [m for m in methods if key not in agg.METHODS[m].defaults]
+    if without:
+        raise SystemExit(f"grid: --sweep {flag}: {', '.join(without)} do not take --{flag}; give --methods that do")
+    return flag.lstrip("-"), key
 
 
 def wait_for_slot(running, jobs):
@@ -113,7 +130,7 @@ def train_all(args, extra):
     """Train the unfinished runs, `args.jobs` at a time. With several jobs each run gets cpu_count // jobs threads
     and writes its output to OUT/runs/METHOD-sSEED.log instead of the terminal. SIGTERM or SIGINT to the grid
     stops its runs cleanly (each checkpoints) before the grid exits; rerun it to continue."""
-    todo = [(m, s, lr, wu) for s in args.seeds for lr, wu in settings(args) for m in args.methods]  # seed-major
+    todo = [(m, s, *st) for s in args.seeds for st in settings(args) for m in args.methods]  # seed-major
     env = dict(os.environ)
     if args.jobs > 1:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
@@ -135,12 +152,13 @@ def train_all(args, extra):
 
 def _train_todo(args, extra, todo, env, running):
     failed = []
-    for i, (method, seed, lr, wu) in enumerate(todo):
-        folder = run_dir(args.out, method, seed, lr, wu)
+    for i, (method, seed, lr, wu, knob) in enumerate(todo):
+        folder = run_dir(args.out, method, seed, lr, wu, knob)
         resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
         cmd = [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed), "--out",
                folder, *(["--resume"] if resume else []), *extra,
-               *(["--lr", f"{lr:g}"] if lr is not None else []), *(["--warmup", str(wu)] if wu is not None else [])]
+               *(["--lr", f"{lr:g}"] if lr is not None else []), *(["--warmup", str(wu)] if wu is not None else []),
+               *([f"--{knob[0]}", f"{knob[1]:g}"] if knob is not None else [])]
         differs = same_flags(folder, cmd)
         if differs:
             raise SystemExit(f"grid: {folder} was {differs}: give another --out for other flags, or delete the run "
@@ -189,22 +207,24 @@ def write_tables(summary, path, command):
         f.write("\n".join(lines))
 
 
-def sweep_table(metrics, command):
-    """{"command", "runs": [{method, lr, warmup, seed, valid_ppl, test_ppl, ...}], "settings": [mean valid/test PPL per
-    method, lr and warm-up], "selected": {method: the setting with the lowest mean valid PPL}}."""
+def sweep_table(metrics, command, key=None):
+    """{"command", "runs": [{method, lr, warmup, [key,] seed, valid_ppl, test_ppl, ...}], "settings": [mean valid/test
+    PPL per method, lr, warm-up (and the swept hyper-parameter `key`)], "selected": {method: the setting with the
+    lowest mean valid PPL}}."""
     runs = []
     for m in metrics.values():
         with open(os.path.join(m["out_dir"], "config.json")) as f:
             cfg = json.load(f)
-        runs.append(dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"], seed=m["seed"], step=m["step"],
+        runs.append(dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"], **({key: cfg[key]} if key else {}),
+                         seed=m["seed"], step=m["step"],
                          valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
                          isotropy=m["isotropy"], run=os.path.relpath(m["out_dir"], ROOT),
                          command=runlib.run_command(cfg, "train_lm.py"),
                          threads=cfg.get("versions", {}).get("threads"), git_commit=cfg.get("git_commit")))
     by = {}
     for r in runs:
-        by.setdefault((r["method"], r["lr"], r["warmup"]), []).append(r)
-    table = [dict(method=k[0], lr=k[1], warmup=k[2], n=len(rs),
+        by.setdefault((r["method"], r["lr"], r["warmup"], r.get(key)), []).append(r)
+    table = [dict(method=k[0], lr=k[1], warmup=k[2], **({key: k[3]} if key else {}), n=len(rs),
                   valid_ppl_mean=sum(r["valid_ppl"] for r in rs) / len(rs),
                   test_ppl_mean=sum(r["test_ppl"] for r in rs) / len(rs)) for k, rs in sorted(by.items())]
     selected = {}
@@ -229,12 +249,27 @@ def main(argv=None):
                    help="a learning-rate sweep: every method x seed at each of these (default: the preset's lr)")
     p.add_argument("--warmups", nargs="+", type=int, default=None, metavar="N",
                    help="a warm-up sweep: every method x seed at each of these warm-up lengths (default: the preset's)")
+    p.add_argument("--sweep", nargs="+", default=None, metavar=("FLAG", "V"),
+                   help="a sweep of one method hyper-parameter: every method x seed at each value, e.g. "
+                        "--sweep gamma 0.3 1 3 (the methods must all take it)")
     p.add_argument("--no-train", action="store_true",
                    help="train nothing: evaluate the grid's finished runs only (n per method says how many)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
-    folders = [run_dir(args.out, m, s, lr, wu) for m in args.methods for lr, wu in settings(args) for s in args.seeds]
+    key = None
+    if args.sweep:
+        flag, key = sweep_flag(args.sweep[0], args.methods)
+        typ = agg.HPARAMS[key][0]
+        try:
+            assert typ in (int, float)
+            args.sweep = (flag, [typ(v) for v in args.sweep[1:]])
+        except (AssertionError, ValueError):
+            p.error(f"--sweep {' '.join(args.sweep)}: give a numeric hyper-parameter and its values ({typ.__name__}), "
+                    f"e.g. --sweep gamma 0.3 1 3")
+        if not args.sweep[1]:
+            p.error(f"--sweep {flag}: give the values too, e.g. --sweep {flag} 0.3 1 3")
+    folders = [run_dir(args.out, m, s, *st) for m in args.methods for st in settings(args) for s in args.seeds]
     if args.no_train:
         missing = [os.path.basename(f) for f in folders if not runlib.finished(f)]
         folders = [f for f in folders if runlib.finished(f)]
@@ -252,14 +287,15 @@ def main(argv=None):
         summary = json.load(f)
     command = "python grid.py " + " ".join(argv)
     write_tables(summary, os.path.join(args.out, "tables.md"), command)
-    if args.lrs or args.warmups:
+    if args.lrs or args.warmups or args.sweep:
         with open(os.path.join(report, "metrics.json")) as f:
-            sweep = sweep_table(json.load(f), command)
+            sweep = sweep_table(json.load(f), command, key)
         with open(os.path.join(args.out, "sweep.json"), "w") as f:
             json.dump(sweep, f, indent=1)
         for method, s in sweep["selected"].items():
-            print(f"{method}: selected lr {s['lr']:g}, warm-up {s['warmup']} (mean valid PPL {s['valid_ppl_mean']:.2f} "
-                  f"over {s['n']} seeds)")
+            knob = f", {key} {s[key]:g}" if key else ""
+            print(f"{method}: selected lr {s['lr']:g}, warm-up {s['warmup']}{knob} (mean valid PPL "
+                  f"{s['valid_ppl_mean']:.2f} over {s['n']} seeds)")
     print(f"wrote {args.out}/tables.md and {report}/")
 
 

@@ -76,6 +76,31 @@ def test_sweep_folders_and_selection_on_valid_ppl(tmp_path):
     assert sweep["selected"]["agg"]["n"] == 1
 
 
+@pytest.mark.slow
+def test_a_knob_sweep_trains_each_value_and_selects_on_valid_ppl(corpus, lm_tiny, tmp_path, capsys):
+    flags = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny, "--max-steps", "2",
+             "--eval-interval", "2"]
+    grid.main(["--methods", "cosreg", "--sweep", "gamma", "0.5", "2", "--seeds", "0", "--out", str(tmp_path),
+               "--eval-args", "--n-samples 0", "--", *flags])
+    sweep = json.load(open(tmp_path / "sweep.json"))
+    for g in (0.5, 2.0):
+        cfg = json.load(open(tmp_path / "runs" / f"cosreg-gamma={g:g}-s0" / "config.json"))
+        assert cfg["gamma"] == g and cfg["method"] == "cosreg"  # the value reached the run
+    assert sorted(r["gamma"] for r in sweep["runs"]) == [0.5, 2.0]
+    best = min(sweep["settings"], key=lambda s: s["valid_ppl_mean"])
+    assert sweep["selected"]["cosreg"]["gamma"] == best["gamma"]
+    assert f"cosreg: selected lr 0.003, warm-up 2, gamma {best['gamma']:g} (mean valid PPL" in capsys.readouterr().out
+
+
+def test_a_knob_sweep_names_a_bad_flag_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="--sweep gama: not a method hyper-parameter"):
+        grid.main(["--methods", "cosreg", "--sweep", "gama", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="mle do not take --gamma"):
+        grid.main(["--methods", "cosreg", "mle", "--sweep", "gamma", "1", "--out", str(tmp_path)])
+    assert grid.sweep_flag("lambda", ["frage"]) == ("lambda", "lambda_")  # the flag drops the trailing _
+    assert grid.run_dir("o", "agps", 1, knob=("mu1", 17.0)) == os.path.join("o", "runs", "agps-mu1=17-s1")
+
+
 def test_a_finished_run_with_other_flags_is_refused(corpus, lm_tiny, tmp_path):
     import train_lm
     flags = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny, "--max-steps", "2",
