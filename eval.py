@@ -633,8 +633,10 @@ RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_step
 
 
 def write_results(path, metrics, configs, folders, comparisons, argv):
-    """A small JSON for results/: per run its headline metrics, its settings and the command that trained it; the
-    evaluation command; the paired comparisons."""
+    """A small JSON for results/: per run its headline metrics, its settings and the command that trained it (and,
+    when its valid records hold them, "gradient_parts": per valid record the step and the mean row norms grad_*_GROUP
+    of AGG Eq. 4's parts and norm_GROUP of the rows, the data of gradient_parts.png); the evaluation command; the
+    paired comparisons."""
     runs = {}
     for label, m in metrics.items():
         saved = os.path.join(folders[label], "config.json")  # with the provenance (argv, threads) of the run
@@ -642,6 +644,10 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
         script = "train_lm.py" if m.get("task") == "lm" else "train_nmt.py"
         runs[label] = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
                            command=runlib.run_command(cfg, script))
+        parts = [{k: v for k, v in r.items() if k == "step" or k.startswith(("grad_", "norm_"))}
+                 for r in log_records(folders[label]) if "grad_b_rare" in r]
+        if parts:
+            runs[label]["gradient_parts"] = parts
     rel = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in argv]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -274,6 +274,10 @@ def test_compare_pairs_runs_by_seed_and_splits_the_rare_gap_by_type(runs, tmp_pa
     assert res["runs"]["agg"]["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py ")
     assert res["runs"]["agg"]["command"].endswith("--alpha 0.5 --snapshot-steps 1,3")
     assert res["runs"]["mle-s1"]["seed"] == 1 and "rare_bias" in res["runs"]["mle"] and "generations" not in res["runs"]["mle"]
+    logged = [r for r in ev.log_records(runs["agg"]) if "grad_b_rare" in r]
+    parts = res["runs"]["agg"]["gradient_parts"]  # the data of gradient_parts.png, one entry per valid record
+    assert [p["step"] for p in parts] == [r["step"] for r in logged] and parts[-1]["grad_b_rare"] == logged[-1]["grad_b_rare"]
+    assert {f"grad_{x}_{g}" for x in "abc" for g in ("freq", "med", "rare")} <= set(parts[0]) and "ppl" not in parts[0]
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert c["seeds"] == [0] and c["metrics"]["ppl"]["n"] == 1  # mle seed 1 has no agg partner
     assert c["metrics"]["ppl"]["mean"] == pytest.approx(math.log(metrics["agg"]["ppl"] / metrics["mle"]["ppl"]))
