@@ -551,7 +551,8 @@ def git_commit():
 
 def versions():
     out = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-               platform=platform.platform(), threads=torch.get_num_threads())  # CPU results depend on the thread count
+               platform=platform.platform(), threads=torch.get_num_threads(),  # CPU results depend on the thread count
+               cpu_capability=torch.backends.cpu.get_cpu_capability())  # and on the kernels: AVX2 and AVX512 differ
     for name in ("tokenizers", "sacrebleu"):
         try:
             out[name] = __import__(name).__version__

@@ -33,7 +33,7 @@ def test_every_method_trains_with_finite_loss(lm_run, read_log, tmp_path, method
     ck = torch.load(os.path.join(tmp_path / method, "ckpt.pt"), weights_only=True)
     assert ck["config"]["task"] == "lm" and ck["config"]["method"] == method and ck["step"] == 2
     cfg = json.load(open(os.path.join(tmp_path / method, "config.json")))
-    assert cfg["task"] == "lm" and "torch" in cfg["versions"]
+    assert cfg["task"] == "lm" and "torch" in cfg["versions"] and cfg["versions"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     for key in ("git_commit", "git_dirty", "argv", "agg_sha256"):
         assert key in cfg, key
 
