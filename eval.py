@@ -627,7 +627,8 @@ def last_valid_ppl(out_dir, step):
 RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_ppl", "ppl", "ppl_groups", "uniq",
                "uniq_groups", "uniq_human", "uniq_human_groups", "isotropy", "isotropy_groups", "mean_cosine",
                "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
-               "rare_bias", "gen_rep4", "bleu", "bleu_signature", "test_ppl")
+               "rare_bias", "output_bias", "gen_rep4", "bleu", "bleu_signature", "test_ppl", "target", "rare_rule",
+               "checkpoints_averaged")
 RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams",
             "method_rare_share", "git_commit", "agg_sha256")
 

@@ -338,6 +338,9 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
     assert target["rows"] == sum(len(i) for i in groups.values()) and set(target["ppl_groups"]) == {"freq", "med", "rare"}
     assert 0 <= target["rare_recall"] <= 1 and 0 < target["rare_mass_true"] < 1 and target["uniq_human"] > 0
     assert 0 < target["isotropy"] <= 1 and target["isotropy_groups"]["rare"] > 0
+    saved = json.load(open(tmp_path / "nmt.json"))["runs"]["agg-s0"]
+    assert json.dumps(saved["target"], sort_keys=True) == json.dumps(target, sort_keys=True)  # NaN-safe equality
+    assert saved["rare_rule"] == "target-only"  # per-run JSON for results/
     comp = json.load(open(tmp_path / "r" / "compare.json"))[0]
     boot = comp["bleu_paired_bootstrap"]
     assert [b["seed"] for b in boot] == [0, 1]
@@ -375,8 +378,11 @@ def test_rare_token_recall_clips_counts_per_sentence():
 
 def test_output_bias_is_reported_against_frequency(lm_run, tmp_path):
     lm_run(tmp_path / "b", "--method", "mle", "--output-bias", "--lr", "3e-2", steps=6)
-    m = ev.main([str(tmp_path / "b"), "--out", str(tmp_path / "r"), "--n-samples", "0"])["b"]
+    m = ev.main([str(tmp_path / "b"), "--out", str(tmp_path / "r"), "--n-samples", "0", "--results",
+                 str(tmp_path / "b.json")])["b"]
     ob = m["output_bias"]
+    same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN-safe
+    assert same(json.load(open(tmp_path / "b.json"))["runs"]["b"]["output_bias"], ob)  # the figure's numbers, saved
     bias = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["model"]["out_bias"]
     cfg = json.load(open(tmp_path / "b" / "config.json"))
     counts = torch.from_numpy(np.load(os.path.join(cfg["data_cache"], "counts.npy")))
