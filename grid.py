@@ -293,7 +293,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "sweep.json"), "w") as f:
             json.dump(sweep, f, indent=1)
         for method, s in sweep["selected"].items():
-            knob = f", {key} {s[key]:g}" if key else ""
+            knob = f", --{args.sweep[0]} {s[key]:g}" if key else ""
             print(f"{method}: selected lr {s['lr']:g}, warm-up {s['warmup']}{knob} (mean valid PPL "
                   f"{s['valid_ppl_mean']:.2f} over {s['n']} seeds)")
     print(f"wrote {args.out}/tables.md and {report}/")

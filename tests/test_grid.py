@@ -89,7 +89,7 @@ def test_a_knob_sweep_trains_each_value_and_selects_on_valid_ppl(corpus, lm_tiny
     assert sorted(r["gamma"] for r in sweep["runs"]) == [0.5, 2.0]
     best = min(sweep["settings"], key=lambda s: s["valid_ppl_mean"])
     assert sweep["selected"]["cosreg"]["gamma"] == best["gamma"]
-    assert f"cosreg: selected lr 0.003, warm-up 2, gamma {best['gamma']:g} (mean valid PPL" in capsys.readouterr().out
+    assert f"cosreg: selected lr 0.003, warm-up 2, --gamma {best['gamma']:g} (mean valid PPL" in capsys.readouterr().out
 
 
 def test_a_knob_sweep_names_a_bad_flag_in_one_line(tmp_path):
