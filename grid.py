@@ -49,7 +49,8 @@ TABLES = [
      ["mle", "freeze-rare", "freeze-bc", "freeze-b", "freeze-c"],
      ["ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "ppl", "isotropy_groups.freq", "isotropy_groups.med",
       "isotropy_groups.rare", "isotropy"]),
-    ("Other methods against the degeneration (AGG Table 6's Adv-MLE and spectrum control are not implemented)", ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"],
+    ("Other methods against the degeneration (AGG Table 6's Adv-MLE and spectrum control are not implemented)",
+     ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"],
      ["ppl_groups.rare", "ppl", "uniq", "isotropy", "mean_cosine"]),
 ]
 
@@ -74,7 +75,7 @@ def settings(args):
 def sweep_flag(flag, methods):
     """(flag, config key) of a method hyper-parameter given to --sweep (e.g. 'lambda' -> 'lambda_'); a one-line
     error when it is not one, or when a method of the grid does not take it."""
-    keys = {k.rstrip("_").replace("_", "-"): k for k in agg.HPARAMS}
+    keys = {runlib.method_flag(k)[2:]: k for k in agg.HPARAMS}
     key = keys.get(flag.lstrip("-"))
     if key is None:
         raise SystemExit(f"grid: --sweep {flag}: not a method hyper-parameter; give one of: {', '.join(keys)}")

@@ -76,6 +76,11 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def method_flag(key):
+    """The command-line flag of a method hyper-parameter (agg.HPARAMS key): lambda_ -> --lambda."""
+    return "--" + key.rstrip("_").replace("_", "-")
+
+
 def add_method_flags(p):
     g = p.add_argument_group("method (agg.METHODS); hyper-parameters are passed to agg.build_method only when given")
     g.add_argument("--method", default="mle", choices=list(agg.METHODS), metavar="METHOD",
@@ -86,7 +91,7 @@ def add_method_flags(p):
             users.setdefault(key, []).append(name)
     for key, typ in method_hparam_types().items():
         shown = ", ".join(users[key][:3]) + (", ..." if len(users[key]) > 3 else "")
-        g.add_argument("--" + key.rstrip("_").replace("_", "-"), dest=key, default=None,
+        g.add_argument(method_flag(key), dest=key, default=None,
                        type=_bool if typ is bool else typ, help=f"{agg.HPARAMS[key][1]} [{shown}]")
     g.add_argument("--rare-share", type=float, default=None,
                    help="AGG family: the rare group as a share of the vocabulary, turned into alpha from the train "
