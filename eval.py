@@ -223,8 +223,8 @@ SUMMARY_SKIP = {"step", "tokens", "rows", "rows_groups", "seed", "uniq_human", "
 
 # config keys that do not make two runs different experiments: the seed, where the run lives and how it was driven
 NOT_A_VARIANT = {"seed", "out", "resume", "overwrite", "stop_at", "device", "compile", "eval_interval", "log_interval",
-                 "cache_dir", "snapshot_steps", "keep_last", "no_test", "valid_bleu_sents", "data_fingerprint",
-                 "log_to", "prepare_only"}
+                 "cache_dir", "snapshot_steps", "keep_last", "save_interval", "no_test", "valid_bleu_sents",
+                 "data_fingerprint", "log_to", "prepare_only", "source_only_rare"}  # the last: told by rare_rule
 
 
 _FLAG_DEFAULTS = {}
@@ -245,6 +245,9 @@ def variant_names(configs):
     runs of different experiments are never averaged together. A method flag left unset shows the method's default;
     init_from shows whether one was given (the runs it names differ by seed)."""
     def setting(cfg, key):
+        if key == "rare_rule" and cfg.get("task") == "nmt":
+            import train_nmt
+            return train_nmt.rare_rule(cfg)  # also of a config saved before --rare-rule
         value = cfg[key] if key in cfg else flag_default(cfg.get("task", "lm"), key)  # a run saved before the flag
         if key == "init_from":
             return value is not None

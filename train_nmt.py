@@ -1104,6 +1104,17 @@ def train(cfg, explicit=frozenset(), argv=()):
         print(f"test: BLEU {res['bleu']:.2f} ({res['bleu_signature']}) I(W) {res['isotropy']:.3f} "
               f"loss {res['loss']:.3f}")
         result = res
+        if cfg["keep_last"] > 1 and len(snapshots(out)) >= cfg["keep_last"]:  # the protocol's number: the average
+            weights, files = average_checkpoints(out, cfg["keep_last"])   # of the last snapshots (fairseq's)
+            averaged = build_model(cfg, V, device)
+            averaged.load_state_dict(weights)
+            res, hyps = validate(averaged, None, data, cfg, device, split="test", bleu_sents=0)
+            runlib.append_log(log_path, {"step": step, "split": "test_averaged", "checkpoints_averaged": len(files),
+                                         "averaged_files": files, **res}, tracker)
+            _atomic_write_text(out / "test_hyps_averaged.txt", "\n".join(data.decode(h) for h in hyps) + "\n")
+            print(f"test, the average of {', '.join(files)}: BLEU {res['bleu']:.2f} I(W) {res['isotropy']:.3f} "
+                  f"loss {res['loss']:.3f}")
+            result = res
     tracker.close()
     if master:
         runlib.unlock_run(str(out))

@@ -150,10 +150,11 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
 def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     import train_nmt
     out = str(tmp_path / "nmt")
-    train_nmt.main(["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
-                    "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "6", "--eval-interval", "2",
-                    "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
-                    "--no-test", "--device", "cpu", "--out", out, "--keep-last", "2"])
+    flags = ["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
+             "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "6", "--eval-interval", "2",
+             "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
+             "--no-test", "--device", "cpu"]
+    train_nmt.main(flags + ["--out", out, "--keep-last", "2"])
     assert sorted(p.name for p in train_nmt.snapshots(out)) == ["ckpt_4.pt", "ckpt_6.pt"]  # the last 2 kept
     m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
     for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine", "test_ppl", "ppl_groups",
@@ -170,6 +171,16 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     torch.testing.assert_close(weights["embed"], (a["embed"] + b["embed"]) / 2)
     with pytest.raises(SystemExit, match="--keep-last 3"):
         ev.main([out, "--out", str(tmp_path / "r3"), "--average-last", "3"])
+    # --save-interval: snapshots between evaluations, and the same training (saving and validating draw no RNG)
+    out2 = str(tmp_path / "nmt-save")
+    train_nmt.main(flags[:flags.index("--eval-interval")] + ["--eval-interval", "6", "--save-interval", "2"] +
+                   flags[flags.index("--eval-interval") + 2:] + ["--out", out2, "--keep-last", "2"])
+    assert sorted(p.name for p in train_nmt.snapshots(out2)) == ["ckpt_4.pt", "ckpt_6.pt"]
+    assert [r["step"] for r in map(json.loads, open(os.path.join(out2, "log.jsonl"))) if r["split"] == "valid"] == [6]
+    for s in (4, 6):
+        torch.testing.assert_close(torch.load(os.path.join(out2, f"ckpt_{s}.pt"), weights_only=True)["model"],
+                                   torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"],
+                                   atol=0, rtol=0)
 
 
 def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
@@ -326,7 +337,7 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
             train_nmt.main(NMT_EVAL_TINY + ["--method", method, "--seed", str(seed), "--out", out])
             runs.append(out)
     cfg = json.load(open(tmp_path / "agg-s0" / "config.json"))
-    assert cfg["rare_rule"] == "target-only" and json.load(open(tmp_path / "mle-s0" / "config.json"))["rare_rule"] is None
+    assert cfg["rare_rule"] == "official" and json.load(open(tmp_path / "mle-s0" / "config.json"))["rare_rule"] is None
     metrics = ev.main(runs + ["--out", str(tmp_path / "r"), "--beam", "1", "--compare", "mle", "agg",
                               "--results", str(tmp_path / "nmt.json")])
     m = metrics["agg-s0"]
@@ -340,7 +351,7 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
     assert 0 < target["isotropy"] <= 1 and target["isotropy_groups"]["rare"] > 0
     saved = json.load(open(tmp_path / "nmt.json"))["runs"]["agg-s0"]
     assert json.dumps(saved["target"], sort_keys=True) == json.dumps(target, sort_keys=True)  # NaN-safe equality
-    assert saved["rare_rule"] == "target-only"  # per-run JSON for results/
+    assert saved["rare_rule"] == "official"  # per-run JSON for results/
     comp = json.load(open(tmp_path / "r" / "compare.json"))[0]
     boot = comp["bleu_paired_bootstrap"]
     assert [b["seed"] for b in boot] == [0, 1]

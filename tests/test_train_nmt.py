@@ -314,10 +314,11 @@ def test_two_process_gloo_matches_one_process(tmp_path, nmt_tiny, run_ddp):
 
 
 
-def test_source_only_tokens_are_never_rare_and_never_frozen(tmp_path, nmt_tiny):
+def test_rare_rules_for_source_only_tokens(tmp_path, nmt_tiny):
     base = nmt_tiny + ["--max-steps", "2", "--eval-interval", "2", "--no-test", "--valid-bleu-sents", "2",
                        "--synthetic-size", "300"]
-    T.main(base + ["--method", "agg", "--alpha", "1000", "--out", str(tmp_path / "agg")])  # alpha: all targets rare
+    # --rare-rule target-only: a token that is never a target is never rare (alpha 1000: every target token is)
+    T.main(base + ["--method", "agg", "--alpha", "1000", "--rare-rule", "target-only", "--out", str(tmp_path / "agg")])
     cfg = json.load(open(tmp_path / "agg" / "config.json"))
     ev = T.evaluate(str(tmp_path / "agg"), beam=1, max_sentences=2)
     source_only = (ev["tgt_counts"] == 0) & (ev["src_counts"] > 0)
@@ -326,13 +327,19 @@ def test_source_only_tokens_are_never_rare_and_never_frozen(tmp_path, nmt_tiny):
                               special_ids=(ev["tgt_counts"] == 0).nonzero().squeeze(1).tolist())
     method.load_state_dict(torch.load(tmp_path / "agg" / "ckpt.pt", weights_only=True)["method"])
     assert not method.rare_mask()[source_only].any() and method.rare_mask().any()
-    # --source-only-rare: AGG Eq. 5 read literally, a_k = 0 makes every token that is never a target rare
-    T.main(base + ["--method", "agg", "--alpha", "1000", "--source-only-rare", "--out", str(tmp_path / "literal")])
+    # the default, official rule (AGG Eq. 5 as the official criterion counts a_k): a_k = 0 makes every token that
+    # is never a target rare; --source-only-rare says the same
+    for name, flags in (("official", []), ("literal", ["--source-only-rare"])):
+        T.main(base + ["--method", "agg", "--alpha", "1000", *flags, "--out", str(tmp_path / name)])
     rare_count = {name: [json.loads(l) for l in open(tmp_path / name / "log.jsonl") if '"valid"' in l][-1]
-                  ["method_rare_count"] for name in ("agg", "literal")}
-    assert rare_count["literal"] - rare_count["agg"] == int((ev["tgt_counts"][len(T.SPECIALS):] == 0).sum()) > 0
+                  ["method_rare_count"] for name in ("agg", "official", "literal")}
+    assert rare_count["official"] - rare_count["agg"] == int((ev["tgt_counts"][len(T.SPECIALS):] == 0).sum()) > 0
+    assert rare_count["literal"] == rare_count["official"]
+    assert [json.load(open(tmp_path / n / "config.json"))["rare_rule"] for n in ("agg", "official", "literal")] == \
+        ["target-only", "official", "official"]
     T.main(base + ["--method", "agg", "--rare-share", "0.3", "--out", str(tmp_path / "share")])
-    T.main(base + ["--method", "agg", "--rare-share", "0.3", "--source-only-rare", "--out", str(tmp_path / "share2")])
+    T.main(base + ["--method", "agg", "--rare-share", "0.3", "--rare-rule", "target-only", "--out",
+                   str(tmp_path / "share2")])
     hp = [json.load(open(tmp_path / n / "config.json"))["method_hparams"] for n in ("share", "share2")]
     assert hp[0] == hp[1]  # a share of the target vocabulary: the same alpha under both rules
     T.main(base + ["--method", "freeze-rare", "--rare-fraction", "0.5", "--out", str(tmp_path / "frz")])
