@@ -844,7 +844,9 @@ def build_parser():
                    help="count the tokens never seen in training in the geometry metrics (default: left out)")
     p.add_argument("--compare", nargs=2, action="append", default=[], metavar=("BASE", "CAND"),
                    help="paired comparison of two variants (names as in summary.json, e.g. mle agg) over their common "
-                        "seeds: intervals, rare-PPL per-type split, free-baseline share -> compare.json (repeatable)")
+                        "seeds: intervals, rare-PPL per-type split, free-baseline share, NMT's paired BLEU "
+                        "bootstrap -> compare.json (repeatable). Default, for runs of exactly two variants: the "
+                        "two, mle as the base where it is one of them")
     p.add_argument("--results", default=None, metavar="FILE",
                    help="also write FILE: a small JSON of every run's headline metrics with the command that trained it "
                         "and this evaluation's command, plus the --compare results (for results/)")
@@ -867,6 +869,10 @@ def main(argv=None):
             out_bias[d] = ck["model"]["out_bias"].detach().float().cpu()
         del ck
     variants = variant_names(configs)
+    names = list(dict.fromkeys(variants[d] for d in args.out_dirs))  # in the order given
+    seeds = [{configs[d].get("seed") for d in args.out_dirs if variants[d] == v} for v in names]
+    if not args.compare and len(names) == 2 and seeds[0] & seeds[1]:
+        args.compare = [sorted(names, key=lambda v: v != "mle")]  # stable: mle first, else the order given
     for pair in args.compare:  # before any long work: every variant compared must be among the runs
         for v in pair:
             if v not in variants.values():

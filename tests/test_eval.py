@@ -338,7 +338,7 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
             runs.append(out)
     cfg = json.load(open(tmp_path / "agg-s0" / "config.json"))
     assert cfg["rare_rule"] == "official" and json.load(open(tmp_path / "mle-s0" / "config.json"))["rare_rule"] is None
-    metrics = ev.main(runs + ["--out", str(tmp_path / "r"), "--beam", "1", "--compare", "mle", "agg",
+    metrics = ev.main(runs + ["--out", str(tmp_path / "r"), "--beam", "1",  # two variants: compared by default
                               "--results", str(tmp_path / "nmt.json")])
     m = metrics["agg-s0"]
     target = m["target"]
@@ -353,6 +353,7 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
     assert json.dumps(saved["target"], sort_keys=True) == json.dumps(target, sort_keys=True)  # NaN-safe equality
     assert saved["rare_rule"] == "official"  # per-run JSON for results/
     comp = json.load(open(tmp_path / "r" / "compare.json"))[0]
+    assert (comp["base"], comp["cand"]) == ("mle", "agg")
     boot = comp["bleu_paired_bootstrap"]
     assert [b["seed"] for b in boot] == [0, 1]
     for b, s in zip(boot, (0, 1)):
