@@ -633,14 +633,15 @@ RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_pp
                "rare_bias", "output_bias", "gen_rep4", "bleu", "bleu_signature", "test_ppl", "target", "rare_rule",
                "checkpoints_averaged")
 RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams",
-            "method_rare_share", "git_commit", "agg_sha256")
+            "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")
 
 
 def write_results(path, metrics, configs, folders, comparisons, argv):
     """A small JSON for results/: per run its headline metrics, its settings and the command that trained it (and,
     when its valid records hold them, "gradient_parts": per valid record the step and the mean row norms grad_*_GROUP
-    of AGG Eq. 4's parts and norm_GROUP of the rows, the data of gradient_parts.png); the evaluation command; the
-    paired comparisons."""
+    of AGG Eq. 4's parts and norm_GROUP of the rows, the data of gradient_parts.png; for NMT, "valid_bleu" per step
+    and "training_test_bleu", the test records of training: "test", the last checkpoint, and "test_averaged"); the
+    evaluation command; the paired comparisons."""
     runs = {}
     for label, m in metrics.items():
         saved = os.path.join(folders[label], "config.json")  # with the provenance (argv, threads) of the run
@@ -652,6 +653,10 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
                  for r in log_records(folders[label]) if "grad_b_rare" in r]
         if parts:
             runs[label]["gradient_parts"] = parts
+        if "bleu" in m:  # NMT: BLEU over training and the test records training wrote (last checkpoint, average)
+            runs[label]["valid_bleu"] = {r["step"]: r["bleu"] for r in log_records(folders[label]) if "bleu" in r}
+            runs[label]["training_test_bleu"] = {r["split"]: r["bleu"] for split in ("test", "test_averaged")
+                                                 for r in log_records(folders[label], split)[-1:]}
     rel = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in argv]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -173,10 +173,17 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
         ev.main([out, "--out", str(tmp_path / "r3"), "--average-last", "3"])
     # --save-interval: snapshots between evaluations, and the same training (saving and validating draw no RNG)
     out2 = str(tmp_path / "nmt-save")
-    train_nmt.main(flags[:flags.index("--eval-interval")] + ["--eval-interval", "6", "--save-interval", "2"] +
-                   flags[flags.index("--eval-interval") + 2:] + ["--out", out2, "--keep-last", "2"])
+    train_nmt.main([f for f in flags[:flags.index("--eval-interval")] + ["--eval-interval", "6", "--save-interval", "2"]
+                    + flags[flags.index("--eval-interval") + 2:] if f != "--no-test"] + ["--out", out2, "--keep-last", "2"])
     assert sorted(p.name for p in train_nmt.snapshots(out2)) == ["ckpt_4.pt", "ckpt_6.pt"]
-    assert [r["step"] for r in map(json.loads, open(os.path.join(out2, "log.jsonl"))) if r["split"] == "valid"] == [6]
+    log = list(map(json.loads, open(os.path.join(out2, "log.jsonl"))))
+    assert [r["step"] for r in log if r["split"] == "valid"] == [6]
+    # training ends with the test set decoded from the last checkpoint and from the average, as eval.py's
+    (last,), (averaged,) = ([r for r in log if r["split"] == s] for s in ("test", "test_averaged"))
+    assert averaged["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"] and averaged["checkpoints_averaged"] == 2
+    assert train_nmt.evaluate(out2, beam=2, average_last=2)["metrics"]["test_loss"] == pytest.approx(averaged["loss"])
+    assert train_nmt.evaluate(out2, beam=2)["metrics"]["test_loss"] == pytest.approx(last["loss"])
+    assert averaged["loss"] != last["loss"]
     for s in (4, 6):
         torch.testing.assert_close(torch.load(os.path.join(out2, f"ckpt_{s}.pt"), weights_only=True)["model"],
                                    torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"],
@@ -328,7 +335,7 @@ NMT_EVAL_TINY = ["--dataset", "synthetic", "--synthetic-size", "300", "--enc-lay
                  "--no-test", "--device", "cpu"]
 
 
-def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_path):
+def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_path, read_log):
     import train_nmt
     runs = []
     for method in ("mle", "agg"):
@@ -352,6 +359,8 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
     saved = json.load(open(tmp_path / "nmt.json"))["runs"]["agg-s0"]
     assert json.dumps(saved["target"], sort_keys=True) == json.dumps(target, sort_keys=True)  # NaN-safe equality
     assert saved["rare_rule"] == "official"  # per-run JSON for results/
+    valid = [r for r in read_log(runs[2]) if r["split"] == "valid"]
+    assert saved["valid_bleu"] == {"4": pytest.approx(valid[-1]["bleu"])} and saved["training_test_bleu"] == {}
     comp = json.load(open(tmp_path / "r" / "compare.json"))[0]
     assert (comp["base"], comp["cand"]) == ("mle", "agg")
     boot = comp["bleu_paired_bootstrap"]
