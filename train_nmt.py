@@ -1104,8 +1104,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         print(f"test: BLEU {res['bleu']:.2f} ({res['bleu_signature']}) I(W) {res['isotropy']:.3f} "
               f"loss {res['loss']:.3f}")
         result = res
-        if cfg["keep_last"] > 1 and len(snapshots(out)) >= cfg["keep_last"]:  # the protocol's number: the average
-            weights, files = average_checkpoints(out, cfg["keep_last"])   # of the last snapshots (fairseq's)
+        if cfg["keep_last"] > 1 and len(snapshots(out)) >= cfg["keep_last"]:  # and the mean of the last snapshots
+            weights, files = average_checkpoints(out, cfg["keep_last"])   # (fairseq's average_checkpoints)
             averaged = build_model(cfg, V, device)
             averaged.load_state_dict(weights)
             res, hyps = validate(averaged, None, data, cfg, device, split="test", bleu_sents=0)
