@@ -407,8 +407,9 @@ def pm(s, nd=2):
 
 
 def plot_training_curves(run_dirs, variants, path):
-    """AGG Fig. 2: I(W) per frequency group and the rare-frequent cosine over training (LM or NMT), from the validation
-    records of each run's log.jsonl. Runs of one variant (seeds) are drawn as their mean with a min-max band.
+    """AGG Fig. 2: I(W) per frequency group and the rare-frequent cosine over training (LM or NMT; NMT adds valid
+    BLEU), from the validation records of each run's log.jsonl. Runs of one variant (seeds) are drawn as their mean
+    with a min-max band.
     Returns the path, or None when no run has such records."""
     import matplotlib
     matplotlib.use("Agg")
@@ -422,6 +423,8 @@ def plot_training_curves(run_dirs, variants, path):
             groups.setdefault(variants[label], []).append((label, recs))
     if not groups:
         return None
+    if all("bleu" in r for runs in groups.values() for _, recs in runs for r in recs):  # NMT: the seeds' spread
+        keys.append(("bleu", "valid BLEU"))
     colours = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
     release = {}  # variant -> the step freeze-rare releases the rare embeddings (AGG Fig. 2), marked dotted
     for label, d in run_dirs.items():

@@ -566,12 +566,40 @@ def versions():
     return out
 
 
+def segments_argv(segments):
+    """One argv for a run made of segments: the first segment's flags, each overridden by the same flag of a later
+    segment (a resumed run continued with a new --out or --max-steps), --resume dropped. Resume is exact, so this
+    trains the same run unless a later --max-steps moved a cosine schedule (run_command then gives each segment)."""
+    groups = []  # [flag, values...] in order of first appearance
+    for seg in segments:
+        new = []
+        for a in seg.get("argv") or []:
+            if a.startswith("--") or not new:
+                new.append([a])
+            else:
+                new[-1].append(a)
+        for g in new:
+            if g[0] == "--resume":
+                continue
+            at = next((i for i, h in enumerate(groups) if h[0] == g[0]), None)
+            if at is None:
+                groups.append(g)
+            else:
+                groups[at] = g
+    return [a for g in groups for a in g]
+
+
 def run_command(saved, script, root=ROOT):
-    """The command that reproduces a run from its config.json (`saved`): its original argv with paths relative to
-    the repository, the thread count it ran with (CPU results depend on it), and --lr / --warmup spelled out when
-    they came from a preset (presets can change; the values cannot)."""
-    argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in
-            ((saved.get("segments") or [saved])[0].get("argv") or [])]
+    """The command that reproduces a run from its config.json (`saved`): its argv (segments_argv when it was
+    resumed) with paths relative to the repository, the thread count it ran with (CPU results depend on it), and
+    --lr / --warmup spelled out when they came from a preset (presets can change; the values cannot)."""
+    segments = saved.get("segments") or [saved]
+    if saved.get("schedule") == "cosine" and any("--max-steps" in (s.get("argv") or []) for s in segments[1:]):
+        # the cosine decay depends on --max-steps: a run continued to a new length is its segments, in order
+        first = run_command({**saved, "segments": segments[:1]}, script, root)
+        return " && ".join([first] + [f"python {script} " + " ".join(segments_argv([s]) + ["--resume"])
+                                      for s in segments[1:]])
+    argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in segments_argv(segments)]
     for key in ("lr", "warmup"):
         flag = "--" + key
         if flag not in argv and saved.get(key) is not None:

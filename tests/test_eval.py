@@ -426,3 +426,18 @@ def test_compare_names_are_checked_before_any_evaluation(runs, tmp_path):
     with pytest.raises(SystemExit, match="no run of variant 'nope'; variants here: agg, mle"):
         ev.main([runs["mle"], runs["agg"], "--out", str(tmp_path / "r"), "--compare", "mle", "nope"])
     assert not (tmp_path / "r" / "metrics.json").exists()
+
+
+def test_the_command_of_a_resumed_run_reproduces_it():
+    """A run continued in a new folder to a longer --max-steps: one command under inverse-sqrt (the same run, see
+    test_resume_equals_uninterrupted), its segments in order under cosine (the decay moved with --max-steps)."""
+    import runlib
+    segs = [{"argv": ["--method", "agg", "--seed", "1", "--out", "out/a"]},
+            {"argv": ["--out", "out/b", "--resume", "--max-steps", "10000"]}]
+    saved = {"segments": segs, "lr": 4e-3, "warmup": 200, "out": "out/b"}
+    cmd = runlib.run_command(dict(saved, schedule="inverse-sqrt"), "train_nmt.py")
+    assert cmd == "python train_nmt.py --method agg --seed 1 --out out/b --max-steps 10000 --lr 0.004 --warmup 200"
+    cmd = runlib.run_command(dict(saved, schedule="cosine"), "train_lm.py")
+    assert cmd.split(" && ")[1] == "python train_lm.py --out out/b --max-steps 10000 --resume"
+    plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
+    assert runlib.run_command(plain, "train_lm.py") == "python train_lm.py --method agg --seed 1 --out out/a --lr 0.004 --warmup 200"

@@ -208,19 +208,27 @@ def test_evaluate_returns_the_contract(trained):
 
 @pytest.mark.slow
 def test_resume_equals_uninterrupted(tmp_path, nmt_tiny):
-    """Stopped with --stop-at (dropout on), resumed with `--out DIR --resume` alone: the same weights as one run."""
+    """Stopped with --stop-at (dropout on), resumed with `--out DIR --resume` alone: the same weights as one run.
+    A finished run continued with a larger --max-steps (the longer protocol) equals a run trained that long: the
+    inverse-sqrt schedule does not depend on --max-steps."""
     args = nmt_tiny + ["--method", "agg", "--dropout", "0.1", "--eval-interval", "3", "--no-test",
                        "--valid-bleu-sents", "4", "--max-steps", "6"]
+
+    def same_run(a, b, step):
+        a, b = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True) for x in (a, b))
+        assert a["step"] == b["step"] == step
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), k
+        assert torch.equal(a["method"]["appearances"], b["method"]["appearances"])
+
     T.main(args + ["--out", str(tmp_path / "full")])
     T.main(args + ["--out", str(tmp_path / "part"), "--stop-at", "4"])
     assert torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)["step"] == 4
     T.main(["--out", str(tmp_path / "part"), "--resume", "--device", "cpu"])
-    a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
-    b = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)
-    assert a["step"] == b["step"] == 6
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert torch.equal(a["method"]["appearances"], b["method"]["appearances"])
+    same_run("full", "part", 6)
+    T.main(args[:-2] + ["--max-steps", "9", "--out", str(tmp_path / "long")])
+    T.main(["--out", str(tmp_path / "part"), "--resume", "--max-steps", "9"])
+    same_run("long", "part", 9)
     # a mismatched flag, a second run into the same --out and a corrupted file: errors that name the file and fix
     with pytest.raises(SystemExit, match="d_model=64 but this run asks for d_model=32.*new --out"):
         T.main(["--out", str(tmp_path / "part"), "--max-steps", "8", "--resume", "--d-model", "32"])
