@@ -581,7 +581,7 @@ def segments_argv(segments):
         for g in new:
             if g[0] == "--resume":
                 continue
-            at = next((i for i, h in enumerate(groups) if h[0] == g[0]), None)
+            at = next((i for i, h in enumerate(groups) if h[0].split("=")[0] == g[0].split("=")[0]), None)
             if at is None:
                 groups.append(g)
             else:
@@ -594,7 +594,8 @@ def run_command(saved, script, root=ROOT):
     resumed) with paths relative to the repository, the thread count it ran with (CPU results depend on it), and
     --lr / --warmup spelled out when they came from a preset (presets can change; the values cannot)."""
     segments = saved.get("segments") or [saved]
-    if saved.get("schedule") == "cosine" and any("--max-steps" in (s.get("argv") or []) for s in segments[1:]):
+    if saved.get("schedule") == "cosine" and any(a.split("=")[0] == "--max-steps" for s in segments[1:]
+                                                 for a in s.get("argv") or []):
         # the cosine decay depends on --max-steps: a run continued to a new length is its segments, in order
         first = run_command({**saved, "segments": segments[:1]}, script, root)
         return " && ".join([first] + [f"python {script} " + " ".join(segments_argv([s]) + ["--resume"])

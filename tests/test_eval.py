@@ -439,5 +439,8 @@ def test_the_command_of_a_resumed_run_reproduces_it():
     assert cmd == "python train_nmt.py --method agg --seed 1 --out out/b --max-steps 10000 --lr 0.004 --warmup 200"
     cmd = runlib.run_command(dict(saved, schedule="cosine"), "train_lm.py")
     assert cmd.split(" && ")[1] == "python train_lm.py --out out/b --max-steps 10000 --resume"
+    eq = dict(saved, schedule="inverse-sqrt", segments=[{"argv": ["--method", "agg", "--max-steps", "5000"]},
+                                                         {"argv": ["--resume", "--max-steps=10000"]}])
+    assert runlib.run_command(eq, "train_nmt.py").startswith("python train_nmt.py --method agg --max-steps=10000 --lr")
     plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
     assert runlib.run_command(plain, "train_lm.py") == "python train_lm.py --method agg --seed 1 --out out/a --lr 0.004 --warmup 200"
