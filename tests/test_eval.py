@@ -443,4 +443,5 @@ def test_the_command_of_a_resumed_run_reproduces_it():
                                                          {"argv": ["--resume", "--max-steps=10000"]}])
     assert runlib.run_command(eq, "train_nmt.py").startswith("python train_nmt.py --method agg --max-steps=10000 --lr")
     plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
-    assert runlib.run_command(plain, "train_lm.py") == "python train_lm.py --method agg --seed 1 --out out/a --lr 0.004 --warmup 200"
+    assert runlib.run_command(plain, "train_lm.py") == ("python train_lm.py --method agg --seed 1 --out out/a "
+                                                        "--lr 0.004 --warmup 200")
