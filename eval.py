@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import sys
 
@@ -663,7 +664,7 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
     rel = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in argv]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(dict(command="python eval.py " + " ".join(rel), runs=runs, compare=comparisons), f, indent=1)
+        json.dump(dict(command=shlex.join(["python", "eval.py", *rel]), runs=runs, compare=comparisons), f, indent=1)
 
 
 def labels_for(out_dirs):
@@ -680,7 +681,7 @@ def fmt(x, nd=2):
 
 
 def write_report(path, metrics, extras, args, argv, summary=None, curves=None, snapshots=None, comparisons=()):
-    L = ["# Evaluation report", "", f"`python eval.py {' '.join(argv)}`", "",
+    L = ["# Evaluation report", "", f"`{shlex.join(['python', 'eval.py', *argv])}`", "",
          f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
     if summary and any(s["n"] > 1 for s in summary.values()):
         cols = [("ppl", "PPL"), ("ppl_groups.rare", "PPL rare"), ("uniq", "Uniq"), ("isotropy", "I(W)"),

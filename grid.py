@@ -20,6 +20,7 @@ valid and test PPL and each method's setting with the lowest mean valid PPL (the
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -286,7 +287,7 @@ def main(argv=None):
         raise SystemExit(f"grid: `{' '.join(cmd)}` failed")
     with open(os.path.join(report, "summary.json")) as f:
         summary = json.load(f)
-    command = "python grid.py " + " ".join(argv)
+    command = shlex.join(["python", "grid.py", *argv])
     write_tables(summary, os.path.join(args.out, "tables.md"), command)
     if args.lrs or args.warmups or args.sweep:
         with open(os.path.join(report, "metrics.json")) as f:

@@ -11,6 +11,7 @@ import os
 import pickle
 import platform
 import random
+import shlex
 import socket
 import subprocess
 
@@ -598,7 +599,7 @@ def run_command(saved, script, root=ROOT):
                                                  for a in s.get("argv") or []):
         # the cosine decay depends on --max-steps: a run continued to a new length is its segments, in order
         first = run_command({**saved, "segments": segments[:1]}, script, root)
-        return " && ".join([first] + [f"python {script} " + " ".join(segments_argv([s]) + ["--resume"])
+        return " && ".join([first] + [shlex.join(["python", script, *segments_argv([s]), "--resume"])
                                       for s in segments[1:]])
     argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in segments_argv(segments)]
     for key in ("lr", "warmup"):
@@ -606,7 +607,7 @@ def run_command(saved, script, root=ROOT):
         if flag not in argv and saved.get(key) is not None:
             argv += [flag, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
     threads = saved.get("versions", {}).get("threads")
-    return (f"OMP_NUM_THREADS={threads} " if threads else "") + " ".join(["python", script, *argv])
+    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *argv])
 
 
 def provenance(argv):

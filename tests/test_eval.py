@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shlex
 import sys
 import types
 
@@ -285,10 +286,12 @@ def test_paired_interval_matches_the_paired_t_test():
 
 def test_compare_pairs_runs_by_seed_and_splits_the_rare_gap_by_type(runs, tmp_path):
     ev.main([runs["mle"], runs["mle-s1"], runs["agg"], "--out", str(tmp_path), "--n-samples", "0",
-             "--compare", "mle", "agg", "--results", str(tmp_path / "results" / "r.json")])
+             "--compare", "mle", "agg", "--results", str(tmp_path / "my results" / "r.json")])
     (c,) = json.load(open(tmp_path / "compare.json"))
-    res = json.load(open(tmp_path / "results" / "r.json"))
-    assert res["compare"] == [c] and res["command"].startswith("python eval.py") and set(res["runs"]) == {"mle", "mle-s1", "agg"}
+    res = json.load(open(tmp_path / "my results" / "r.json"))
+    assert res["compare"] == [c] and set(res["runs"]) == {"mle", "mle-s1", "agg"}
+    cmd = shlex.split(res["command"])  # a shell command: the path with a space stays one argument
+    assert cmd[:2] == ["python", "eval.py"] and len(cmd) == 14 and cmd[-1].endswith("my results/r.json")
     assert res["runs"]["agg"]["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py ")
     assert res["runs"]["agg"]["command"].endswith("--alpha 0.5 --snapshot-steps 1,3")
     assert res["runs"]["mle-s1"]["seed"] == 1 and "rare_bias" in res["runs"]["mle"] and "generations" not in res["runs"]["mle"]
@@ -442,6 +445,8 @@ def test_the_command_of_a_resumed_run_reproduces_it():
     eq = dict(saved, schedule="inverse-sqrt", segments=[{"argv": ["--method", "agg", "--max-steps", "5000"]},
                                                          {"argv": ["--resume", "--max-steps=10000"]}])
     assert runlib.run_command(eq, "train_nmt.py").startswith("python train_nmt.py --method agg --max-steps=10000 --lr")
+    spaced = dict(saved, schedule="cosine", segments=[{"argv": ["--method", "agg", "--out", "out/my run"]}])
+    assert shlex.split(runlib.run_command(spaced, "train_lm.py"))[4:6] == ["--out", "out/my run"]
     plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
     assert runlib.run_command(plain, "train_lm.py") == ("python train_lm.py --method agg --seed 1 --out out/a "
                                                         "--lr 0.004 --warmup 200")
