@@ -84,6 +84,11 @@ def build_parser():
     g.add_argument("--split-seed", type=int, default=0,
                    help=f"{OFFLINE_DATASET}: which articles are valid and test (0: the default split; another "
                         f"value: another split of the same articles)")
+    g.add_argument("--train-fraction", type=float, default=1.0,
+                   help="train on the first FRACTION of the train split (whole articles of the offline corpus, lines "
+                        "otherwise, in a fixed order: smaller fractions are nested in larger ones); the tokenizer is "
+                        "still trained on the whole split, so every fraction shares the vocabulary and the valid and "
+                        "test ids")
     g = p.add_argument_group("model (override any preset field)")
     g.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
                    help="default cpu on any device (the README's numbers); the paper's set-ups by name. " +
@@ -136,6 +141,8 @@ def resolve_config(args, explicit=None):
     if cfg["split_seed"] and cfg["dataset"] != OFFLINE_DATASET:
         raise SystemExit(f"--split-seed {cfg['split_seed']}: only the offline corpus {OFFLINE_DATASET} is split here; "
                          f"{describe_source(cfg)} comes with its own splits")
+    if not 0 < cfg["train_fraction"] <= 1:
+        raise SystemExit(f"--train-fraction {cfg['train_fraction']}: must be in (0, 1]")
     if cfg["out"] is None:
         cfg["out"] = runlib.default_out("lm", cfg["method"], cfg["seed"])
     for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps",
@@ -196,7 +203,21 @@ def load_gensim_wiki(split_seed=0):
                 articles.append((hashlib.sha1(key.encode()).hexdigest(), lines))
     articles.sort()
     split = {"valid": articles[:6], "test": articles[6:11], "train": articles[11:]}
-    return {k: [line for _h, lines in v for line in lines] for k, v in split.items()}
+    out = {k: [line for _h, lines in v for line in lines] for k, v in split.items()}
+    out["train_documents"] = [len(lines) for _h, lines in split["train"]]  # lines per article: --train-fraction cuts here
+    return out
+
+
+def train_subset(corpus, fraction):
+    """The first `fraction` of the train split by characters, cut at whole documents (articles of the offline corpus,
+    else lines): the longest prefix of documents with at most that share of the characters, and at least one."""
+    lines, docs, start = corpus["train"], [], 0
+    for n in corpus.get("train_documents") or [1] * len(lines):
+        docs.append(lines[start:start + n])
+        start += n
+    chars = np.cumsum([sum(map(len, doc)) for doc in docs])
+    keep = max(1, int(np.searchsorted(chars, fraction * chars[-1], side="right")))
+    return [line for doc in docs[:keep] for line in doc]
 
 
 # --data-dir layouts, per split: (file name patterns, reader). The first layout whose three splits all exist is used.
@@ -345,8 +366,10 @@ def prepare_data(cfg, log=print):
     Returns dict(ids={split: np.memmap}, counts=LongTensor (V,), tokenizer, vocab_size, eos_id, pad_id, dir, reused)."""
     from tokenizers import Tokenizer
     corpus, h = None, hashlib.sha256()
+    fraction = cfg.get("train_fraction", 1.0)
     h.update(json.dumps([DATA_VERSION, cfg["tokenizer"], cfg["vocab_size"]]
-                        + ([cfg["split_seed"]] if cfg.get("split_seed") else [])).encode())
+                        + ([cfg["split_seed"]] if cfg.get("split_seed") else [])
+                        + ([fraction] if fraction < 1 else [])).encode())
     files = source_files(cfg)
     if files:  # local sources: hash the files, so a cache hit needs no parsing
         for path in files:
@@ -360,7 +383,8 @@ def prepare_data(cfg, log=print):
                 h.update(line.encode("utf-8"))
                 h.update(b"\n")
     name = cfg["dataset"] if cfg["dataset"] != "dir" else "dir"
-    cdir = os.path.join(cfg["cache_dir"], f"{name}-{cfg['tokenizer']}{cfg['vocab_size'] or ''}-{h.hexdigest()[:16]}")
+    cdir = os.path.join(cfg["cache_dir"], f"{name}-{cfg['tokenizer']}{cfg['vocab_size'] or ''}"
+                                          f"{f'-f{fraction:g}' if fraction < 1 else ''}-{h.hexdigest()[:16]}")
     meta_path = os.path.join(cdir, "meta.json")
     reused = os.path.exists(meta_path)
     if not reused:
@@ -368,6 +392,8 @@ def prepare_data(cfg, log=print):
         log(f"building tokenizer + token ids in {cdir}")
         tok = train_tokenizer(corpus["train"], cfg["tokenizer"], cfg["vocab_size"])
         V, eos_id, pad_id = tok.get_vocab_size(), tok.token_to_id(EOS), tok.token_to_id(PAD)
+        if fraction < 1:
+            corpus = dict(corpus, train=train_subset(corpus, fraction))
         encoded = {split: encode_lines(tok, corpus[split], eos_id, split) for split in ("train", "valid", "test")}
         if len(encoded["train"]) < cfg.get("block_size", 1) + 1:
             raise SystemExit(f"the train split of {describe_source(cfg)} has {len(encoded['train'])} tokens, fewer "
@@ -375,7 +401,7 @@ def prepare_data(cfg, log=print):
                              f"--block-size")
         dtype = np.uint16 if V <= 65535 else np.uint32
         meta = dict(vocab_size=V, eos_id=eos_id, pad_id=pad_id, dtype=np.dtype(dtype).name, tokens={},
-                    dataset=name, tokenizer=cfg["tokenizer"], lines={k: len(v) for k, v in corpus.items()})
+                    dataset=name, tokenizer=cfg["tokenizer"], lines={k: len(corpus[k]) for k in ("train", "valid", "test")})
         # built in a folder of this process, then renamed into place: runs started together (grid.py --jobs) never
         # write the same files, and a cache appears whole or not at all
         tmp = f"{cdir}.tmp{os.getpid()}"
