@@ -20,6 +20,11 @@ Papers (equations are cited by paper and number):
   FRAGE  Gong et al. 2018, "FRAGE: Frequency-Agnostic Word Representation" (Eq. 2-5)
   UL     Welleck et al. 2020, "Neural Text Generation with Unlikelihood Training" (token-level UL; sequence-level
          UL of Sec. 5.2 for fine-tuning: sequence_unlikelihood)
+  Center Bis et al. 2021, "Too Much in Common: Shifting of Embeddings in Transformer Language Models" (the cone is a
+         common drift of all rows); Stollenwerk et al. 2026, "Output Embedding Centering for Stable LLM Pretraining"
+         (arXiv 2601.02031: mu-centering and mu-loss)
+  z-loss Chowdhery et al. 2022, "PaLM" (Sec. 5, z_loss = 1e-4 log^2 Z); Team OLMo 2024, "2 OLMo 2 Furious"
+  CoupledAdamW  Stollenwerk & Stollenwerk 2025, "Better Embeddings with Coupled Adam" (arXiv 2502.08441)
 """
 from collections import deque
 
@@ -40,13 +45,16 @@ class GatedSoftmaxCE(torch.autograd.Function):
                      1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
     A gate of None means all ones. The gate is applied to G in place, so no T x V gate tensor exists. An output
     bias (V,), if given, gets the plain gradient sum_i G_i: the gates act on the weight only.
+    z_coef > 0 adds the z-loss z_coef * (log Z_i)^2 per position (log Z_i = logsumexp of row i's logits, bias
+    included): G gains 2 z_coef log Z_i softmax_i per row. Returns the means of (loss, nll, rare-set probability,
+    (log Z)^2).
     Gradients are computed during forward, `chunk_size` rows at a time: peak memory holds one chunk x V
     buffer (not the ~3 T x V buffers of F.cross_entropy), and backward only scales them by the incoming grad.
     """
 
     @staticmethod
     def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad,
-                center=False, bias=None):
+                center=False, bias=None, z_coef=0.0):
         n = h.shape[0]
         device = h.device.type
         # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
@@ -59,7 +67,7 @@ class GatedSoftmaxCE(torch.autograd.Function):
             grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=h.device) if need_grad and bias is not None \
                 else None
             b_acc = None if bias is None else bias.detach().to(acc_dtype)
-            sums = torch.zeros(3, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability
+            sums = torch.zeros(4, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability, (log Z)^2
             mean_h = h_mm.to(acc_dtype).mean(0) if center and n else None
             step = chunk_size or max(n, 1)
             for s in range(0, n, step):
@@ -67,16 +75,16 @@ class GatedSoftmaxCE(torch.autograd.Function):
                 sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols,
                                     None if grad_h is None else grad_h[rows], grad_w,
                                     col_gate, None if group_rows is None else group_rows[rows], group_gate, mean_h,
-                                    b_acc, grad_b)
+                                    b_acc, grad_b, z_coef)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
-        loss, nll, rare_mass = (sums / max(n, 1)).unbind()
-        ctx.mark_non_differentiable(nll, rare_mass)
-        return loss, nll, rare_mass
+        loss, nll, rare_mass, log_z2 = (sums / max(n, 1)).unbind()
+        ctx.mark_non_differentiable(nll, rare_mass, log_z2)
+        return loss, nll, rare_mass, log_z2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_nll, _grad_mass):
+    def backward(ctx, grad_loss, _grad_nll, _grad_mass, _grad_log_z2):
         if ctx.grads is None:
             raise RuntimeError("GatedSoftmaxCE: a second backward through the same loss. The head computes its "
                                "gradients in forward and frees them after the first backward; call method.loss() "
@@ -86,13 +94,13 @@ class GatedSoftmaxCE(torch.autograd.Function):
             raise RuntimeError("GatedSoftmaxCE: forward ran without need_grad=True, so there is nothing to backpropagate")
         ctx.grads = None  # free the buffers
         return (grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None, None,
-                None if grad_b is None else grad_b.mul_(grad_loss))
+                None if grad_b is None else grad_b.mul_(grad_loss), None)
 
 
 def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate,
-                mean_h=None, bias=None, grad_b=None):
-    """One chunk of GatedSoftmaxCE: returns the sums of (loss, nll, rare-set probability) over its rows, writes
-    grad_h (its rows) and adds its part to grad_w. Its chunk x V buffer is freed when it returns.
+                mean_h=None, bias=None, grad_b=None, z_coef=0.0):
+    """One chunk of GatedSoftmaxCE: returns the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows,
+    writes grad_h (its rows) and adds its part to grad_w. Its chunk x V buffer is freed when it returns.
     mean_h (d,): gate only the part of the push along the mean feature (agg-centered): for row i, column k the
     weight gradient is G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
     V = w_mm.shape[0]
@@ -107,13 +115,18 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
     lse = row_max.squeeze(1) + sum_exp.log()
     nll = lse - target_logit
     loss = (1 - smoothing) * nll + smoothing * (lse - mean_logit) if smoothing else nll  # = F.cross_entropy's value
+    log_z2 = lse.square()
+    if z_coef:
+        loss = loss + z_coef * log_z2  # z-loss (PaLM Sec. 5): z_coef (log Z)^2 per position
     rare_mass = torch.zeros((), dtype=acc_dtype, device=hs.device)
     if grad_h is None and mass_cols is None:
-        return torch.stack([loss.sum(), nll.sum(), rare_mass])
+        return torch.stack([loss.sum(), nll.sum(), rare_mass, log_z2.sum()])
     grad = exp.div_(sum_exp[:, None] * n)  # softmax / n: the mean reduction folded in
     if mass_cols is not None:
         rare_mass = (grad @ mass_cols).sum() * n
     if grad_h is not None:
+        if z_coef:  # d(z_coef (log Z)^2)/dlogits = 2 z_coef log Z softmax: scales each row's p / n
+            grad.mul_((1 + 2 * z_coef * lse)[:, None])
         # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
         grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
         if smoothing:
@@ -129,7 +142,7 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
             _add_grad_w(grad_w, grad, hs, w_mm.dtype)
             _gate_(grad, ys, col_gate, group_rows, group_gate)
             grad_w.sub_(torch.outer(ungated_colsum - grad.sum(0), mean_h))
-    return torch.stack([loss.sum(), nll.sum(), rare_mass])
+    return torch.stack([loss.sum(), nll.sum(), rare_mass, log_z2.sum()])
 
 
 def _add_grad_w(grad_w, grad, hs, mm_dtype):
@@ -227,7 +240,7 @@ class MLE:
             raise ValueError(f"method {self.name!r}: unknown hyper-parameter(s) {unknown}; "
                              f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
         self.hparams = {**self.defaults, **hparams}
-        for key in ("alpha", "rare_fraction", "popular_fraction", "gamma", "lambda_", "alpha_ul"):
+        for key in ("alpha", "rare_fraction", "popular_fraction", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef"):
             value = self.hparams.get(key)
             if value is not None and not (value >= 0 and value != float("inf")):  # nan fails value >= 0
                 raise ValueError(f"method {self.name!r}: {key} must be a finite number >= 0, got {value}")
@@ -306,11 +319,13 @@ class MLE:
         # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls only
         mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype)
         cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
-        loss, nll, rare_mass = GatedSoftmaxCE.apply(h, weight, y, cast(col_gate), group_rows, cast(group_gate),
-                                                    mass_cols, float(label_smoothing), chunk_size, need_grad,
-                                                    bool(self.hparams.get("center_gate")) and group_rows is not None,
-                                                    bias)
+        z_coef = float(self.hparams.get("z_coef", 0.0))
+        loss, nll, rare_mass, log_z2 = GatedSoftmaxCE.apply(
+            h, weight, y, cast(col_gate), group_rows, cast(group_gate), mass_cols, float(label_smoothing), chunk_size,
+            need_grad, bool(self.hparams.get("center_gate")) and group_rows is not None, bias, z_coef)
         self._stats = {"nll": nll.detach()}
+        if "z_coef" in self.hparams:
+            self._stats["zloss"] = z_coef * log_z2  # the z-loss term inside `loss`
         if rare is not None:
             rare = rare.to(y.device)
             self._stats.update(rare_count=rare.sum(), rare_fraction=rare.float().mean(),
@@ -343,8 +358,8 @@ class MLE:
     def stats(self):
         """Floats from the last loss() call: nll; for methods with a rare group also rare_count, rare_fraction (of the
         vocabulary), rare_mass_true (share of targets that are rare) and, on no-grad calls, rare_mass_pred (mean
-        predicted probability of the rare set); regulariser where one is added. Converted lazily: reading them
-        syncs the GPU, computing them does not."""
+        predicted probability of the rare set); regulariser where one is added; zloss (z_coef * mean (log Z)^2, the
+        z-loss term of the loss) for zloss. Converted lazily: reading them syncs the GPU, computing them does not."""
         return {k: float(v) for k, v in self._stats.items()}
 
     def state_dict(self):
@@ -735,6 +750,58 @@ class ULAGG(AGG):
         return gate_matrix(y, self.vocab_size, col_gate, group_rows, group_gate).view(*targets.shape, self.vocab_size)
 
 
+@torch.no_grad()
+def subtract_mean_row_(weight):
+    """weight -= its mean row, in place: afterwards the rows sum to zero (mu-centering, Stollenwerk et al. 2026)."""
+    weight.sub_(weight.mean(0))
+    return weight
+
+
+class Center(MLE):
+    """Embedding centering (Bis et al. 2021: degenerate rows share a common drift, the mean row, which carries the
+    frequency information; Stollenwerk et al. 2026, output embedding centering). The mean is over all V rows, special
+    ids and never-seen tokens included (the softmax sums over all of them).
+    center_mode="step" (mu-centering): after_step(weight) subtracts the mean row after every optimizer step, so from
+    the first step on every loss sees a centered weight; the loss is MLE's.
+    center_mode="loss" (mu-loss): adds mu_coef * ||mean row||^2 to the loss and leaves the weight alone."""
+    name = "center"
+    defaults = dict(center_mode="step", mu_coef=1.0)
+
+    def __init__(self, vocab_size, **kw):
+        super().__init__(vocab_size, **kw)
+        if self.hparams["center_mode"] not in ("step", "loss"):
+            raise ValueError(f"method {self.name!r}: center_mode must be 'step' or 'loss', "
+                             f"got {self.hparams['center_mode']!r}")
+
+    def after_step(self, weight):
+        if self.hparams["center_mode"] == "step":
+            subtract_mean_row_(weight)
+
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+        if self.hparams["center_mode"] != "loss":
+            return None
+        mu = (weight if weight.dtype == torch.float64 else weight.float()).mean(0)
+        return self.hparams["mu_coef"] * mu.square().sum()
+
+
+class ZLoss(MLE):
+    """MLE + z-loss: loss = mean NLL + z_coef * mean (log Z)^2 over the non-ignored positions, log Z = logsumexp of
+    the logits (bias included). Keeps log Z near 0, so logits cannot drift together (PaLM Sec. 5, z_coef 1e-4; OLMo 2).
+    Computed inside the fused head: no extra pass over the logits."""
+    name = "zloss"
+    defaults = dict(z_coef=1e-4)
+
+
+class AGGCenter(AGG):
+    """AGG's gates (Eq. 5-8) plus mu-centering of the weight after every optimizer step (see Center): AGG slows the
+    push of rare rows, centering removes the drift all rows share."""
+    name = "agg+center"
+    defaults = dict(AGG.defaults)
+
+    def after_step(self, weight):
+        subtract_mean_row_(weight)
+
+
 def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.float64):
     """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it: col_gate on the rows of
     non-group targets, group_gate on group rows, 1 at each row's target (the pull is never gated). For analysis
@@ -810,6 +877,7 @@ METHODS = {cls.name: cls for cls in [
     AGPS, FreezeRare,
     _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts,
     CosReg, FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True),
+    Center, ZLoss, AGGCenter,
 ]}
 
 
@@ -838,6 +906,10 @@ HPARAMS = {
     "alpha_ul": (float, "unlikelihood weight"),
     "gate_ul": (bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (this project's choice)"),
     "ul_features_only": (bool, "ul+agg-features: the UL term's gradient reaches the features only, not the weight"),
+    "center_mode": (str, "center: 'step' subtracts the mean embedding row after each step (mu-centering), 'loss' adds "
+                         "mu_coef * ||mean row||^2 (mu-loss)"),
+    "mu_coef": (float, "center with center_mode 'loss': weight of the mu-loss ||mean row||^2"),
+    "z_coef": (float, "zloss: weight of the z-loss mean (log Z)^2 (PaLM, OLMo 2: 1e-4)"),
 }
 
 
@@ -875,6 +947,77 @@ def build_method(name, vocab_size, steps_per_epoch=None, tokens_per_step=None, r
         hparams["alpha"] = alpha_for_rare_share(hparams["counts"], rare_share, tokens_per_step,
                                                 hparams.get("special_ids", ()))
     return METHODS[name](vocab_size, **hparams)
+
+
+# -----------------------------------------------------------------------------
+# Optimizer
+
+
+class CoupledAdamW(torch.optim.Optimizer):
+    """AdamW whose second moment is shared by the rows of each coupled parameter (Coupled Adam, Stollenwerk &
+    Stollenwerk 2025). Adam divides each embedding row's update by its own sqrt(v), so rare rows (small v) take large
+    steps in the direction all rows share; Coupled Adam divides every row by the vocabulary's mean second moment.
+
+    Arguments as torch.optim.AdamW (params, lr, betas, eps, weight_decay); amsgrad, maximize, foreach, capturable,
+    differentiable and fused are refused. Each parameter group may set "coupled" (default: the `coupled` argument,
+    True). For a coupled parameter (rows = vocabulary, e.g. the tied embedding (V, d)) the state is AdamW's (exp_avg,
+    exp_avg_sq per element, step) and the update is
+        p <- p (1 - lr wd);  m, v <- AdamW's moments;  p <- p - lr (m / bc1) / (sqrt(mean_rows(v) / bc2) + eps)
+    with mean_rows(v) = v.mean(dim 0) broadcast to every row, bc1 = 1 - beta1^t, bc2 = 1 - beta2^t. Any parameter
+    with ndim >= 1 is averaged over its dim 0 (a 1-D output bias (V,) shares one second moment); a 0-dim one is its own
+    mean. Pass only the embedding as coupled: e.g. [{"params": [emb], "coupled": True}, {"params": rest,
+    "coupled": False}]. A group with coupled=False is torch.optim.AdamW, same arithmetic (bit-identical on CPU)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, coupled=True):
+        unsupported = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                           differentiable=differentiable, fused=fused)
+        given = sorted(k for k, v in unsupported.items() if v)
+        if given:
+            raise ValueError(f"CoupledAdamW: {', '.join(given)} not supported; it takes lr, betas, eps, weight_decay "
+                             "and a per-group 'coupled'")
+        if not 0.0 <= lr:
+            raise ValueError(f"CoupledAdamW: lr must be >= 0, got {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"CoupledAdamW: eps must be >= 0, got {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"CoupledAdamW: betas must be in [0, 1), got {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"CoupledAdamW: weight_decay must be >= 0, got {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, coupled=coupled))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("CoupledAdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:  # AdamW's state, so state_dict() has AdamW's layout
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                state["step"] += 1
+                t = state["step"].item()
+                # decoupled weight decay, then the moments, in torch.optim.AdamW's order and arithmetic
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                m.lerp_(p.grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+                # Coupled Adam: one second moment per column, the mean over the rows (the vocabulary)
+                v_used = v.mean(0, keepdim=True) if group["coupled"] and p.dim() else v
+                denom = (v_used.sqrt() / bc2 ** 0.5).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / bc1)
+        return loss
 
 
 # -----------------------------------------------------------------------------
