@@ -25,8 +25,12 @@ Papers (equations are cited by paper and number):
          (arXiv 2601.02031: mu-centering and mu-loss)
   z-loss Chowdhery et al. 2022, "PaLM" (Sec. 5, z_loss = 1e-4 log^2 Z); Team OLMo 2024, "2 OLMo 2 Furious"
   CoupledAdamW  Stollenwerk & Stollenwerk 2025, "Better Embeddings with Coupled Adam" (arXiv 2502.08441)
+Metrics beyond AGG's: IsoScore (Rudman et al. 2022, "IsoScore: Measuring the Uniformity of Embedding Space
+Utilization"), frequency-weighted I(W) (Yokoi et al. 2024, "Zipfian Whitening"), the under-trained-token indicator
+(Land & Bartolo 2024, "Fishing for Magikarp: Automatically Detecting Under-trained Tokens in Large Language Models").
 """
 from collections import deque
+import math
 
 import torch
 import torch.nn.functional as F
@@ -1025,16 +1029,89 @@ class CoupledAdamW(torch.optim.Optimizer):
 
 
 @torch.no_grad()
-def isotropy(weight):
+def isotropy(weight, weights=None, center=False):
     """I(W) = min_a Z(a) / max_a Z(a), Z(a) = sum_i exp(w_i . a) (AGG Eq. 3), a over the eigenvectors of W^T W AND
     their negatives: an eigenvector's sign is arbitrary (eigh may return either) and Z(a) != Z(-a) whenever the rows
     share a direction, so taking both makes I(W) depend on W alone (isotropy(W) == isotropy(-W)).
-    float64, log Z by log-sum-exp: finite for any norm."""
+    float64, log Z by log-sum-exp: finite for any norm.
+
+    weights (V,), optional: non-negative row weights, e.g. token frequencies (the frequency-weighted view of Zipfian
+    whitening, Yokoi et al. 2024), normalised to p_i summing to 1: Z(a) = sum_i p_i exp(w_i . a), a over the
+    eigenvectors of the weighted second moment W^T diag(p) W. Uniform weights give I(W). Rows of weight 0 drop out.
+    center=True: I of W minus its mean row (with weights, the p-weighted mean sum_i p_i w_i)."""
     w = weight.detach().double()
-    _, eigvecs = torch.linalg.eigh(w.T @ w)
+    if weights is None:
+        if center:
+            w = w - w.mean(0)
+        _, eigvecs = torch.linalg.eigh(w.T @ w)
+        proj = w @ eigvecs
+        log_z = torch.cat([torch.logsumexp(proj, dim=0), torch.logsumexp(-proj, dim=0)])
+        return float(torch.exp(log_z.min() - log_z.max()))
+    p = torch.as_tensor(weights).detach().to(w.device, torch.float64).reshape(-1)
+    if len(p) != len(w) or not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or not float(p.sum()) > 0:
+        raise ValueError(f"weights must be {len(w)} finite non-negative numbers with a positive sum "
+                         f"(one per row of weight), got shape {tuple(p.shape)}")
+    p = p / p.sum()
+    if center:
+        w = w - p @ w
+    _, eigvecs = torch.linalg.eigh(w.T @ (p[:, None] * w))
     proj = w @ eigvecs
-    log_z = torch.cat([torch.logsumexp(proj, dim=0), torch.logsumexp(-proj, dim=0)])
+    log_p = p.log()[:, None]  # log 0 = -inf: a row of weight 0 adds nothing to Z
+    log_z = torch.cat([torch.logsumexp(proj + log_p, dim=0), torch.logsumexp(-proj + log_p, dim=0)])
     return float(torch.exp(log_z.min() - log_z.max()))
+
+
+@torch.no_grad()
+def isoscore(weight):
+    """IsoScore (Rudman et al. 2022) of the rows of `weight` as points in R^n, n = weight.shape[1]: 1 when
+    the points spread their variance equally over all n dimensions, 0 when they use one dimension. As the `isoscore`
+    package: (1) reorient the centered points along their principal components, (2) their variance vector, the
+    eigenvalues of the covariance, (3) scaled to norm sqrt(n), (4) its distance delta from the all-ones vector,
+    normalised by sqrt(2 (n - sqrt(n))), (5) phi = (n - delta^2 (n - sqrt(n)))^2 / n^2, the share of dimensions used,
+    (6) IsoScore = (n phi - 1) / (n - 1). float64; nan when all rows are equal (no variance)."""
+    x = weight.detach().double()
+    n = x.shape[1]
+    if n < 2 or len(x) < 2:
+        raise ValueError(f"isoscore needs >= 2 rows in >= 2 dimensions, got {tuple(x.shape)}")
+    x = x - x.mean(0)
+    var = torch.linalg.eigvalsh(x.T @ x / (len(x) - 1)).clamp(min=0)  # variances along the principal components
+    var = var * math.sqrt(n) / var.norm()
+    delta = (var - 1).norm() / math.sqrt(2 * (n - math.sqrt(n)))
+    phi = (n - delta ** 2 * (n - math.sqrt(n))) ** 2 / n ** 2
+    return float((n * phi - 1) / (n - 1))
+
+
+@torch.no_grad()
+def undertrained_rows(weight, unused_ids):
+    """The under-trained-token indicator of Land & Bartolo 2024 (magikarp's "cosine distance w/o 1st PC", here as a
+    similarity): remove the first principal component of the (un)embedding matrix (the paper's constant component;
+    fitted on the centered rows, removed from the rows as they are, as magikarp does), average the rows of the known
+    unused tokens `unused_ids` (e.g. tokens never seen in training), and return each row's cosine similarity to that
+    mean, (V,) float64. High = like the unused rows = under-trained. See undertrained_candidates for the threshold."""
+    w = weight.detach().double()
+    ids = torch.as_tensor(unused_ids, dtype=torch.long, device=w.device).reshape(-1)
+    if len(ids) == 0:
+        raise ValueError("undertrained_rows needs at least one known unused token id")
+    centered = w - w.mean(0)
+    first_pc = torch.linalg.eigh(centered.T @ centered)[1][:, -1]  # eigh sorts ascending: the last is the first PC
+    w = w - torch.outer(w @ first_pc, first_pc)
+    ref = w[ids].mean(0)
+    return (w @ ref) / (w.norm(dim=1) * ref.norm()).clamp(min=1e-12)
+
+
+def undertrained_candidates(indicator, share=0.02, exclude=()):
+    """The rows Land & Bartolo 2024 go on to verify: those whose indicator (undertrained_rows) is at least the
+    threshold, the (1 - share) quantile over the rows not in `exclude` (magikarp: the 2nd percentile of cosine
+    distance, over ordinary tokens; pass e.g. the unused and special ids as exclude). Returns (ids sorted most
+    similar first, excluded rows left out; threshold)."""
+    if not 0 < share < 1:
+        raise ValueError(f"share must be in (0, 1), got {share}")
+    indicator = torch.as_tensor(indicator).double()
+    keep = torch.ones(len(indicator), dtype=torch.bool, device=indicator.device)
+    keep[torch.as_tensor(exclude, dtype=torch.long).reshape(-1)] = False
+    threshold = float(torch.quantile(indicator[keep], 1 - share))
+    ids = (keep & (indicator >= threshold)).nonzero().squeeze(1)
+    return ids[indicator[ids].argsort(descending=True, stable=True)], threshold
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
-"""Tests of AGG's rivals in agg.py (centering, z-loss, agg+center, Coupled Adam): against autograd and literal
-references."""
+"""Tests of AGG's rivals in agg.py (centering, z-loss, agg+center, Coupled Adam) and the extra geometry metrics
+(IsoScore, weighted/centered I(W), the under-trained-token indicator): against autograd and literal references."""
 import argparse
 import io
 
@@ -312,3 +312,102 @@ def test_coupled_adamw_refuses_unsupported_arguments():
                       (dict(weight_decay=-0.1), "weight_decay")):
         with pytest.raises(ValueError, match=match):
             agg.CoupledAdamW(p, **kw)
+
+
+# --------------------------------------------------------------------------------- metrics
+
+
+def test_isoscore_matches_the_isoscore_package():
+    pkg = pytest.importorskip("IsoScore.IsoScore")
+    g = torch.Generator().manual_seed(0)
+    values = []
+    for seed, (n_rows, n_dims) in enumerate([(200, 8), (500, 16), (50, 5), (300, 30)]):
+        scale = torch.logspace(-1.5 * (seed % 3) / 2, 0, n_dims, dtype=torch.float64)
+        mix = torch.linalg.qr(torch.randn(n_dims, n_dims, generator=g, dtype=torch.float64))[0]
+        points = (torch.randn(n_rows, n_dims, generator=g, dtype=torch.float64) * scale) @ mix + 3.0
+        ours = agg.isoscore(points)
+        theirs = float(pkg.IsoScore(points.numpy()))
+        assert ours == pytest.approx(theirs, abs=1e-5), (n_rows, n_dims)
+        values.append(ours)
+    assert max(values) - min(values) > 0.2  # the cases span a range of scores
+
+
+def test_isoscore_extremes_and_k_dimensions():
+    g = torch.Generator().manual_seed(1)
+    assert agg.isoscore(torch.randn(20000, 16, generator=g)) > 0.98  # isotropic Gaussian
+    rank1 = torch.outer(torch.randn(500, generator=g, dtype=torch.float64), torch.randn(16, generator=g,
+                                                                                        dtype=torch.float64))
+    assert abs(agg.isoscore(rank1 + 5.0)) < 1e-6  # one dimension used (an offset does not count)
+    # equal variance in k of n dimensions: phi = k / n, IsoScore = (k - 1) / (n - 1)
+    n, k = 12, 4
+    basis = torch.eye(n, dtype=torch.float64)[:k]
+    points = torch.cat([basis, -basis]) @ torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    assert agg.isoscore(points) == pytest.approx((k - 1) / (n - 1), abs=1e-9)
+    with pytest.raises(ValueError, match="2 dimensions"):
+        agg.isoscore(torch.randn(10, 1))
+
+
+def isotropy_as_it_was(weight):
+    """agg.isotropy before the weights/center options, verbatim."""
+    w = weight.detach().double()
+    _, eigvecs = torch.linalg.eigh(w.T @ w)
+    proj = w @ eigvecs
+    log_z = torch.cat([torch.logsumexp(proj, dim=0), torch.logsumexp(-proj, dim=0)])
+    return float(torch.exp(log_z.min() - log_z.max()))
+
+
+def test_isotropy_unchanged_and_its_weighted_and_centered_forms():
+    g = torch.Generator().manual_seed(2)
+    cone = torch.randn(300, 8, generator=g, dtype=torch.float64) + 0.7 * torch.randn(8, generator=g,
+                                                                                     dtype=torch.float64)
+    for W in (cone, torch.randn(100, 5, generator=g), cone * 30):
+        assert agg.isotropy(W) == isotropy_as_it_was(W)  # bit-identical
+    plain = agg.isotropy(cone)
+    assert agg.isotropy(cone, weights=torch.full((300,), 3.0)) == pytest.approx(plain, rel=1e-9)
+    assert agg.isotropy(cone, center=True) == agg.isotropy(cone - cone.mean(0))
+    assert agg.isotropy(cone, center=True) > plain + 0.1  # centering removes the cone's offset
+    # integer weights = rows repeated that many times (weight 0 = row dropped), centered or not
+    counts = (200 / torch.arange(1, 301)).floor().long()[torch.randperm(300, generator=g)]  # Zipfian, 100 zeros
+    repeated = cone.repeat_interleave(counts, dim=0)
+    weighted = agg.isotropy(cone, weights=counts)
+    assert weighted == pytest.approx(agg.isotropy(repeated), rel=1e-9)
+    assert agg.isotropy(cone, weights=counts, center=True) == pytest.approx(
+        agg.isotropy(repeated - repeated.mean(0)), rel=1e-9)
+    assert abs(weighted / plain - 1) > 0.1  # the weights matter
+    assert agg.isotropy(-cone, weights=counts) == pytest.approx(weighted, rel=1e-9)  # both signs, as unweighted
+    for bad in (-counts, counts[:-1], torch.zeros(300)):
+        with pytest.raises(ValueError, match="weights must be"):
+            agg.isotropy(cone, weights=bad)
+
+
+def literal_magikarp(W, unused):
+    """Land & Bartolo's indicator written out: first PC by SVD of the centered rows, removed from the raw rows;
+    cosine similarity of each row to the mean of the unused rows."""
+    W = W.double()
+    pc = torch.linalg.svd(W - W.mean(0), full_matrices=False).Vh[0]
+    Wr = W - (W @ pc)[:, None] * pc[None, :]
+    mean_unused = Wr[unused].mean(0)
+    return torch.stack([torch.dot(r, mean_unused) / (r.norm() * mean_unused.norm()) for r in Wr])
+
+
+def test_undertrained_rows_flag_planted_untrained_rows():
+    g = torch.Generator().manual_seed(3)
+    V_, d = 300, 16
+    hidden_mean = F.normalize(torch.randn(d, generator=g), dim=0)
+    W = torch.randn(V_, d, generator=g) + 1.0 * hidden_mean  # trained-like: diverse, with a shared offset
+    untrained = torch.randperm(V_, generator=g)[:30]
+    # never a target: left at a small init, pushed only along -mean(h) by everybody's softmax
+    W[untrained] = 0.02 * torch.randn(30, d, generator=g) - 0.5 * hidden_mean
+    unused, planted = untrained[:10], untrained[10:]
+    ind = agg.undertrained_rows(W, unused)
+    assert ind.shape == (V_,) and ind.dtype == torch.float64
+    torch.testing.assert_close(ind, literal_magikarp(W, unused), rtol=1e-9, atol=1e-12)
+    trained = torch.ones(V_, dtype=torch.bool)
+    trained[untrained] = False
+    assert ind[planted].min() > ind[trained].max()
+    ids, threshold = agg.undertrained_candidates(ind, share=20 / 290, exclude=unused)
+    assert set(planted.tolist()) <= set(ids.tolist()) and not set(unused.tolist()) & set(ids.tolist())
+    assert torch.all(ind[ids][:-1] >= ind[ids][1:]) and torch.all(ind[ids] >= threshold)
+    assert len(ids) <= 21  # the top share of the 290 ordinary rows, no more
+    with pytest.raises(ValueError, match="unused"):
+        agg.undertrained_rows(W, [])
