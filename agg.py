@@ -29,8 +29,8 @@ Metrics beyond AGG's: IsoScore (Rudman et al. 2022, "IsoScore: Measuring the Uni
 Utilization"), frequency-weighted I(W) (Yokoi et al. 2024, "Zipfian Whitening"), the under-trained-token indicator
 (Land & Bartolo 2024, "Fishing for Magikarp: Automatically Detecting Under-trained Tokens in Large Language Models").
 """
-from collections import deque
 import math
+from collections import deque
 
 import torch
 import torch.nn.functional as F
@@ -1145,6 +1145,45 @@ def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
 
 
 GROUPS = ("freq", "med", "rare")  # the names of frequency_groups' three groups, most frequent first
+
+
+def ppl_of(nll_sum, count):
+    """exp(mean NLL); nan stays nan (a diverged model), overflow is inf, no tokens is nan."""
+    if count <= 0:
+        return float("nan")
+    mean = float(nll_sum) / int(count)
+    return math.exp(mean) if mean < 700 else (mean if math.isnan(mean) else math.inf)
+
+
+class GroupNLL:
+    """Summed NLL and token counts per group, for PPL total and per frequency group (AGG Table 3): add(nll, group)
+    with each position's NLL and group id (0 frequent, 1 medium, 2 rare as group_of gives them; ids up to
+    n_groups - 1 may hold positions of no group, which count in the total only)."""
+
+    def __init__(self, n_groups=3):
+        self.nll = torch.zeros(n_groups, dtype=torch.float64)
+        self.count = torch.zeros(n_groups, dtype=torch.long)
+
+    def add(self, nll, group):
+        g = group.flatten()
+        self.nll += torch.zeros(len(self.nll), dtype=torch.float64, device=g.device).index_add_(
+            0, g, nll.flatten().double()).cpu()
+        self.count += torch.bincount(g, minlength=len(self.count)).cpu()
+
+    def tokens(self):
+        return int(self.count.sum())
+
+    def loss(self):
+        """Mean NLL over every position."""
+        return float(self.nll.sum()) / max(1, self.tokens())
+
+    def ppl(self, group=None):
+        if group is None:
+            return ppl_of(self.nll.sum(), self.count.sum())
+        return ppl_of(self.nll[group], self.count[group])
+
+    def ppl_groups(self):
+        return {name: self.ppl(k) for k, name in enumerate(GROUPS)}
 
 
 def group_of(groups, vocab_size, missing=-1):

@@ -427,9 +427,10 @@ def bench_chunked(args, devices, log):
 def lm_setup(args, log):
     """train_lm.py's cpu-preset config, model builder and training data; synthetic Zipf ids if its data is unusable."""
     import train_lm
+    from data import prepare_lm
     cfg = train_lm.make_config(device="cpu", preset="cpu")
     try:
-        data = train_lm.prepare_data(cfg, log=lambda *a: None)
+        data = prepare_lm(cfg, log=lambda *a: None)
         ids = torch.from_numpy(data["ids"]["train"].astype("int64"))
         V, counts, special = data["vocab_size"], data["counts"], [data["pad_id"], data["eos_id"]]
         source = f"train_lm.py training split ({data['dir']})"
@@ -439,7 +440,7 @@ def lm_setup(args, log):
         p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
         ids = torch.multinomial(p, 500_000, replacement=True, generator=g)
         counts, special = torch.bincount(ids, minlength=V), [0]
-        source = f"synthetic Zipf(1.1) ids (train_lm.prepare_data failed: {type(e).__name__}: {e})"
+        source = f"synthetic Zipf(1.1) ids (data.prepare_lm failed: {type(e).__name__}: {e})"
     return train_lm, cfg, ids, V, counts, special, source
 
 
@@ -488,9 +489,10 @@ def bench_lm(args, log):
     K = max(1, int(round(steps_per_epoch)))
     for name in names:
         cfg_m = dict(cfg, method=name, alpha=args.lm_alpha if agg.agg_family(name) else None)
-        hp = runlib.method_hparams(cfg_m, steps_per_epoch, counts, tps, special)  # window = steps per epoch
+        kw, share = runlib.method_args(cfg_m)
+        hp = dict(kw, steps_per_epoch=steps_per_epoch, tokens_per_step=tps, rare_share=share)  # window: one epoch
         trainers[name] = LMTrainer(train_lm, cfg, name, V, counts, special, hp)
-        for s in range(K if "window" in hp else 0):  # a full counter window, as after the first epoch
+        for s in range(K if "window" in trainers[name].method.hparams else 0):  # a full window, as after epoch 1
             trainers[name].method.observe(batch(s)[1])
     rare = {n: float(t.method.rare_mask().double().mean()) for n, t in trainers.items()
             if t.method.rare_mask() is not None}
@@ -639,7 +641,8 @@ def plan(task, preset, gpus=1, tflops=100.0, mfu=0.4):
         layers, ctx, micro = cfg["n_layer"], cfg["block_size"], cfg["micro_batch"] * cfg["block_size"]
     else:
         cfg = dict(train_nmt.PRESETS[preset])
-        model = train_nmt.build_model(cfg, cfg["vocab_size"], "meta")
+        with torch.device("meta"):
+            model = train_nmt.build_model(cfg, cfg["vocab_size"])
         layers, ctx, micro = cfg["enc_layers"] + cfg["dec_layers"], cfg["max_len"] // 2, cfg["micro_tokens"]
     n = sum(p.numel() for p in model.parameters())
     d, V = cfg["d_model"], cfg["vocab_size"]

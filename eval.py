@@ -26,9 +26,12 @@ import sys
 import numpy as np
 import torch
 
+from tqdm import tqdm
+
 import agg
 import runlib
 import train_lm
+from data import prepare_lm, prepare_nmt
 
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}  # as AGG Fig. 1
 
@@ -176,59 +179,239 @@ def plot_svd(weights, counts, path):
 
 
 # ------------------------------------------------------------------------------------------------------------- LM
-def evaluate_lm(out_dir, args, device):
-    """train_lm.evaluate (PPL, Uniq, continuations) plus word similarity of the tied embedding (AGG Table 5)."""
-    res = train_lm.evaluate(out_dir, device=device, split=args.split, checkpoint=args.checkpoint,
-                            max_tokens=args.max_tokens, context_window=args.context_window, n_samples=args.n_samples,
-                            prefix_len=args.prefix_len, gen_len=args.gen_len, cache_dir=args.cache_dir)
-    m, W = res["metrics"], res["weight"]
-    m["type_stats"] = dict(nll=res["type_nll"], count=res["type_count"])  # taken out before writing metrics.json
+def rare_logit_stats(logits, y, rare):
+    """Per scored position, all that a scalar bias b on the rare group's logits changes: the target, its logit and
+    whether it is rare, and the log-sum-exp and argmax (value, id) over the rare group and over the other tokens."""
+    z, y = logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
+    zr, zo = z.masked_fill(~rare, -math.inf), z.masked_fill(rare, -math.inf)
+    (max_rare, arg_rare), (max_other, arg_other) = zr.max(-1), zo.max(-1)
+    return dict(target=y, z_y=z.gather(1, y[:, None]).squeeze(1), y_rare=rare[y], lse_rare=torch.logsumexp(zr, -1),
+                lse_other=torch.logsumexp(zo, -1), max_rare=max_rare, arg_rare=arg_rare, max_other=max_other,
+                arg_other=arg_other)
+
+
+def fit_rare_bias(st):
+    """The scalar b on the rare group's logits that minimises the mean NLL of the positions `st` (rare_logit_stats).
+    The NLL is convex in b and its derivative is (mean predicted rare mass) - (share of rare targets), so the fitted
+    b also calibrates the rare group's predicted mass. Newton's method, steps clipped to +-4."""
+    b, y_share = 0.0, st["y_rare"].double().mean()
+    for _ in range(100):
+        p = torch.sigmoid(st["lse_rare"].double() + b - st["lse_other"].double())
+        step = float(((p.mean() - y_share) / (p * (1 - p)).mean().clamp(min=1e-12)).clamp(-4, 4))
+        b -= step
+        if abs(step) < 1e-9:
+            break
+    return b
+
+
+def rare_bias_metrics(st, b, gid):
+    """PPL total and per group, rare-group mass (predicted / true), Uniq and the precision and recall of rare argmax
+    predictions of the positions `st` with b added to the rare group's logits (b = 0: the model as it is)."""
+    lse_rare = st["lse_rare"].double() + b
+    nll = torch.logaddexp(st["lse_other"].double(), lse_rare) - (st["z_y"].double() + b * st["y_rare"].double())
+    pred = torch.where(st["max_rare"] + b > st["max_other"], st["arg_rare"], st["arg_other"])
+    g = gid[st["target"]]
+    pred_rare, hit = gid[pred] == 2, pred == st["target"]
+    up = pred.unique()
+    acc = agg.GroupNLL()
+    acc.add(nll, g)
+    return dict(bias=b, ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
+                rare_mass_pred=float(torch.sigmoid(lse_rare - st["lse_other"].double()).mean()),
+                rare_mass_true=float(st["y_rare"].double().mean()),
+                uniq=int(len(up)), uniq_groups={name: int((gid[up] == k).sum()) for k, name in enumerate(agg.GROUPS)},
+                rare_argmax_precision=float(hit[pred_rare].double().mean()) if pred_rare.any() else float("nan"),
+                rare_argmax_recall=float(hit[g == 2].double().mean()) if (g == 2).any() else float("nan"),
+                rare_argmax_count=int(pred_rare.sum()))
+
+
+def repeated_4grams(tokens):
+    """seq-rep-4 of Welleck et al. 2020: the share of a continuation's 4-grams that are repeats, 1 - unique / all."""
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+@torch.no_grad()
+def evaluate_lm(out_dir, model, ck, args, device):
+    """A train_lm.py run on its test split (or --split valid): PPL total and per frequency group, Uniq (distinct argmax
+    next-token predictions; AGG Table 3) total and per group with the human reference, the free re-weighting baseline
+    (one bias on the rare group's logits fitted on valid), greedy continuations of test prefixes (AGG Table 14) and
+    word similarity of the tied embedding (AGG Table 5). Returns (metrics, weight, train counts, None, tokens)."""
+    cfg = dict(ck["config"], device=str(device), out=out_dir)
+    if args.cache_dir:
+        cfg["cache_dir"] = args.cache_dir
+    data = prepare_lm(cfg, log=lambda *a: None)
+    if cfg.get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
+        raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
+                         f"{cfg['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the original "
+                         f"files to evaluate it")
+    V, tok = data["vocab_size"], data["tokenizer"]
+    autocast = runlib.autocast(cfg)
+    gid = agg.group_of(agg.frequency_groups(data["counts"]), V)
+    gid_d, rare_d = gid.to(device), gid.to(device) == 2
+    ids = data["ids"][args.split]
+    n = len(ids) - 1 if not args.max_tokens else min(len(ids) - 1, args.max_tokens)
+    acc = agg.GroupNLL()
+    type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
+    preds, targets, stats = [], [], []
+    for logits, y in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window),
+                          desc=f"{os.path.basename(os.path.normpath(cfg['out']))} {args.split}", leave=False):
+        nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
+        acc.add(nll, gid_d[y])
+        type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
+        preds.append(logits.argmax(-1).flatten().cpu())
+        targets.append(y.flatten().cpu())
+        stats.append({k: v.cpu() for k, v in rare_logit_stats(logits, y, rare_d).items()})
+    preds, targets = torch.cat(preds), torch.cat(targets)
+    # The free re-weighting baseline: one bias on the rare group's logits, fitted on the valid split (minimum NLL,
+    # which also calibrates the group's predicted mass), applied to this split.
+    fit = [{k: v.cpu() for k, v in rare_logit_stats(lg, y, rare_d).items()}
+           for lg, y in train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device,
+                                       autocast, args.context_window)]
+    cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    stats, bias = cat(stats), fit_rare_bias(cat(fit))
+    up, ut = preds.unique(), targets.unique()
+    m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=cfg["out"], split=args.split,
+             context_window=args.context_window, tokens=acc.tokens(), ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
+             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
+             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
+             rare_argmax=rare_bias_metrics(stats, 0.0, gid), rare_bias=rare_bias_metrics(stats, bias, gid),
+             type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)))  # for --compare, not saved
+    # greedy continuations of evenly spaced prefixes of the split (AGG Table 14)
+    gens, span = [], args.prefix_len + args.gen_len
+    if len(ids) > span and args.n_samples:
+        for j in range(args.n_samples):
+            s = j * (len(ids) - span) // max(1, args.n_samples)
+            prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
+            cont = train_lm.generate(model, prefix, args.gen_len, autocast)[0].tolist()
+            human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
+            gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
+                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human)),
+                             rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human)))
+    m["generations"] = gens
+    for key in ("uniq", "uniq_human", "rep4", "rep4_human"):
+        m[f"gen_{key}"] = float(np.mean([g[key] for g in gens])) if gens else float("nan")
+    W = model.tok_emb.weight.detach().float().cpu()
     sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
     sims.update({k: getattr(args, k) for k in ("men", "rg65", "rw") if getattr(args, k)})
-    ws = word_similarity(W, res["tokenizer"], res["kind"], sims)
+    ws = word_similarity(W, tok, cfg["tokenizer"], sims)
     m["word_similarity"] = {k: v[0] for k, v in ws.items()}
     m["word_similarity_pairs"] = {k: [v[1], v[2]] for k, v in ws.items()}
-    return m, W, res["counts"], None, res["tokens"]
+    tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
+    return m, W, data["counts"], None, tokens
 
 
 # ------------------------------------------------------------------------------------------------------------ NMT
-def evaluate_nmt(out_dir, args):
-    import train_nmt  # imported when an NMT run is evaluated: its decoding is train_nmt's
-    res = train_nmt.evaluate(out_dir, device=args.device, beam=args.beam, average_last=args.average_last)
-    m = dict(res["metrics"])
-    if "hyps" in res:  # for --compare's paired bootstrap; taken out before writing metrics.json
-        m["texts"] = {k: res[k] for k in ("hyps", "refs", "bleu_tokenize")}
-    m.setdefault("task", "nmt")
-    m.setdefault("out_dir", out_dir)
-    return m, res["weight"].detach().float().cpu(), torch.as_tensor(res["counts"]), res.get("src_counts"), \
-        list(res["tokens"])
+def average_checkpoints(out_dir, n):
+    """The mean of the model weights of the last n snapshots, as fairseq's scripts/average_checkpoints.py."""
+    paths = runlib.snapshots(out_dir)[-n:]
+    if len(paths) < n:
+        raise SystemExit(f"{out_dir}: --average-last {n} needs {n} ckpt_STEP.pt snapshots, found {len(paths)}; "
+                         f"train with --keep-last {n} (or more)")
+    avg = None
+    for p in paths:
+        model = runlib.load_checkpoint(p, "nmt")["model"]
+        if avg is None:
+            avg = {k: v.double().clone() for k, v in model.items()}
+        else:
+            for k, v in model.items():
+                avg[k] += v.double()
+    return {k: (v / n).to(model[k].dtype) for k, v in avg.items()}, [os.path.basename(p) for p in paths]
+
+
+@torch.no_grad()
+def evaluate_nmt(out_dir, model, ck, args, device):
+    """A train_nmt.py run on its test split: BLEU (sacrebleu, detokenised, with its signature), test PPL total and per
+    group, the target side's metrics (train_nmt.validate) and the first test translations; with --average-last N
+    the mean of the last N snapshots instead of the last checkpoint. Returns (metrics, weight, counts of both sides,
+    source counts, tokens)."""
+    import train_nmt  # its decoding and metrics
+    cfg = dict(ck["config"], device=str(device), beam=args.beam, out=out_dir)
+    data = prepare_nmt(cfg, log=lambda *a: None)
+    if cfg.get("data_fingerprint") not in (None, data.cache.name) or data.vocab_size != model.embed.shape[0]:
+        raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
+                         f"{cfg.get('data_fingerprint')}, V={model.embed.shape[0]}; now {data.cache.name}, "
+                         f"V={data.vocab_size}): restore the original files to evaluate it")
+    if args.max_sentences:
+        for k in ("test.src", "test.tgt"):
+            data.ids[k] = data.ids[k][:args.max_sentences]
+        data.text["test"] = tuple(side[:args.max_sentences] for side in data.text["test"])
+    averaged = None
+    if args.average_last:
+        weights, averaged = average_checkpoints(cfg["out"], args.average_last)
+        model.load_state_dict(weights)
+    res, hyps = train_nmt.validate(model, None, data, cfg, device, split="test", bleu_sents=0)
+    hyp_text = [data.decode(h) for h in hyps]
+    src_text, ref_text = data.text["test"]
+    m = dict(task="nmt", out_dir=cfg["out"], bleu=res["bleu"], bleu_signature=res["bleu_signature"],
+             test_loss=res["loss"], test_ppl=res["ppl"], ppl_groups={g: res[f"ppl_{g}"] for g in agg.GROUPS},
+             group_rare_mass_pred=res["group_rare_mass_pred"], group_rare_mass_true=res["group_rare_mass_true"],
+             decode_s=res["decode_s"], n_sentences=res["bleu_sents"], beam=args.beam, lenpen=cfg["lenpen"],
+             src=cfg["src"], tgt=cfg["tgt"], dataset=cfg["dataset"], method=cfg["method"], step=ck["step"],
+             norm=cfg.get("norm", "pre"), target=res["target"], rare_rule=train_nmt.rare_rule(cfg),
+             checkpoints_averaged=len(averaged) if averaged else 0, averaged_files=averaged,
+             **{k: res[k] for k in ("bleu_tok_compound", "bleu_tok_compound_protocol") if k in res},
+             translations=[dict(src=src_text[i], ref=ref_text[i], hyp=hyp_text[i]) for i in range(min(5, len(hyps)))],
+             texts=dict(hyps=hyp_text, refs=list(ref_text),  # for --compare's paired bootstrap, not saved
+                        bleu_tokenize=cfg["bleu_tokenize"] or train_nmt.BLEU_TOKENIZE.get(cfg["tgt"], "13a")))
+    print(f"{cfg['out']}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
+    return m, model.embed.detach().float().cpu(), data.corpus_counts.clone(), data.src_counts.clone(), data.tokens()
 
 
 # --------------------------------------------------------------------------------------------------------- driver
-def read_checkpoint(out_dir, which="last"):
-    """(checkpoint, task) of a run folder, loaded as data only (runlib.load_checkpoint: weights_only=True).
-    which: last (ckpt.pt) or best (ckpt_best.pt, the lowest validation PPL; LM runs)."""
+def evaluate(run_dir, **flags):
+    """One run's evaluation as eval.py does it, for use from Python: flags are eval.py's by name (split="valid",
+    n_samples=0, beam=2, average_last=5, ...). Returns {"metrics", "weight" (V, d), "counts" (the frequency groups'),
+    "src_counts" and "tgt_counts" (NMT), "tokens"}."""
+    args = build_parser().parse_args([run_dir])
+    unknown = set(flags) - set(vars(args))
+    if unknown:
+        raise TypeError(f"unknown eval.py flags {sorted(unknown)}")
+    vars(args).update(flags)
+    model, ck = runlib.load_run(run_dir, args.checkpoint, args.device)
+    task = ck.get("task") or ck["config"].get("task")
+    m, W, c, src_c, tokens = (evaluate_lm if task == "lm" else evaluate_nmt)(run_dir, model, ck, args,
+                                                                             torch.device(args.device))
+    out = dict(metrics=m, weight=W, counts=c, tokens=tokens)
+    if src_c is not None:
+        out.update(src_counts=src_c, tgt_counts=c - src_c)
+    return out
+
+
+def read_config(out_dir, which="last"):
+    """(config, task) of a run folder from its config.json (no checkpoint read), checking that the checkpoint to
+    evaluate exists; a folder without config.json falls back to the checkpoint's own config."""
     path = os.path.join(out_dir, "ckpt.pt" if which == "last" else "ckpt_best.pt")
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no checkpoint. Pass run folders written by train_lm.py / train_nmt.py --out.")
-    ck = runlib.load_checkpoint(path)
-    task = ck.get("task") or ck["config"].get("task")
+    try:
+        with open(os.path.join(out_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        cfg = runlib.load_checkpoint(path)["config"]
+    task = cfg.get("task")
     if task not in ("lm", "nmt"):
         raise SystemExit(f"{path}: unknown task {task!r} (expected 'lm' or 'nmt')")
-    return ck, task
+    return cfg, task
 
 
 SUMMARY_SKIP = {"step", "tokens", "rows", "rows_groups", "seed", "uniq_human", "uniq_human_groups", "gen_uniq_human", "gen_rep4_human", "n_sentences", "beam",
                 "lenpen", "word_similarity_pairs", "singular_values"}
 
 
-# config keys that do not make two runs different experiments: the seed, where the run lives and how it was driven
-NOT_A_VARIANT = {"seed", "out", "resume", "overwrite", "stop_at", "device", "compile", "eval_interval", "log_interval",
-                 "cache_dir", "snapshot_steps", "keep_last", "save_interval", "no_test", "valid_bleu_sents",
-                 "data_fingerprint", "log_to", "prepare_only", "source_only_rare"}  # the last: told by rare_rule
+# config keys that do not make two runs different experiments: the seed, the data's hash (the data flags say it), the
+# run-control keys of the task's script (runlib.RUN_CONTROL), and a flag that rare_rule tells
+NOT_AN_EXPERIMENT = {"seed", "data_fingerprint", "source_only_rare"}
 
 
 _FLAG_DEFAULTS = {}
+
+
+def script_of(cfg):
+    """The training script (module) of a run's config."""
+    if cfg.get("task", "lm") == "lm":
+        return train_lm
+    import train_nmt
+    return train_nmt
 
 
 def flag_default(task, key):
@@ -261,7 +444,9 @@ def variant_names(configs):
         by_method.setdefault(cfg.get("method", "?"), []).append(run)
     names = {}
     for method, runs in by_method.items():
-        keys = sorted({k for r in runs for k in configs[r]} - NOT_A_VARIANT)
+        flags = {k for r in runs for k in vars(script_of(configs[r]).build_parser().parse_args([]))}
+        control = set().union(*(script_of(configs[r]).RUN_CONTROL for r in runs)) | NOT_AN_EXPERIMENT
+        keys = sorted(({k for r in runs for k in configs[r]} & (flags | {"task", "rare_rule"})) - control)
         differ = [k for k in keys if len({repr(setting(configs[r], k)) for r in runs}) > 1]
         for r in runs:
             names[r] = method + "".join(f" {k}={setting(configs[r], k)}" for k in differ)
@@ -663,8 +848,7 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
                                                  for r in log_records(folders[label], split)[-1:]}
     rel = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in argv]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(dict(command=shlex.join(["python", "eval.py", *rel]), runs=runs, compare=comparisons), f, indent=1)
+    runlib.write_json(path, dict(command=shlex.join(["python", "eval.py", *rel]), runs=runs, compare=comparisons))
 
 
 def labels_for(out_dirs):
@@ -808,8 +992,7 @@ def write_report(path, metrics, extras, args, argv, summary=None, curves=None, s
     L += [
           "Tokens that never occur in training receive (almost) no gradient under the gated methods and stay near "
           "their initialisation: they form a cluster at the origin of the projection.", ""]
-    with open(path, "w") as f:
-        f.write("\n".join(L))
+    runlib.write_text(path, "\n".join(L))
 
 
 def _get(summary, dotted):
@@ -833,6 +1016,7 @@ def build_parser():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")
+    p.add_argument("--max-sentences", type=int, default=None, help="NMT: the first N test sentences (default: all)")
     p.add_argument("--context-window", type=int, default=0,
                    help="LM: score each block after this many tokens of context, as fairseq's --context-window "
                         "(default 0: non-overlapping blocks, the same scoring as training's validation)")
@@ -872,11 +1056,7 @@ def main(argv=None):
     # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)
     tasks, configs, out_bias = {}, {}, {}
     for d in args.out_dirs:
-        ck, tasks[d] = read_checkpoint(d, args.checkpoint)
-        configs[d] = ck["config"]
-        if ck["model"].get("out_bias") is not None:  # train_lm.py --output-bias
-            out_bias[d] = ck["model"]["out_bias"].detach().float().cpu()
-        del ck
+        configs[d], tasks[d] = read_config(d, args.checkpoint)
     variants = variant_names(configs)
     names = list(dict.fromkeys(variants[d] for d in args.out_dirs))  # in the order given
     seeds = [{configs[d].get("seed") for d in args.out_dirs if variants[d] == v} for v in names]
@@ -893,12 +1073,17 @@ def main(argv=None):
         task = tasks[out_dir]
         if task == "lm" and args.average_last:
             raise SystemExit(f"{out_dir}: --average-last applies to NMT runs (train_nmt.py --keep-last N)")
-        m, W, c, src_c, tokens = evaluate_lm(out_dir, args, device) if task == "lm" else evaluate_nmt(out_dir, args)
+        model, ck = runlib.load_run(out_dir, args.checkpoint, device)  # the one read of each checkpoint
+        m, W, c, src_c, tokens = (evaluate_lm if task == "lm" else evaluate_nmt)(out_dir, model, ck, args, device)
+        if getattr(model, "out_bias", None) is not None:  # train_lm.py --output-bias
+            out_bias[out_dir] = model.out_bias.detach().float().cpu()
+        del model, ck
         m.update(geometry(W, c, args.include_unseen))
         m["seed"] = configs[out_dir].get("seed")
         m["valid_ppl"] = last_valid_ppl(out_dir, m.get("step"))
-        if "texts" in m:
+        if "texts" in m:  # NMT: the test translations, one per line, in the report folder
             texts[label] = m.pop("texts")
+            runlib.write_text(os.path.join(args.out, f"test_hyps_{label}.txt"), "\n".join(texts[label]["hyps"]) + "\n")
         if "type_stats" in m:
             type_stats[label] = dict(m.pop("type_stats"), rare=group_index(c)[0] == 2)
         all_tokens[label] = tokens
@@ -927,8 +1112,7 @@ def main(argv=None):
         comparisons.append(compare(metrics, type_stats, base, cand, next(iter(all_tokens.values())), texts=texts))
     for name, obj in (("metrics.json", metrics), ("summary.json", summary)) + ((("compare.json", comparisons),)
                                                                                   if comparisons else ()):
-        with open(os.path.join(args.out, name), "w") as f:
-            json.dump(obj, f, indent=1)
+        runlib.write_json(os.path.join(args.out, name), obj)
     if args.results:
         write_results(args.results, metrics, configs, dict(zip(labels_for(args.out_dirs), args.out_dirs)),
                       comparisons, argv)

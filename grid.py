@@ -113,7 +113,7 @@ def same_flags(folder, cmd):
     if not was:
         return None
     parse = lambda argv: vars(train_lm.build_parser().parse_args(argv))
-    steer = train_lm.RUN_CONTROL - {"max_steps"}
+    steer = train_lm.RUN_CONTROL
     a, b = parse(was), parse(cmd[2:])
     diff = sorted(k for k in a if k not in steer and a[k] != b[k])
     return None if not diff else "trained with " + ", ".join(f"{k}={a[k]!r} (now {b[k]!r})" for k in diff)
@@ -292,8 +292,7 @@ def main(argv=None):
     if args.lrs or args.warmups or args.sweep:
         with open(os.path.join(report, "metrics.json")) as f:
             sweep = sweep_table(json.load(f), command, key)
-        with open(os.path.join(args.out, "sweep.json"), "w") as f:
-            json.dump(sweep, f, indent=1)
+        runlib.write_json(os.path.join(args.out, "sweep.json"), sweep)
         for method, s in sweep["selected"].items():
             knob = f", --{args.sweep[0]} {s[key]:g}" if key else ""
             print(f"{method}: selected lr {s['lr']:g}, warm-up {s['warmup']}{knob} (mean valid PPL "

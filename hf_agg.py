@@ -142,8 +142,9 @@ def main(argv=None):
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
     import train_lm
+    from data import prepare_lm
     cfg = train_lm.make_config(device="cpu")
-    data = train_lm.prepare_data(cfg)
+    data = prepare_lm(cfg)
     V, ids, T = data["vocab_size"], data["ids"]["train"], args.block_size
     blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]
     dataset = [{"input_ids": b, "labels": b} for b in blocks]

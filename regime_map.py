@@ -141,8 +141,7 @@ def main(argv=None):
             done = {key(c) for c in cells}
             cells = [c for c in json.load(f) if key(c) not in done] + cells
     cells.sort(key=key)
-    with open(path, "w") as f:
-        json.dump(cells, f, indent=1)
+    runlib.write_json(path, cells)
     plot(cells, os.path.join(args.out, "regime_map.png"))
     print(f"wrote {args.out}/regime_map.png and regime_map.json")
 

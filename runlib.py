@@ -11,6 +11,7 @@ import os
 import pickle
 import platform
 import random
+import re
 import shlex
 import socket
 import subprocess
@@ -22,11 +23,15 @@ import agg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# config keys that may change when a run is resumed (they steer this invocation, not the run's result)
-RUN_CONTROL = {"out", "resume", "overwrite", "max_steps", "stop_at", "device", "dtype", "compile", "eval_interval",
-               "log_interval", "log_to", "prepare_only"}
-# of those, the ones that always follow the current invocation (not the saved config) unless given
-FOLLOW_INVOCATION = ("device", "dtype", "resume", "stop_at", "overwrite", "compile", "prepare_only")
+# The one list of run-control keys: config keys that steer an invocation and leave the trained model unchanged. They
+# may change when a run is resumed, and runs that differ only in them are one experiment (eval.py's variants, grid.py's
+# flag check). Each script adds its own (train_lm.RUN_CONTROL, train_nmt.RUN_CONTROL).
+RUN_CONTROL = {"out", "resume", "overwrite", "stop_at", "device", "compile", "eval_interval", "log_interval", "log_to",
+               "cache_dir"}
+# These change the result but may be given again on resume: a run continued to a new length, or in another precision.
+RESUME_MAY_CHANGE = {"max_steps", "dtype"}
+# Of the run-control keys, the ones that follow the current invocation (not the saved config) unless given.
+FOLLOW_INVOCATION = ("device", "resume", "stop_at", "overwrite", "compile")
 
 
 # ------------------------------------------------------------------------------------------------------------ flags
@@ -54,9 +59,6 @@ def add_run_flags(p, task):
     g.add_argument("--log-to", default="none", choices=["none", "tensorboard", "wandb"],
                    help="also send the train/valid records to TensorBoard (OUT/tensorboard) or Weights & Biases "
                         "(project $WANDB_PROJECT, default agg); log.jsonl is always written")
-    g.add_argument("--prepare-only", action="store_true",
-                   help="build the data cache (tokenizer and token ids) and exit: run it once, as one process, "
-                        "before a multi-GPU job on a large corpus")
     return g
 
 
@@ -118,49 +120,44 @@ def explicit_flags(parser, argv):
     return set(vars(parser.parse_args(argv)))
 
 
-def method_hparams(cfg, steps_per_epoch, counts, tokens_per_step, special_ids, preset_method=None):
-    """agg.build_method keywords: the method flags given, then the preset's method defaults (`preset_method`, e.g.
-    alpha or rare_share) where the method takes them, AGG's window K = steps per epoch and agg-static's
-    static_after = steps per epoch (both as in the paper), alpha resolved from rare_share when given."""
+def method_args(cfg, preset_method=None):
+    """(keywords, rare share) for agg.build_method from a run's config: the method flags given (each must apply to
+    the method), then the preset's method settings (`preset_method`, e.g. AGPS's paper values, an alpha or a rare
+    share) where the method takes them. agg.build_method applies the papers' defaults (AGG's window K = one epoch,
+    agg-static's static_after, alpha from the rare share)."""
     name = cfg["method"]
     if name not in agg.METHODS:
         raise SystemExit(f"unknown --method {name!r}; valid: {', '.join(agg.METHODS)}")
     accepted = agg.METHODS[name].defaults
-    hp = {}
+    kw = {}
     for key in method_hparam_types():
         if cfg.get(key) is None:
             continue
         if key not in accepted:
-            raise SystemExit(f"--{key.rstrip('_').replace('_', '-')} does not apply to --method {name} "
+            raise SystemExit(f"{method_flag(key)} does not apply to --method {name} "
                              f"(its hyper-parameters: {', '.join(accepted) or 'none'})")
-        hp[key] = cfg[key]
+        kw[key] = cfg[key]
     preset_method = preset_method or {}
     for key, value in preset_method.items():  # e.g. AGPS's paper settings in the paper presets
-        if key in accepted and key != "alpha" and key not in hp:
-            hp[key] = value
-    epoch = max(1, int(round(steps_per_epoch)))
-    if "window" in accepted and "window" not in hp:
-        hp["window"] = epoch
-    if accepted.get("static_after") is not None and "static_after" not in hp:
-        hp["static_after"] = epoch
+        if key in accepted and key != "alpha" and key not in kw:
+            kw[key] = value
     share = cfg.get("rare_share")
     if "alpha" not in accepted:
         if share is not None:
             raise SystemExit(f"--rare-share applies to the AGG family only, not --method {name}")
-        return hp
-    if share is not None and "alpha" in hp:
+        return kw, None
+    if share is not None and "alpha" in kw:
         raise SystemExit("give --alpha or --rare-share, not both: each sets AGG's rarity threshold")
-    if share is None and "alpha" not in hp:
+    if share is None and "alpha" not in kw:
         if "alpha" in preset_method:
-            hp["alpha"] = preset_method["alpha"]
-        share = preset_method.get("rare_share")
-    if share is not None and "alpha" not in hp:
-        if not 0 < share < 1:
-            raise SystemExit(f"--rare-share {share}: must be a share of the vocabulary in (0, 1), e.g. 0.2")
-        hp["alpha"] = agg.alpha_for_rare_share(counts, share, tokens_per_step, special_ids)
-    if hp.get("alpha", 0) < 0:
-        raise SystemExit(f"--alpha {hp['alpha']}: must be >= 0 (appearances per optimizer step)")
-    return hp
+            kw["alpha"] = preset_method["alpha"]
+        else:
+            share = preset_method.get("rare_share")
+    if share is not None and not 0 < share < 1:
+        raise SystemExit(f"--rare-share {share}: must be a share of the vocabulary in (0, 1), e.g. 0.2")
+    if kw.get("alpha", 0) < 0:
+        raise SystemExit(f"--alpha {kw['alpha']}: must be >= 0 (appearances per optimizer step)")
+    return kw, share
 
 
 # ----------------------------------------------------------------------------------------------------------- resume
@@ -170,6 +167,7 @@ def start_or_resume(cfg, explicit, task, run_control=RUN_CONTROL):
     the run's result (not in run_control) must equal the saved value. Without --resume, an OUT that holds a run is
     refused unless --overwrite."""
     path = os.path.join(cfg["out"], "ckpt.pt")
+    run_control = set(run_control) | RESUME_MAY_CHANGE
     if cfg["resume"] and os.path.exists(path):
         ck = load_checkpoint(path, task)
         saved = ck["config"]
@@ -282,6 +280,15 @@ def run_segments(out, argv, resumed_step):
     return old + [{k: now[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256", "start_step")}]
 
 
+def method_record(stats, targets):
+    """The method's stats (agg's method.stats, of the last micro-batch) as log keys: rare_* become method_rare_*, and
+    R_over_B is the rare count over the step's `targets` (AGG's R / B)."""
+    rec = {("method_" + k if k.startswith("rare") else k): v for k, v in stats.items() if k != "nll"}
+    if "rare_count" in stats:
+        rec["R_over_B"] = stats["rare_count"] / max(targets, 1)
+    return rec
+
+
 def check_run_flags(cfg):
     """The run flags both scripts share, checked before anything is written: one line per mistake, with the fix."""
     if cfg.get("stop_at") is not None and not 1 <= cfg["stop_at"] <= cfg["max_steps"]:
@@ -330,6 +337,155 @@ class StopSignal:
             if flag and self.name is None:
                 self.name = "a signal on another rank"
         return flag
+
+
+# ------------------------------------------------------------------------------------------------------------ a run
+class Run:
+    """The life of one run folder, the same in both training scripts: resolve the config (the saved one on --resume),
+    DDP and seeding, the data cache built once, exact resume, the lock, config.json with provenance, log.jsonl,
+    atomic checkpoints (with --keep-last snapshots), SIGTERM / SIGINT at a step boundary and a clean exit.
+
+        with runlib.Run(cfg, explicit, argv, "lm", CKPT_FORMAT, RUN_CONTROL) as run:
+            data = run.prepare(prepare_lm)                                # rank 0 builds the cache, the others wait
+            ...model, method, optimizer, scheduler...
+            step = run.restore(model, opt, sched, schedule, method, scaler)    # 0, or the checkpoint's step
+            run.begin(n_params=...)                                       # config.json and log.jsonl
+            while step < run.stop_step:
+                ...; run.log(record); run.checkpoint(step, model, opt, sched, method, scaler)
+                if run.stopping(step): break
+
+    A run stopped by a signal exits with status 1 and says how to continue it."""
+
+    def __init__(self, cfg, explicit, argv, task, fmt, run_control):
+        self.cfg, self.ck = start_or_resume(cfg, set(explicit), task, run_control)
+        self.argv, self.task, self.fmt = list(argv), task, fmt
+        self.ddp, self.rank, self.world = setup_ddp(self.cfg)
+        self.master = self.rank == 0
+        self.device = self.cfg["device"]
+        self.out = self.cfg["out"]
+        self.ckpt_path = os.path.join(self.out, "ckpt.pt")
+        self.stop_step = min(self.cfg["max_steps"], self.cfg["stop_at"] or self.cfg["max_steps"])
+        self.tracker, self.signal, self.step = None, None, 0
+        if self.ck is not None:
+            self.print(f"resuming {self.ckpt_path} at step {self.ck['step']}")
+        seed_everything(self.cfg["seed"], self.rank)
+
+    def print(self, *args, **kw):
+        if self.master:
+            print(*args, **kw)
+
+    def __enter__(self):
+        self.signal = StopSignal().__enter__()  # SIGTERM / SIGINT: checkpoint at the next step boundary
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.signal.__exit__()
+        if self.tracker is not None:
+            self.tracker.close()
+        if self.ddp and exc_type is None:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        if self.master:
+            unlock_run(self.out)
+        if exc_type is None and self.signal.name is not None and self.step < self.stop_step:
+            script = "train_lm.py" if self.task == "lm" else "train_nmt.py"
+            raise SystemExit(f"{self.signal.name}: stopped at step {self.step}, checkpoint {self.ckpt_path} written; "
+                             f"`python {script} --out {self.out} --resume` continues it")
+        return False
+
+    def prepare(self, prepare_fn):
+        """The task's data (prepare_fn(cfg, log) of data.py): rank 0 builds the cache, the other ranks wait for it
+        without a time limit, then read it."""
+        if not self.master:
+            wait_for_rank0(self.ddp)
+        data = prepare_fn(self.cfg, log=print if self.master else (lambda *a, **k: None))
+        if self.master:
+            wait_for_rank0(self.ddp)
+        return data
+
+    def restore(self, model, opt, sched, schedule, method, scaler):
+        """A resumed run continues its checkpoint exactly (restore_training); returns the step (0 for a new run)."""
+        if self.ck is not None:
+            self.step = restore_training(self.ck, self.ckpt_path, model, opt, sched, schedule, method, scaler,
+                                         self.rank, self.world, self.fmt, self.print)
+        return self.step
+
+    def begin(self, tokenizer_json, **info):
+        """Take the folder (lock; a new run clears an old one's files), check that a resumed run reads the data it
+        started with, write config.json (the config, provenance and `info`), the tokenizer and the log."""
+        if self.master:
+            lock_run(self.out)  # one writer per run folder
+            resumed = self.ck is not None
+            if not resumed:
+                clear_run(self.out)  # a new run (or --overwrite, or a restart before any checkpoint): no old files
+            was = self.ck["config"].get("data_fingerprint") if resumed else None
+            if was not in (None, self.cfg.get("data_fingerprint")):
+                raise SystemExit(f"{self.ckpt_path}: the corpus or tokenizer changed since this run started (its "
+                                 f"data was {was}, now {self.cfg['data_fingerprint']}): restore the original files, "
+                                 f"or start a new run with another --out")
+            write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
+            segments = run_segments(self.out, self.argv, self.step if resumed else None)
+            prov = provenance(self.argv)
+            prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
+            write_json(os.path.join(self.out, "config.json"), dict(
+                self.cfg, **prov, segments=segments, world_size=self.world, **info,
+                resumed_from_step=self.step if resumed else None))
+            start_log(os.path.join(self.out, "log.jsonl"), self.step if resumed else None)
+        self.tracker = Tracker(self.cfg["log_to"] if self.master else "none", self.out, self.cfg)
+
+    def wrap(self, model):
+        """The module the forward pass goes through: `model` compiled (--compile) and under DDP its wrapper; the
+        methods and checkpoints keep using `model` itself."""
+        fwd = torch.compile(model) if self.cfg["compile"] else model
+        if self.ddp:
+            device = torch.device(self.device)
+            fwd = torch.nn.parallel.DistributedDataParallel(
+                fwd, device_ids=[device.index if device.index is not None else 0] if device.type == "cuda" else None)
+        return fwd
+
+    def log(self, record):
+        """One record (step, split, numbers) to log.jsonl and the --log-to tracker."""
+        if self.master:
+            append_log(os.path.join(self.out, "log.jsonl"), record, self.tracker)
+
+    def log_valid(self, step, record):
+        """A validation record; a non-finite valid loss stops the run as diverged, before it is checkpointed."""
+        self.log(dict(step=step, split="valid", **record))
+        if not math.isfinite(record["loss"]):
+            raise SystemExit(f"step {step}: the valid loss is {record['loss']} (diverged); {self.ckpt_path} keeps the "
+                             f"last good checkpoint. Lower --lr or check the method's hyper-parameters")
+
+    def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
+        """ckpt.pt, written atomically, with everything an exact resume needs (+ `extra`, e.g. the data position);
+        --keep-last N also keeps the model of the last N checkpoints as ckpt_STEP.pt (checkpoint averaging). Every
+        rank calls it (the RNG states are gathered); a model with non-finite weights is never saved."""
+        self.step = step
+        rngs = all_rng_states(self.ddp, self.world)
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {self.ckpt_path} keeps the "
+                             f"last good checkpoint. Lower --lr or check the method's hyper-parameters")
+        if not self.master:
+            return
+        head = dict(format=self.fmt, model=model.state_dict(), step=step, config=self.cfg, task=self.task)
+        save_checkpoint(self.ckpt_path, dict(head, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                                             method=method.state_dict(), scaler=scaler.state_dict(), rng=rngs, **extra))
+        if self.cfg.get("keep_last"):  # model-only snapshots for checkpoint averaging
+            save_checkpoint(os.path.join(self.out, f"ckpt_{step}.pt"), head)
+            for old in snapshots(self.out)[:-self.cfg["keep_last"]]:
+                os.remove(old)
+
+    def stopping(self, step):
+        """True when a signal asks the run to stop (on any rank: every rank stops at the same step)."""
+        self.step = step
+        return step < self.stop_step and self.signal.received(self.ddp, self.device)
+
+
+def snapshots(out_dir):
+    """The ckpt_STEP.pt snapshots of a run (--keep-last), oldest first."""
+    import glob
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))
+             if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
+    return [p for _, p in sorted(found)]
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
@@ -393,6 +549,28 @@ def load_checkpoint(path, task=None):
         raise SystemExit(f"{path} is a checkpoint of task {found!r}, not {task!r}: use the script of that task, or "
                          f"give a different --out.")
     return ck
+
+
+def load_run(path, checkpoint="last", device="cpu"):
+    """The one way from a run to its trained model: (model in eval mode on `device`, checkpoint), for eval.py,
+    sample.py and --init-from. path: a run folder (checkpoint: last = ckpt.pt, best = ckpt_best.pt, the lowest
+    validation PPL) or a checkpoint file."""
+    import importlib
+    if os.path.isdir(path):
+        path = os.path.join(path, {"last": "ckpt.pt", "best": "ckpt_best.pt"}[checkpoint])
+    ck = load_checkpoint(path)
+    task = ck.get("task") or ck["config"].get("task")
+    if task not in ("lm", "nmt"):
+        raise SystemExit(f"{path}: unknown task {task!r} (expected 'lm' or 'nmt')")
+    script = importlib.import_module("train_lm" if task == "lm" else "train_nmt")
+    vocab_size = ck["model"]["tok_emb.weight" if task == "lm" else "embed"].shape[0]
+    model = script.build_model(ck["config"], vocab_size)
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise SystemExit(f"{path} does not fit the model of its own config ({str(e)[:200]}): the checkpoint is "
+                         f"inconsistent; retrain the run") from None
+    return model.to(device).eval(), ck
 
 
 # -------------------------------------------------------------------------------------------------- seeding and RNG
@@ -620,10 +798,15 @@ def provenance(argv):
 
 def write_json(path, obj):
     """Atomic JSON write."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    write_text(path, json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def write_text(path, text):
+    """Atomic text write: a crash mid-write leaves the old file (or none), never half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def start_log(path, resumed_step=None):

@@ -17,17 +17,18 @@ import torch
 import runlib
 
 
-def load_lm(run, checkpoint, device):
-    import train_lm
+def load(run, checkpoint, device):
+    """(model, tokenizer, config) of a run: runlib.load_run, and the run's tokenizer.json (or its data cache's)."""
     from tokenizers import Tokenizer
-    path = os.path.join(run, "ckpt.pt" if checkpoint == "last" else "ckpt_best.pt")
-    ck = runlib.load_checkpoint(path, "lm")
+    model, ck = runlib.load_run(run, checkpoint, device)
     cfg = dict(ck["config"], device=device)
     tok_path = os.path.join(run, "tokenizer.json")
-    tok = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else train_lm.prepare_data(cfg, log=lambda *a: None)["tokenizer"]
-    model = train_lm.build_model(cfg, tok.get_vocab_size())
-    model.load_state_dict(ck["model"])
-    return model.to(device).eval(), tok, cfg
+    if os.path.exists(tok_path):
+        return model, Tokenizer.from_file(tok_path), cfg
+    import data
+    quiet = lambda *a, **k: None
+    return model, (data.prepare_lm(cfg, quiet)["tokenizer"] if cfg["task"] == "lm" else
+                   data.prepare_nmt(cfg, quiet).tokenizer), cfg
 
 
 @torch.no_grad()
@@ -47,8 +48,7 @@ def generate(model, x, max_new_tokens, temperature=1.0, top_k=None):
     return x
 
 
-def sample_lm(args):
-    model, tok, cfg = load_lm(args.run, args.checkpoint, args.device)
+def sample_lm(args, model, tok, cfg):
     ids = tok.encode(args.prompt).ids if args.prompt else [tok.token_to_id("<|endoftext|>") or 0]
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     torch.manual_seed(args.seed)
@@ -61,16 +61,9 @@ def sample_lm(args):
     return out
 
 
-def translate_nmt(args):
+def translate_nmt(args, model, tok, cfg):
     import numpy as np
     import train_nmt
-    from tokenizers import Tokenizer
-    ck = train_nmt.load_checkpoint(os.path.join(args.run, "ckpt.pt"))
-    cfg = dict(ck["config"], device=args.device)
-    tok_path = os.path.join(args.run, "tokenizer.json")
-    tok = Tokenizer.from_file(tok_path) if os.path.exists(tok_path) else train_nmt.prepare_data(cfg, quiet=True).tokenizer
-    model = train_nmt.build_model(cfg, ck["vocab_size"], args.device)
-    model.load_state_dict(ck["model"])
     lines = open(args.file, encoding="utf-8").read().splitlines() if args.file else sys.stdin.read().splitlines()
     src = [np.asarray(tok.encode(line.strip()).ids, dtype=np.int64) for line in lines]
     hyps = train_nmt.translate(model, src, args.device, beam=args.beam, lenpen=cfg["lenpen"])
@@ -80,10 +73,10 @@ def translate_nmt(args):
     return out
 
 
-def export_hf(args):
+def export_hf(args, model, tok, cfg):
     """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-    model, tok, cfg = load_lm(args.run, args.checkpoint, "cpu")
+    model = model.cpu()
     if model.out_bias is not None:
         raise SystemExit(f"{args.run} was trained with --output-bias, which GPT-2 has no place for; export a run "
                          f"without it")
@@ -135,12 +128,12 @@ def main(argv=None):
     path = os.path.join(args.run, "ckpt.pt")
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no checkpoint; pass a run folder written by train_lm.py or train_nmt.py")
-    task = runlib.load_checkpoint(path).get("task")
+    model, tok, cfg = load(args.run, args.checkpoint, args.device)
     if args.export_hf:
-        if task != "lm":
+        if cfg["task"] != "lm":
             raise SystemExit("--export-hf exports language models (train_lm.py runs)")
-        return export_hf(args)
-    return sample_lm(args) if task == "lm" else translate_nmt(args)
+        return export_hf(args, model, tok, cfg)
+    return (sample_lm if cfg["task"] == "lm" else translate_nmt)(args, model, tok, cfg)
 
 
 if __name__ == "__main__":

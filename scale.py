@@ -14,18 +14,23 @@ The protocol (this project's choices; RESULTS.md states them with the numbers):
   value at the edge of the list extends it by a factor 2 (up to twice), so the selection is bracketed.
 - AGG's rare share: SHARES at M on the full data, lr 4e-3, seed 0, the lowest valid PPL; used at every size.
 - seeds 0 1 2 per (size, data, method) at the selected lr, paired by seed; the lr sweep's seed-0 run is reused.
+- a second corpus: the pair at M with M's selections on the English Bible (--dataset bible-en, 2400 steps), seeds
+  0 1 2, so that no conclusion rests on one set of articles.
 
 Every run is a train_lm.py run folder under OUT/runs (resumable: stop this script at any time and rerun it), evaluated
 by eval.py into RUN/report/ once finished. Selections read validation only; test is read by eval.py for the table.
 """
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 import runlib
 
@@ -40,6 +45,7 @@ SHARES = [0.1, 0.2, 0.4]
 SHARE_SETTING = dict(size="M", lr=4e-3, seed=0)
 SEEDS = [0, 1, 2]
 METHODS = ["mle", "agg"]
+SECOND_CORPUS = dict(name="bible", size="M", flags=["--dataset", "bible-en"], cost=1.3)
 FULL_STEPS = 2400
 
 
@@ -122,6 +128,11 @@ class Study:
                     for seed in SEEDS:
                         runs[run_name(size, fraction, method, lr, seed, sh)] = (
                             run_flags(size, fraction, method, lr, seed, sh), COST[size] * fraction)
+                if size == SECOND_CORPUS["size"]:  # the same pair on the second corpus
+                    for seed in SEEDS:
+                        runs[f"{SECOND_CORPUS['name']}-" + run_name(size, 1.0, method, lr, seed, sh)] = (
+                            run_flags(size, 1.0, method, lr, seed, sh) + SECOND_CORPUS["flags"],
+                            SECOND_CORPUS["cost"])
         return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
 
     def selections(self):
@@ -184,12 +195,191 @@ def train(study, jobs):
         time.sleep(2 if len(running) == jobs else 30)
 
 
+# ---------------------------------------------------------------------------------------------------------- results
+def run_record(study, name, out_label):
+    """One finished, evaluated run as a results record: its settings, sizes, metrics and commands."""
+    folder = study.folder(name)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(folder, "report", "metrics.json")) as f:
+        m = next(iter(json.load(f).values()))
+    V, d = cfg["vocab_size_actual"], cfg["d_model"]
+    here = os.path.relpath(study.runs, ROOT)
+    return dict(
+        method=cfg["method"], seed=cfg["seed"], size=next(k for k, v in SIZES.items() if all(cfg[f] == x for f, x in v.items())),
+        dataset=cfg["dataset"], n_params=cfg["n_params"],
+        n_params_non_embedding=cfg["n_params"] - V * d - cfg["block_size"] * d, d_model=d, n_layer=cfg["n_layer"],
+        head_rank=d, train_fraction=cfg["train_fraction"], train_tokens=cfg["data_tokens"]["train"],
+        max_steps=cfg["max_steps"], lr=cfg["lr"], warmup=cfg["warmup"], rare_share=cfg.get("rare_share"),
+        method_hparams=cfg["method_hparams"], valid_ppl=m["valid_ppl"], ppl=m["ppl"], ppl_groups=m["ppl_groups"],
+        isotropy=m["isotropy"], isotropy_groups=m["isotropy_groups"], uniq=m["uniq"], uniq_groups=m["uniq_groups"],
+        mean_cosine=m["mean_cosine"], rare_bias=m["rare_bias"], rare_argmax=m["rare_argmax"],
+        geometry_rows_rule=m["geometry_rows_rule"], threads=cfg["versions"]["threads"],
+        cpu_capability=cfg["versions"].get("cpu_capability"), git_commit=cfg["git_commit"],
+        command=runlib.run_command(cfg, "train_lm.py").replace(here, f"{out_label}/runs"),
+        eval_command=f"python eval.py {out_label}/runs/{name} --out {out_label}/runs/{name}/report --n-samples 0")
+
+
+def paired_cell(runs):
+    """AGG against MLE in one (size, data) cell, paired by seed: total test PPL ratio, rare-group PPL ratio as they
+    are and with both calibrated (one bias on the rare logits fitted on valid, eval.py's rare_bias), the share of the
+    rare gap that calibrating both closes, I(W) and rare I(W) differences, Uniq difference."""
+    from eval import paired_interval
+    by = {(r["method"], r["seed"]): r for r in runs}
+    seeds = sorted(s for m, s in by if m == "agg" and ("mle", s) in by)
+    pairs = [(by["mle", s], by["agg", s]) for s in seeds]
+    if len(pairs) < 2:
+        return None
+    log = lambda x: math.log(x)
+    quantities = {
+        "ppl_log_ratio": [log(a["ppl"] / b["ppl"]) for b, a in pairs],
+        "valid_ppl_log_ratio": [log(a["valid_ppl"] / b["valid_ppl"]) for b, a in pairs],
+        "rare_ppl_log_ratio": [log(a["ppl_groups"]["rare"] / b["ppl_groups"]["rare"]) for b, a in pairs],
+        "calibrated_rare_ppl_log_ratio": [log(a["rare_bias"]["ppl_groups"]["rare"] / b["rare_bias"]["ppl_groups"]["rare"])
+                                          for b, a in pairs],
+        "calibrated_ppl_log_ratio": [log(a["rare_bias"]["ppl"] / b["rare_bias"]["ppl"]) for b, a in pairs],
+        "gap_closed_by_calibration": [1 - log(b["rare_bias"]["ppl_groups"]["rare"] / a["rare_bias"]["ppl_groups"]["rare"])
+                                      / log(b["ppl_groups"]["rare"] / a["ppl_groups"]["rare"]) for b, a in pairs],
+        "isotropy_diff": [a["isotropy"] - b["isotropy"] for b, a in pairs],
+        "rare_isotropy_diff": [a["isotropy_groups"]["rare"] - b["isotropy_groups"]["rare"] for b, a in pairs],
+        "uniq_diff": [a["uniq"] - b["uniq"] for b, a in pairs],
+    }
+    out = dict(seeds=seeds, **{k: paired_interval(v) for k, v in quantities.items()})
+    for k in ("isotropy", "uniq"):
+        out[f"mle_{k}"] = [b[k] for b, _ in pairs]
+        out[f"agg_{k}"] = [a[k] for _, a in pairs]
+    out["mle_rare_isotropy"] = [b["isotropy_groups"]["rare"] for b, _ in pairs]
+    out["agg_rare_isotropy"] = [a["isotropy_groups"]["rare"] for _, a in pairs]
+    return out
+
+
+FIT_QUANTITIES = ("ppl_log_ratio", "calibrated_rare_ppl_log_ratio", "gap_closed_by_calibration")
+PAPER_REGIME = dict(n_params_non_embedding=302e6, train_tokens=103e6)  # GPT-2 medium on WikiText-103 (AGG Sec. 5.1)
+
+
+def fit_trend(cells, key):
+    """OLS of the per-seed paired quantity on log10 non-embedding parameters and log10 training tokens, with the
+    coefficients' standard errors and 95% intervals, and the fit's prediction (with a 95% prediction interval) at the
+    paper's regime: an extrapolation over two to three decades, to be read as such."""
+    from scipy import stats
+    X, y = [], []
+    for c in cells:
+        for v in c[key]["diffs"]:
+            X.append([1.0, math.log10(c["n_params_non_embedding"]), math.log10(c["train_tokens"])])
+            y.append(v)
+    X, y = np.asarray(X), np.asarray(y)
+    if len(y) <= 4 or np.linalg.matrix_rank(X) < 3:
+        return None
+    beta, *_ = np.linalg.lstsq(X, y, rcond=None)
+    dof = len(y) - 3
+    resid = y - X @ beta
+    s2 = float(resid @ resid) / dof
+    cov = s2 * np.linalg.inv(X.T @ X)
+    se = np.sqrt(np.diag(cov))
+    t = stats.t.ppf(0.975, dof)
+    x0 = np.array([1.0, math.log10(PAPER_REGIME["n_params_non_embedding"]), math.log10(PAPER_REGIME["train_tokens"])])
+    pred, pred_se = float(x0 @ beta), float(np.sqrt(x0 @ cov @ x0 + s2))
+    names = ("intercept", "per_decade_params", "per_decade_tokens")
+    return dict(model=f"{key} = a + b log10(non-embedding params) + c log10(train tokens), OLS over seeds",
+                n=len(y), residual_sd=math.sqrt(s2),
+                **{n: dict(value=float(b), se=float(e), ci95=[float(b - t * e), float(b + t * e)])
+                   for n, b, e in zip(names, beta, se)},
+                paper_regime=dict(PAPER_REGIME, prediction=pred, pi95=[pred - t * pred_se, pred + t * pred_se]))
+
+
+def plot_cells(cells, path):
+    """Each paired quantity against non-embedding parameters (a line per data size) and against training tokens (a
+    line per model size): mean over seeds with the paired 95% t interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("ppl_log_ratio", "AGG / MLE test PPL", True), ("calibrated_rare_ppl_log_ratio",
+              "AGG / MLE rare PPL, both calibrated", True), ("gap_closed_by_calibration",
+              "share of the rare gap closed by calibrating both", False), ("rare_isotropy_diff",
+              "rare I(W): AGG - MLE", False), ("uniq_diff", "Uniq: AGG - MLE", False)]
+    fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7.5))
+    for row, (x_key, line_key, x_label, line_label) in enumerate(
+            [("n_params_non_embedding", "train_tokens", "non-embedding parameters", "{:,.0f} train tokens"),
+             ("train_tokens", "n_params_non_embedding", "training tokens", "{:,.0f} non-emb. params")]):
+        for col, (key, title, ratio) in enumerate(panels):
+            ax = axes[row][col]
+            for line in sorted({c[line_key] for c in cells}):
+                cs = sorted((c for c in cells if c[line_key] == line and key in c), key=lambda c: c[x_key])
+                if not cs:
+                    continue
+                f = (lambda v: math.exp(v)) if ratio else (lambda v: v)
+                mean = [f(c[key]["mean"]) for c in cs]
+                lo = [f(c[key]["t95"][0]) for c in cs]
+                hi = [f(c[key]["t95"][1]) for c in cs]
+                ax.errorbar([c[x_key] for c in cs], mean, yerr=[np.subtract(mean, lo), np.subtract(hi, mean)],
+                            marker="o", capsize=3, label=line_label.format(line))
+            ax.axhline(1.0 if ratio else 0.0, color="0.6", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_xlabel(x_label, fontsize=8)
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=6)
+    fig.suptitle("AGG against MLE as the model and the data grow (cpu-preset family; mean over seeds, paired 95% "
+                 "intervals)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(study, path, argv, corpus_path=None):
+    """results JSON: every finished run, the selections with the valid PPL behind them, the paired cells, the fits."""
+    plan, _ = study.plan()
+    out_label = "out/scale"
+    runs = {n: run_record(study, n, out_label) for n, _f, _c in plan
+            if study.finished(n) and evaluated(study.folder(n))}
+    sel = study.selections()
+    share_runs = {sh: study.valid_ppl(run_name(SHARE_SETTING["size"], 1.0, "agg", SHARE_SETTING["lr"],
+                                               SHARE_SETTING["seed"], sh)) for sh in SHARES}
+    lr_runs = {size: {m: {f"{lr:g}": study.valid_ppl(run_name(size, 1.0, m, lr, 0, sel["share"] if m == "agg" else None))
+                          for lr in sorted({r["lr"] for r in runs.values() if r["size"] == size and r["method"] == m
+                                            and r["train_fraction"] == 1.0 and r["seed"] == 0})}
+                      for m in METHODS} for size in SIZES}
+    corpus = {n: r for n, r in runs.items() if n.startswith(SECOND_CORPUS["name"] + "-")}
+    runs = {n: r for n, r in runs.items() if n not in corpus}
+    cells = []
+    for size in SIZES:
+        for fraction in FRACTIONS:
+            lrs = sel["lr"][size]
+            members = [r for n, r in runs.items() if r["size"] == size and r["train_fraction"] == fraction
+                       and r["lr"] == lrs.get(r["method"]) and (r["method"] == "mle" or r["rare_share"] == sel["share"])]
+            cell = paired_cell(members)
+            if cell is None:
+                continue
+            first = members[0]
+            cells.append(dict(size=size, train_fraction=fraction, train_tokens=first["train_tokens"],
+                              n_params_non_embedding=first["n_params_non_embedding"], d_model=first["d_model"],
+                              n_layer=first["n_layer"], lr=lrs, **cell))
+    result = dict(command=shlex.join(["python", "scale.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
+                  selection=dict(rule="lowest valid PPL at the last step, seed 0, full data", share=sel["share"],
+                                 share_valid_ppl={f"{k:g}": v for k, v in share_runs.items()}, lr=sel["lr"],
+                                 lr_valid_ppl=lr_runs),
+                  runs=runs, compare=cells,
+                  fits={k: fit_trend(cells, k) for k in FIT_QUANTITIES} if len(cells) >= 3 else {})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    runlib.write_json(path, result)
+    if cells:
+        plot_cells(cells, os.path.splitext(path)[0] + ".png")
+    print(f"wrote {path}: {len(runs)} runs, {len(cells)} paired cells")
+    if corpus_path and corpus:
+        runlib.write_json(corpus_path, dict(
+            command=result["command"], corpus=SECOND_CORPUS, selection=dict(share=sel["share"],
+                                                                             lr=sel["lr"][SECOND_CORPUS["size"]]),
+            runs=corpus, compare=paired_cell(list(corpus.values()))))
+        print(f"wrote {corpus_path}: {len(corpus)} runs")
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "out", "scale"))
     p.add_argument("--jobs", type=int, default=1, help="runs at once (2 on a 2-core CPU: one thread each)")
     p.add_argument("--no-train", action="store_true", help="train nothing: write the results of the finished runs")
     p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and a figure beside it)")
+    p.add_argument("--corpus-results", default=None, metavar="FILE", help="write the second corpus's pair here")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more")
@@ -197,6 +387,8 @@ def main(argv=None):
     if not args.no_train:
         train(study, args.jobs)
     print(json.dumps(study.selections()))
+    if args.results:
+        write_results(study, args.results, sys.argv[1:] if argv is None else argv, args.corpus_results)
 
 
 if __name__ == "__main__":

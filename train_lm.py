@@ -12,16 +12,10 @@ The run plumbing shared with train_nmt.py is in runlib.py; the methods live in a
 them (hidden, tied weight, targets). evaluate() below is the test-set evaluation eval.py calls.
 """
 import argparse
-import bz2
 import contextlib
-import glob
-import hashlib
-import json
 import math
 import os
 import random
-import re
-import shutil
 import sys
 import time
 
@@ -34,13 +28,9 @@ from tqdm import tqdm
 import agg
 import runlib
 
+from data import BIBLE_EN, LM_CACHE, OFFLINE_DATASET, describe_source, prepare_lm
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CACHE_DIR = os.path.join(ROOT, "data_cache", "lm")
-OFFLINE_DATASET = "gensim-wiki"  # the shortened English Wikipedia dump shipped in the gensim wheel
-GENSIM_WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
-HUB_DATASETS = {"wikitext-103": "wikitext-103-raw-v1", "wikitext-2": "wikitext-2-raw-v1"}
-EOS, PAD, UNK = "<|endoftext|>", "<pad>", "<unk>"
-DATA_VERSION = 1  # bump when the cleaning / encoding below changes, so caches are rebuilt
 
 # Presets. paper-6l: 001 Table 11 "empirical study"; gpt2-medium: 001 Table 11 "language modeling" column.
 # cpu: 4 layers, d 128 (1.9M params) on the offline corpus: 2,400 steps of 1,024 tokens (3.5 epochs), ~7 min per run
@@ -64,8 +54,8 @@ PRESETS = {
 AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), language modelling
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
-# config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "cache_dir", "eval_tokens", "snapshot_steps"}
+# run control (see runlib.RUN_CONTROL): besides the shared keys, how validation and gradient accumulation are cut
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "eval_tokens", "snapshot_steps"}
 CKPT_FORMAT = "train_lm/1"  # the "format" of a training checkpoint (runlib.restore_training checks it)
 
 
@@ -74,13 +64,14 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=OFFLINE_DATASET,
-                   help=f"{OFFLINE_DATASET} (offline default) | wikitext-103 | wikitext-2 (hub) ; ignored with --data-dir")
+                   help=f"{OFFLINE_DATASET} (offline default) | {BIBLE_EN} (offline: the World English Bible, a chapter "
+                        f"a line) | wikitext-103 | wikitext-2 (hub) ; ignored with --data-dir")
     g.add_argument("--data-dir", default=None,
                    help="folder with train.txt, valid.txt, test.txt; or the raw WikiText layout (wiki.train.tokens, ...); or parquet files with a text column (train-*.parquet, validation-*.parquet, ...); or a datasets.save_to_disk folder")
     g.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
-    g.add_argument("--cache-dir", default=CACHE_DIR, help="tokenizer + token-id cache")
+    g.add_argument("--cache-dir", default=LM_CACHE, help="tokenizer + token-id cache")
     g.add_argument("--split-seed", type=int, default=0,
                    help=f"{OFFLINE_DATASET}: which articles are valid and test (0: the default split; another "
                         f"value: another split of the same articles)")
@@ -165,276 +156,6 @@ def make_config(**fields):
     """The resolved config of a run with `fields` set as their flags would set them (names as in config.json): how
     bench.py, hf_agg.py and the tests get a config without a command line."""
     return runlib.make_config(build_parser(), resolve_config, fields)
-
-
-# ------------------------------------------------------------------------------------------------------------- data
-def clean_wiki_article(markup):
-    """Wikipedia markup -> plain paragraphs (one per line), with gensim.corpora.wikicorpus.filter_wiki."""
-    from gensim.corpora.wikicorpus import filter_wiki
-    text = filter_wiki(markup)
-    lines = []
-    for line in text.split("\n"):
-        line = line.replace("'''", "").replace("''", "").strip()
-        m = re.match(r"^(=+)\s*(.*?)\s*\1$", line)
-        if m:  # section heading, WikiText style " = = Heading = = "
-            line = " ".join(["="] * len(m.group(1)) + [m.group(2)] + ["="] * len(m.group(1)))
-        line = re.sub(r"\s+", " ", line).strip()
-        if line and not re.fullmatch(r"[\W_]*", line):
-            lines.append(line)
-    return lines
-
-
-def load_gensim_wiki(split_seed=0):
-    """The 106-article Wikipedia sample from the gensim wheel, split by article: 6 valid, 5 test, the rest train.
-    The split is deterministic: articles are ordered by the SHA-1 of their title (split_seed 0) or of
-    "SEED:title" (another split of the same articles, for a second measurement of the same claim)."""
-    from gensim.corpora.wikicorpus import extract_pages
-    path = gensim_wiki_path()
-    if not os.path.exists(path):
-        raise SystemExit(f"{path} not found: install the gensim wheel (pip install gensim) or pass --data-dir DIR")
-    articles = []
-    with bz2.open(path) as f:
-        for title, markup, _pid in extract_pages(f):
-            if markup.lstrip().lower().startswith("#redirect"):
-                continue
-            lines = clean_wiki_article(markup)
-            if lines:
-                key = title if not split_seed else f"{split_seed}:{title}"
-                articles.append((hashlib.sha1(key.encode()).hexdigest(), lines))
-    articles.sort()
-    split = {"valid": articles[:6], "test": articles[6:11], "train": articles[11:]}
-    out = {k: [line for _h, lines in v for line in lines] for k, v in split.items()}
-    out["train_documents"] = [len(lines) for _h, lines in split["train"]]  # lines per article: --train-fraction cuts here
-    return out
-
-
-def train_subset(corpus, fraction):
-    """The first `fraction` of the train split by characters, cut at whole documents (articles of the offline corpus,
-    else lines): the longest prefix of documents with at most that share of the characters, and at least one."""
-    lines, docs, start = corpus["train"], [], 0
-    for n in corpus.get("train_documents") or [1] * len(lines):
-        docs.append(lines[start:start + n])
-        start += n
-    chars = np.cumsum([sum(map(len, doc)) for doc in docs])
-    keep = max(1, int(np.searchsorted(chars, fraction * chars[-1], side="right")))
-    return [line for doc in docs[:keep] for line in doc]
-
-
-# --data-dir layouts, per split: (file name patterns, reader). The first layout whose three splits all exist is used.
-SPLIT_NAMES = {"train": ("train",), "valid": ("valid", "validation"), "test": ("test",)}
-DIR_LAYOUTS = (("text", ("{s}.txt",)),                                    # one paragraph a line
-               ("wikitext", ("wiki.{s}.tokens", "wiki.{s}.raw")),         # the raw WikiText-103 / -2 zip layout
-               ("parquet", ("{s}.parquet", "{s}-*.parquet", "*/{s}-*.parquet")))  # the hub's parquet files
-
-
-def data_dir_files(data_dir):
-    """--data-dir -> (layout, {split: [files]}): train/valid/test .txt, the raw WikiText layout (wiki.train.tokens),
-    parquet files with a "text" column (train-*.parquet, validation-*.parquet, ...), or a `datasets.save_to_disk`
-    folder (dataset_dict.json with train / validation / test)."""
-    if not os.path.isdir(data_dir):
-        raise SystemExit(f"--data-dir {data_dir}: not a folder")
-    if os.path.exists(os.path.join(data_dir, "dataset_dict.json")):  # datasets.DatasetDict.save_to_disk
-        with open(os.path.join(data_dir, "dataset_dict.json")) as f:
-            have = json.load(f).get("splits", [])
-        files = {}
-        for split, names in SPLIT_NAMES.items():
-            name = next((n for n in names if n in have), None)
-            if name is None:
-                raise SystemExit(f"--data-dir {data_dir}: the saved dataset has splits {have}, no {' or '.join(names)}")
-            files[split] = sorted(glob.glob(os.path.join(data_dir, name, "*.arrow")))
-        return "save_to_disk", files
-    for layout, patterns in DIR_LAYOUTS:
-        files = {split: sorted({f for n in names for p in patterns for f in glob.glob(os.path.join(data_dir, p.format(s=n)))})
-                 for split, names in SPLIT_NAMES.items()}
-        if all(files.values()):
-            return layout, files
-    raise SystemExit(f"--data-dir {data_dir}: no train/valid/test files found. Use train.txt, valid.txt, test.txt; "
-                     f"the raw WikiText layout (wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens); parquet "
-                     f"files with a 'text' column (train-*.parquet, validation-*.parquet, test-*.parquet); or a "
-                     f"datasets.save_to_disk folder")
-
-
-def read_split(layout, paths):
-    """The non-empty lines (stripped) of one split's files."""
-    if layout in ("text", "wikitext"):
-        lines = []
-        for path in paths:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    lines += [line.strip() for line in f]
-            except UnicodeDecodeError as e:
-                raise SystemExit(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
-                                 f"iconv -f latin1 -t utf-8") from None
-    else:
-        import pyarrow.parquet as pq
-        if layout == "parquet":
-            tables = [pq.read_table(p, columns=["text"]) for p in paths]
-        else:
-            import pyarrow as pa
-            tables = [pa.ipc.open_stream(p).read_all() for p in paths]
-        if any("text" not in t.column_names for t in tables):
-            raise SystemExit(f"{paths[0]}: no 'text' column (columns: {tables[0].column_names})")
-        lines = [str(t).strip() for tab in tables for t in tab.column("text").to_pylist() if t is not None]
-    return [line for line in lines if line]
-
-
-def load_text_dir(data_dir):
-    layout, files = data_dir_files(data_dir)
-    out = {split: read_split(layout, paths) for split, paths in files.items()}
-    for split, lines in out.items():
-        if not lines:
-            raise SystemExit(f"--data-dir {data_dir}: the {split} split ({', '.join(files[split])}) is empty; put "
-                             f"at least a few lines of text in each split")
-    return out
-
-
-def load_hub(name):
-    """WikiText through `datasets` (raw configs). Fails in seconds when the hub is unreachable and nothing is cached."""
-    import datasets
-    try:
-        with runlib.hub_offline(not runlib.hub_reachable()):
-            ds = datasets.load_dataset("Salesforce/wikitext", HUB_DATASETS[name])
-    except Exception as e:
-        raise SystemExit(
-            f"--dataset {name}: cannot load it through `datasets` (Hugging Face hub unreachable and no local cache: "
-            f"{type(e).__name__}: {str(e)[:200]}).\nFix: put train.txt, valid.txt and test.txt in a folder and pass "
-            f"--data-dir DIR, or leave --dataset out to use the offline default '{OFFLINE_DATASET}' (the Wikipedia "
-            f"sample shipped in the gensim wheel).") from None
-    return {k: [t.strip() for t in ds[s]["text"] if t.strip()]
-            for k, s in (("train", "train"), ("valid", "validation"), ("test", "test"))}
-
-
-def gensim_wiki_path():
-    import gensim
-    return os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", GENSIM_WIKI)
-
-
-def source_files(cfg):
-    """The local files a corpus is read from (their hash keys the cache), or None for hub datasets."""
-    if cfg.get("data_dir"):
-        files = [f for paths in data_dir_files(cfg["data_dir"])[1].values() for f in paths]
-    elif cfg["dataset"] == OFFLINE_DATASET:
-        files = [gensim_wiki_path()]
-    else:
-        return None
-    return files if all(os.path.exists(f) for f in files) else None
-
-
-def describe_source(cfg):
-    return f"--data-dir {cfg['data_dir']}" if cfg.get("data_dir") else f"--dataset {cfg['dataset']}"
-
-
-def load_corpus(cfg):
-    if cfg.get("data_dir"):
-        return load_text_dir(cfg["data_dir"])
-    if cfg["dataset"] == OFFLINE_DATASET:
-        return load_gensim_wiki(cfg.get("split_seed") or 0)
-    if cfg["dataset"] in HUB_DATASETS:
-        return load_hub(cfg["dataset"])
-    raise SystemExit(f"unknown --dataset {cfg['dataset']!r}: use {OFFLINE_DATASET}, "
-                     f"{', '.join(HUB_DATASETS)} or --data-dir DIR")
-
-
-def train_tokenizer(lines, kind, vocab_size):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    if kind == "bpe":  # GPT-2 style byte-level BPE
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    else:
-        tok = Tokenizer(models.WordLevel(unk_token=UNK))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size or 10 ** 8, special_tokens=[EOS, PAD, UNK],
-                                            show_progress=False)
-    tok.train_from_iterator(lines, trainer)
-    return tok
-
-
-def encode_lines(tok, lines, eos_id, desc):
-    """Each line (paragraph) followed by EOS, concatenated."""
-    parts = []
-    for i in tqdm(range(0, len(lines), 20000), desc=f"encode {desc}", disable=len(lines) < 50000, leave=False):
-        for enc in tok.encode_batch(lines[i:i + 20000]):
-            parts.append(np.asarray(enc.ids + [eos_id], dtype=np.int64))
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-def prepare_data(cfg, log=print):
-    """Corpus -> tokenizer -> token-id memmaps + train counts, cached under cache_dir/<hash of corpus and tokenizer>.
-    Returns dict(ids={split: np.memmap}, counts=LongTensor (V,), tokenizer, vocab_size, eos_id, pad_id, dir, reused)."""
-    from tokenizers import Tokenizer
-    corpus, h = None, hashlib.sha256()
-    fraction = cfg.get("train_fraction", 1.0)
-    h.update(json.dumps([DATA_VERSION, cfg["tokenizer"], cfg["vocab_size"]]
-                        + ([cfg["split_seed"]] if cfg.get("split_seed") else [])
-                        + ([fraction] if fraction < 1 else [])).encode())
-    files = source_files(cfg)
-    if files:  # local sources: hash the files, so a cache hit needs no parsing
-        for path in files:
-            with open(path, "rb") as f:
-                h.update(hashlib.sha256(f.read()).digest())
-    else:  # hub datasets: hash the text
-        corpus = load_corpus(cfg)
-        for split in ("train", "valid", "test"):
-            h.update(f"\0{split}\0".encode())
-            for line in corpus[split]:
-                h.update(line.encode("utf-8"))
-                h.update(b"\n")
-    name = cfg["dataset"] if cfg["dataset"] != "dir" else "dir"
-    cdir = os.path.join(cfg["cache_dir"], f"{name}-{cfg['tokenizer']}{cfg['vocab_size'] or ''}"
-                                          f"{f'-f{fraction:g}' if fraction < 1 else ''}-{h.hexdigest()[:16]}")
-    meta_path = os.path.join(cdir, "meta.json")
-    reused = os.path.exists(meta_path)
-    if not reused:
-        corpus = corpus or load_corpus(cfg)
-        log(f"building tokenizer + token ids in {cdir}")
-        tok = train_tokenizer(corpus["train"], cfg["tokenizer"], cfg["vocab_size"])
-        V, eos_id, pad_id = tok.get_vocab_size(), tok.token_to_id(EOS), tok.token_to_id(PAD)
-        if fraction < 1:
-            corpus = dict(corpus, train=train_subset(corpus, fraction))
-        encoded = {split: encode_lines(tok, corpus[split], eos_id, split) for split in ("train", "valid", "test")}
-        if len(encoded["train"]) < cfg.get("block_size", 1) + 1:
-            raise SystemExit(f"the train split of {describe_source(cfg)} has {len(encoded['train'])} tokens, fewer "
-                             f"than --block-size {cfg['block_size']} + 1: use a larger corpus or a smaller "
-                             f"--block-size")
-        dtype = np.uint16 if V <= 65535 else np.uint32
-        meta = dict(vocab_size=V, eos_id=eos_id, pad_id=pad_id, dtype=np.dtype(dtype).name, tokens={},
-                    dataset=name, tokenizer=cfg["tokenizer"], lines={k: len(corpus[k]) for k in ("train", "valid", "test")})
-        # built in a folder of this process, then renamed into place: runs started together (grid.py --jobs) never
-        # write the same files, and a cache appears whole or not at all
-        tmp = f"{cdir}.tmp{os.getpid()}"
-        os.makedirs(tmp, exist_ok=True)
-        for split, ids in encoded.items():
-            if split == "train":
-                np.save(os.path.join(tmp, "counts.npy"), np.bincount(ids, minlength=V).astype(np.int64))
-            ids.astype(dtype).tofile(os.path.join(tmp, f"{split}.bin"))
-            meta["tokens"][split] = int(len(ids))
-        tok.save(os.path.join(tmp, "tokenizer.json"))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        if os.path.isdir(cdir) and not os.path.exists(meta_path):  # the remains of a build that was killed
-            shutil.rmtree(cdir, ignore_errors=True)
-        try:
-            os.rename(tmp, cdir)
-        except OSError:  # another process finished the same cache first: theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        log(f"reusing cached tokenizer + token ids in {cdir}")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    for s in ("train", "valid", "test"):  # a cache damaged after it was built (a copy cut short, a full disk)
-        path, want = os.path.join(cdir, f"{s}.bin"), meta["tokens"][s] * np.dtype(meta["dtype"]).itemsize
-        if not os.path.exists(path) or os.path.getsize(path) != want:
-            raise SystemExit(f"the data cache {cdir} is damaged ({s}.bin has "
-                             f"{os.path.getsize(path) if os.path.exists(path) else 0} bytes, not {want}): delete "
-                             f"that folder and run again to rebuild it")
-    ids = {s: np.memmap(os.path.join(cdir, f"{s}.bin"), dtype=meta["dtype"], mode="r", shape=(meta["tokens"][s],))
-           for s in ("train", "valid", "test")}
-    return dict(ids=ids, counts=torch.from_numpy(np.load(os.path.join(cdir, "counts.npy"))), meta=meta,
-                tokenizer=Tokenizer.from_file(os.path.join(cdir, "tokenizer.json")), vocab_size=meta["vocab_size"],
-                eos_id=meta["eos_id"], pad_id=meta["pad_id"], dir=cdir, reused=reused)
 
 
 class Sequences:
@@ -547,15 +268,13 @@ def build_model(cfg, vocab_size):
 def init_from(model, cfg):
     """Load the model weights of the run (folder or checkpoint file) named by --init-from, after checking that it was
     trained on the same data with the same tokenizer and model shape."""
-    path = cfg["init_from"]
-    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    src = runlib.load_checkpoint(path, "lm")
+    src, ck = runlib.load_run(cfg["init_from"])
     for key in ("dataset", "data_dir", "tokenizer", "vocab_size", *[k for k in MODEL_FIELDS if k != "dropout"]):
-        if src["config"].get(key) != cfg.get(key):
-            raise SystemExit(f"--init-from {path} was trained with {key}={src['config'].get(key)!r}, this run has "
-                             f"{key}={cfg.get(key)!r}: pass the same --preset, data and model flags")
-    model.load_state_dict(src["model"])
-    return src["step"]
+        if ck["config"].get(key) != cfg.get(key):
+            raise SystemExit(f"--init-from {cfg['init_from']} was trained with {key}={ck['config'].get(key)!r}, this "
+                             f"run has {key}={cfg.get(key)!r}: pass the same --preset, data and model flags")
+    model.load_state_dict(src.state_dict())
+    return ck["step"]
 
 
 @torch.no_grad()
@@ -694,32 +413,30 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
     gid = agg.group_of(groups, model.tok_emb.weight.shape[0]).to(device)
     rare = gid == 2
     dyn = None if method_rare is None else method_rare.to(device)
-    nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+    acc = agg.GroupNLL()
     rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
     for logits, y in score(model, ids, n, cfg, device, autocast):
         logp = torch.log_softmax(logits.float(), dim=-1)
-        nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
-        g = gid[y]
-        nll_g += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, g.flatten(), nll.flatten()).cpu()
-        count_g += torch.bincount(g.flatten(), minlength=3).cpu()
+        acc.add(-logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double(), gid[y])
         p = logp.exp()
         rare_pred += p[..., rare].sum().item()
         if dyn is not None:
             dyn_pred += p[..., dyn].sum().item()
             dyn_true += dyn[y].sum().item()
     model.train()
-    count = int(count_g.sum())
+    count = acc.tokens()
     geo = agg.geometry(model.tok_emb.weight, dict(zip(agg.GROUPS, groups)), seen)
-    out = dict(loss=float(nll_g.sum()) / max(1, count), ppl=ppl_of(nll_g.sum(), count), tokens=count,
-               **{f"ppl_{name}": ppl_of(nll_g[k], count_g[k]) for k, name in enumerate(agg.GROUPS)},
+    out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
                isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
                mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
                cosine_rare_freq=geo["cosine_rare_freq"], **{f"norm_{g}": geo["norm_groups"][g] for g in agg.GROUPS},
                geometry_rows=geo["rows"],
-               group_rare_mass_pred=rare_pred / max(1, count), group_rare_mass_true=int(count_g[2]) / max(1, count))
+               group_rare_mass_pred=rare_pred / max(1, count), group_rare_mass_true=int(acc.count[2]) / max(1, count))
     if dyn is not None:
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / max(1, count),
                    method_rare_mass_true=dyn_true / max(1, count))
+    if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
+        out["rare_frozen"] = method.frozen()
     if method is not None:
         block = cfg["block_size"]
         n_seq = max(1, min(cfg["micro_batch"], (len(ids) - 1) // block))
@@ -736,341 +453,125 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
     return out
 
 
-def ppl_of(nll_sum, count):
-    """exp(mean NLL); nan stays nan (a diverged model), overflow is inf."""
-    if count <= 0:
-        return float("nan")
-    mean = float(nll_sum) / int(count)
-    return math.exp(mean) if mean < 700 else (mean if math.isnan(mean) else math.inf)
+def keep_best(run, model, step, v, best_ppl):
+    """After a validation: save ckpt_best.pt at a new lowest valid PPL (eval.py --checkpoint
+    best), print the record's headline; returns the best PPL."""
+    if v["ppl"] < best_ppl:
+        best_ppl = v["ppl"]
+        runlib.save_checkpoint(os.path.join(run.out, "ckpt_best.pt"), dict(
+            model=model.state_dict(), step=step, config=run.cfg, task="lm", valid_ppl=best_ppl))
+    tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_rare']:.0f})  I(W) {v['isotropy']:.3f}  "
+               f"rare group mass pred/true {v['group_rare_mass_pred']:.4f}/{v['group_rare_mass_true']:.4f}")
+    return best_ppl
 
 
 def train(cfg, explicit=frozenset(), argv=()):
     """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
-    cfg, ck = runlib.start_or_resume(cfg, set(explicit), "lm", RUN_CONTROL)
-    ddp, rank, world = runlib.setup_ddp(cfg)
-    device = torch.device(cfg["device"])
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    out = cfg["out"]
-    ckpt_path, log_path = os.path.join(out, "ckpt.pt"), os.path.join(out, "log.jsonl")
-    best_path = os.path.join(out, "ckpt_best.pt")  # the model at the lowest validation PPL (eval.py --checkpoint best)
-    if ck is not None:
-        log(f"resuming {ckpt_path} at step {ck['step']}")
-    runlib.seed_everything(cfg["seed"], rank)
+    with runlib.Run(cfg, explicit, argv, "lm", CKPT_FORMAT, RUN_CONTROL) as run:
+        cfg, device = run.cfg, torch.device(run.device)
+        # data: the token ids of the train and valid splits (data.py builds the cache once, on rank 0)
+        data = run.prepare(prepare_lm)
+        V, counts = data["vocab_size"], data["counts"]
+        cfg["data_fingerprint"] = os.path.basename(data["dir"])  # corpus + tokenizer hash: checked on resume and eval
+        seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
+        # --tokens-per-step is the global batch on any number of processes, in whole sequences
+        seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
+        if seqs_per_step % run.world:
+            raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
+                             f"{cfg['block_size']} tokens, not divisible by {run.world} processes: change it")
+        local_seqs = seqs_per_step // run.world
+        check_memory(cfg, V, min(cfg["micro_batch"], local_seqs))
+        tokens_per_step = seqs_per_step * cfg["block_size"]
+        steps_per_epoch = seq.n / seqs_per_step
+        groups = agg.frequency_groups(counts)  # 30/50/20% of the vocabulary by train counts (AGG Sec. 3.1)
 
-    # -- data (rank 0 builds the cache, the others wait without a time limit, then read it)
-    if not master:
-        runlib.wait_for_rank0(ddp)
-    data = prepare_data(cfg, log=log)
-    if master:
-        runlib.wait_for_rank0(ddp)
-    V = data["vocab_size"]
-    seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
-    seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
-    if seqs_per_step % world:
-        raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
-                         f"{cfg['block_size']} tokens, not divisible by {world} processes: change --tokens-per-step")
-    local_seqs = seqs_per_step // world
-    check_memory(cfg, V, min(cfg["micro_batch"], local_seqs))
-    tokens_per_step = seqs_per_step * cfg["block_size"]
-    steps_per_epoch = seq.n / seqs_per_step
-    groups = agg.frequency_groups(data["counts"])
-    cfg["data_fingerprint"] = os.path.basename(data["dir"])  # corpus + tokenizer hash: checked on resume and eval
-
-    # -- model, method, optimizer
-    model = build_model(cfg, V)
-    if cfg.get("init_from") and ck is None:
-        log(f"initialised from {cfg['init_from']} (step {init_from(model, cfg)})")
-    model = model.to(device)
-    special_ids = [data["pad_id"], data["eos_id"]]
-    hp = runlib.method_hparams(cfg, steps_per_epoch, data["counts"], tokens_per_step, special_ids,
-                               PRESET_METHOD.get(cfg["preset"]))
-    method = agg.build_method(cfg["method"], vocab_size=V, counts=data["counts"], special_ids=special_ids, **hp)
-    opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
-    schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
-    step, best_ppl = 0, math.inf
-    if ck is not None:  # continue the checkpoint exactly
-        step = runlib.restore_training(ck, ckpt_path, model, opt, sched, schedule, method, scaler, rank, world,
-                                       CKPT_FORMAT, log)
-        best_ppl = ck.get("best_valid_ppl", math.inf)
-        if ck.get("data_position", {}).get("sequences") != step * seqs_per_step:
-            raise SystemExit(f"{ckpt_path}: data position {ck['data_position']} does not match step {step} x "
+        # model, method (agg.py: the paper's defaults for this preset), optimizer, schedule
+        model = build_model(cfg, V)
+        if cfg.get("init_from") and run.ck is None:
+            run.print(f"initialised from {cfg['init_from']} (step {init_from(model, cfg)})")
+        model = model.to(device)
+        special_ids = [data["pad_id"], data["eos_id"]]  # never rare
+        kw, rare_share = runlib.method_args(cfg, PRESET_METHOD.get(cfg["preset"]))
+        method = agg.build_method(cfg["method"], vocab_size=V, counts=counts, special_ids=special_ids,
+                                  steps_per_epoch=steps_per_epoch, tokens_per_step=tokens_per_step,
+                                  rare_share=rare_share, **kw)
+        hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
+              if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
+        opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+        schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
+        step = run.restore(model, opt, sched, schedule, method, scaler)  # a resumed run continues exactly
+        best_ppl = run.ck.get("best_valid_ppl", math.inf) if run.ck else math.inf
+        if run.ck and run.ck.get("data_position", {}).get("sequences") != step * seqs_per_step:
+            raise SystemExit(f"{run.ckpt_path}: data position {run.ck['data_position']} does not match step {step} x "
                              f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
-    raw = model
-    if cfg["compile"]:
-        model = torch.compile(model)
-    if ddp:
-        from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        raw, model = model, run.wrap(model)  # raw: the weights the methods see; model: compiled / DDP wrapper
+        n_params = sum(p.numel() for p in raw.parameters())
+        rare_share = agg.rare_share_of_alpha(counts, hp["alpha"], tokens_per_step, special_ids) if "alpha" in hp \
+            else None
+        run.begin(data["tokenizer"].to_str(), n_params=n_params, vocab_size_actual=V, data_cache=data["dir"],
+                  data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
+                  steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share)
+        run.print(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs/process x "
+                  f"{run.world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}" +
+                  (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share else ""))
 
-    n_params = sum(p.numel() for p in raw.parameters())
-    if master:
-        runlib.lock_run(out)  # one writer per run folder
-        if ck is None:
-            runlib.clear_run(out)  # a new run (or --overwrite, or a restart before any checkpoint): no old files
-        if ck is not None and ck["config"].get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
-            raise SystemExit(f"{ckpt_path}: the corpus or tokenizer changed since this run started (its data was "
-                             f"{ck['config']['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the "
-                             f"original files, or start a new run with another --out")
-        shutil.copyfile(os.path.join(data["dir"], "tokenizer.json"), os.path.join(out, "tokenizer.json"))
-        prov = runlib.provenance(argv)
-        segments = runlib.run_segments(out, argv, step if ck is not None else None)
-        prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
-        rare_share = agg.rare_share_of_alpha(data["counts"], hp["alpha"], tokens_per_step, special_ids) \
-            if "alpha" in hp else None
-        runlib.write_json(os.path.join(out, "config.json"), dict(
-            cfg, **prov, segments=segments, world_size=world, n_params=n_params, vocab_size_actual=V,
-            data_cache=data["dir"], data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
-            steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share,
-            resumed_from_step=step if ck is not None else None))
-        runlib.start_log(log_path, step if ck is not None else None)
-        log(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs/process x "
-            f"{world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}" +
-            (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share is not None
-             else ""))
-
-    tracker = runlib.Tracker(cfg["log_to"] if master else "none", out, cfg)
-
-    def write_log(rec):
-        if master:
-            runlib.append_log(log_path, rec, tracker)
-
-    def checkpoint():
-        rngs = runlib.all_rng_states(ddp, world)
-        if not all(bool(torch.isfinite(p).all()) for p in raw.parameters()):
-            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {ckpt_path} keeps the last "
-                             f"good checkpoint. Lower --lr or check the method's hyper-parameters")
-        if master:
-            runlib.save_checkpoint(ckpt_path, dict(
-                format=CKPT_FORMAT, model=raw.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                method=method.state_dict(), scaler=scaler.state_dict(), step=step, rng=rngs, config=cfg, task="lm",
-                best_valid_ppl=best_ppl,
-                data_position=dict(sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n)))
-
-    def run_validation():
-        nonlocal best_ppl
-        if master:
-            v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
-                         method.rare_mask() if method.steps else None, seen=data["counts"] > 0, method=method)
-            if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
-                v["rare_frozen"] = method.frozen()
-            write_log(dict(step=step, split="valid", **v))
-            if v["ppl"] < best_ppl:
-                best_ppl = v["ppl"]
-                runlib.save_checkpoint(best_path, dict(model=raw.state_dict(), step=step, config=cfg, task="lm",
-                                                       valid_ppl=best_ppl))
-            tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_rare']:.0f})  I(W) "
-                       f"{v['isotropy']:.3f}  rare group mass pred/true "
-                       f"{v['group_rare_mass_pred']:.4f}/{v['group_rare_mass_true']:.4f}")
-        if ddp:
-            torch.distributed.barrier()
-
-    stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
-    bar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, dynamic_ncols=True, mininterval=1.0)
-    t0, tokens_seen = time.time(), 0
-    model.train()
-    with runlib.StopSignal() as stop_signal:  # SIGTERM / SIGINT: checkpoint at the next step boundary
-        while step < stop:
-            x_all, y_all = seq.get(step * seqs_per_step + rank * local_seqs, local_seqs)
+        bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
+        t0, tokens_seen = time.time(), 0
+        model.train()
+        while step < run.stop_step:
+            # this process's share of the step's sequences: the data position is just the step counter
+            x_all, y_all = seq.get(step * seqs_per_step + run.rank * local_seqs, local_seqs)
             x_all, y_all = x_all.to(device), y_all.to(device)
-            if seq_ul_now(cfg, step):  # a sequence-level unlikelihood update (fine-tuning with --seq-ul-prob)
-                seq_loss, seq_share = seq_ul_step(model, raw, opt, x_all, autocast, scaler=scaler)
-                sched.step()
-                step += 1
-                bar.update(1)
-                write_log(dict(step=step, split="train", seq_ul_loss=seq_loss, seq_ul_share=seq_share,
-                               lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
-            else:
-                loss_mean, nll_mean, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"],
-                                                        autocast, ddp, world, scaler)
-                sched.step()
-                step += 1
+            if seq_ul_now(cfg, step):  # fine-tuning with --seq-ul-prob: a sequence-level unlikelihood update
+                loss, share = seq_ul_step(model, raw, opt, x_all, autocast, scaler=scaler)
+                rec = dict(seq_ul_loss=loss, seq_ul_share=share)
+            else:  # the method's update: observe the targets, accumulate micro-batches, clip, step
+                loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
+                                              run.ddp, run.world, scaler)
+                if not math.isfinite(loss):
+                    raise SystemExit(f"step {step + 1}: loss is {loss}; lower --lr or check the method's "
+                                     f"hyper-parameters ({run.ckpt_path} keeps the last good checkpoint)")
                 tokens_seen += tokens_per_step
-                if not math.isfinite(loss_mean):
-                    raise SystemExit(f"step {step}: loss is {loss_mean}; lower --lr or check the method's "
-                                     f"hyper-parameters ({ckpt_path} keeps the last good checkpoint)")
-                tps = tokens_seen / max(1e-9, time.time() - t0)
-                post = dict(loss=f"{loss_mean:.3f}", ppl=f"{math.exp(min(nll_mean, 50)):.1f}", tok_s=f"{tps:.0f}")
-                if "rare_fraction" in stats:
-                    post["rare"] = f"{stats['rare_fraction']:.3f}"
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
-                if step % cfg["log_interval"] == 0 or step == 1 or step == stop:
-                    rec = dict(step=step, split="train", loss=loss_mean, nll=nll_mean, ppl=math.exp(min(nll_mean, 50)),
-                               lr=sched.get_last_lr()[0], tokens_per_s=tps, epoch=step / steps_per_epoch,
-                               **{("method_" + k if k.startswith("rare") else k): v for k, v in stats.items()
-                                  if k != "nll"})
-                    if "rare_count" in stats:  # method stats are those of the last micro-batch
-                        rec["R_over_B"] = stats["rare_count"] / tokens_per_step
-                    write_log(rec)
-            if master and step in cfg.get("snapshot_steps", ()):
-                os.makedirs(os.path.join(out, "snapshots"), exist_ok=True)
-                runlib.save_checkpoint(os.path.join(out, "snapshots", f"emb_{step}.pt"),
+                rec = dict(loss=loss, nll=nll, ppl=math.exp(min(nll, 50)),
+                           tokens_per_s=tokens_seen / max(1e-9, time.time() - t0),
+                           **runlib.method_record(stats, tokens_per_step))
+                bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},
+                                refresh=False)
+            sched.step()
+            step += 1
+            bar.update(1)
+            if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step or "seq_ul_loss" in rec:
+                run.log(dict(step=step, split="train", **rec, lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
+            # snapshots of the embedding matrix for eval.py's SVD plots over time (AGG Fig. 1)
+            if run.master and step in cfg.get("snapshot_steps", ()):
+                os.makedirs(os.path.join(run.out, "snapshots"), exist_ok=True)
+                runlib.save_checkpoint(os.path.join(run.out, "snapshots", f"emb_{step}.pt"),
                                        dict(step=step, weight=raw.tok_emb.weight.detach().float().cpu().clone()))
-            evaluated = step % cfg["eval_interval"] == 0 or step == stop
-            if evaluated:
-                run_validation()
-                checkpoint()
-            if step < stop and stop_signal.received(ddp, device):
-                if not evaluated:
-                    checkpoint()
-                log(f"\n{stop_signal.name} at step {step}: checkpoint {ckpt_path} written; continue with "
-                    f"`python train_lm.py --out {out} --resume`")
+            # once in a while: validate (rank 0), keep the best model, checkpoint everything a resume needs
+            evaluated = step % cfg["eval_interval"] == 0 or step == run.stop_step
+            if evaluated and run.master:
+                v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
+                             method.rare_mask() if method.steps else None, seen=counts > 0, method=method)
+                run.log_valid(step, v)
+                best_ppl = keep_best(run, raw, step, v, best_ppl)
+            # SIGTERM / SIGINT: checkpoint at this step boundary and stop (the run exits with status 1)
+            stopping = run.stopping(step)
+            if evaluated or stopping:
+                run.checkpoint(step, raw, opt, sched, method, scaler, best_valid_ppl=best_ppl, data_position=dict(
+                    sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n))
+            if stopping:
                 break
-    bar.close()
-    tracker.close()
-    if ddp:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    if master:
-        runlib.unlock_run(out)
-    log(f"done: step {step}, checkpoint {ckpt_path}")
-    return out
-
-
-# ------------------------------------------------------------------------------------------------------- evaluation
-def rare_logit_stats(logits, y, rare):
-    """Per scored position, all that a scalar bias b on the rare group's logits changes: the target, its logit and
-    whether it is rare, and the log-sum-exp and argmax (value, id) over the rare group and over the other tokens."""
-    z, y = logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
-    zr, zo = z.masked_fill(~rare, -math.inf), z.masked_fill(rare, -math.inf)
-    (max_rare, arg_rare), (max_other, arg_other) = zr.max(-1), zo.max(-1)
-    return dict(target=y, z_y=z.gather(1, y[:, None]).squeeze(1), y_rare=rare[y], lse_rare=torch.logsumexp(zr, -1),
-                lse_other=torch.logsumexp(zo, -1), max_rare=max_rare, arg_rare=arg_rare, max_other=max_other,
-                arg_other=arg_other)
-
-
-def fit_rare_bias(st):
-    """The scalar b on the rare group's logits that minimises the mean NLL of the positions `st` (rare_logit_stats).
-    The NLL is convex in b and its derivative is (mean predicted rare mass) - (share of rare targets), so the fitted
-    b also calibrates the rare group's predicted mass. Newton's method, steps clipped to +-4."""
-    b, y_share = 0.0, st["y_rare"].double().mean()
-    for _ in range(100):
-        p = torch.sigmoid(st["lse_rare"].double() + b - st["lse_other"].double())
-        step = float(((p.mean() - y_share) / (p * (1 - p)).mean().clamp(min=1e-12)).clamp(-4, 4))
-        b -= step
-        if abs(step) < 1e-9:
-            break
-    return b
-
-
-def rare_bias_metrics(st, b, gid):
-    """PPL total and per group, rare-group mass (predicted / true), Uniq and the precision and recall of rare argmax
-    predictions of the positions `st` with b added to the rare group's logits (b = 0: the model as it is)."""
-    lse_rare = st["lse_rare"].double() + b
-    nll = torch.logaddexp(st["lse_other"].double(), lse_rare) - (st["z_y"].double() + b * st["y_rare"].double())
-    pred = torch.where(st["max_rare"] + b > st["max_other"], st["arg_rare"], st["arg_other"])
-    g = gid[st["target"]]
-    pred_rare, hit = gid[pred] == 2, pred == st["target"]
-    up = pred.unique()
-    return dict(bias=b, ppl=ppl_of(nll.sum(), len(nll)),
-                ppl_groups={name: ppl_of(nll[g == k].sum(), int((g == k).sum())) for k, name in enumerate(agg.GROUPS)},
-                rare_mass_pred=float(torch.sigmoid(lse_rare - st["lse_other"].double()).mean()),
-                rare_mass_true=float(st["y_rare"].double().mean()),
-                uniq=int(len(up)), uniq_groups={name: int((gid[up] == k).sum()) for k, name in enumerate(agg.GROUPS)},
-                rare_argmax_precision=float(hit[pred_rare].double().mean()) if pred_rare.any() else float("nan"),
-                rare_argmax_recall=float(hit[g == 2].double().mean()) if (g == 2).any() else float("nan"),
-                rare_argmax_count=int(pred_rare.sum()))
-
-
-@torch.no_grad()
-def evaluate(run_dir, device="cpu", split="test", checkpoint="last", max_tokens=None, context_window=0, n_samples=5,
-             prefix_len=50, gen_len=100, cache_dir=None):
-    """Test-set evaluation of a run folder for eval.py: PPL total and per frequency group, Uniq (distinct argmax
-    next-token predictions; AGG Table 3) total and per group with the human reference, greedy continuations of test
-    prefixes (AGG Table 14). checkpoint: last (ckpt.pt) or best (ckpt_best.pt). Returns {"metrics": {...},
-    "weight": (V, d) CPU float tensor, "counts": train counts (V,), "tokens": list of str, "tokenizer", "kind"};
-    eval.py adds the geometry and word similarity."""
-    path = os.path.join(run_dir, "ckpt.pt" if checkpoint == "last" else "ckpt_best.pt")
-    ck = runlib.load_checkpoint(path, "lm")
-    cfg = dict(ck["config"], device=str(device))
-    if cache_dir:
-        cfg["cache_dir"] = cache_dir
-    data = prepare_data(cfg, log=lambda *a: None)
-    if cfg.get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
-        raise SystemExit(f"{path}: the corpus or tokenizer changed since this run trained (its data was "
-                         f"{cfg['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the original "
-                         f"files to evaluate it")
-    V = data["vocab_size"]
-    model = build_model(cfg, V)
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError as e:
-        raise SystemExit(f"{path} does not fit the model of its own config ({str(e)[:200]}); the checkpoint or its "
-                         f"data cache is inconsistent: retrain or check --cache-dir") from None
-    model.to(device).eval()
-    autocast = runlib.autocast(cfg)
-    gid = agg.group_of(agg.frequency_groups(data["counts"]), V)
-    gid_d = gid.to(device)
-    ids = data["ids"][split]
-    n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
-    nll_sum, cnt = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
-    type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
-    preds, targets, stats = [], [], []
-    for logits, y in tqdm(score(model, ids, n, cfg, device, autocast, context_window),
-                          desc=f"{os.path.basename(os.path.normpath(run_dir))} {split}", leave=False):
-        nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
-        g = gid_d[y]
-        nll_sum += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, g.flatten(), nll.flatten()).cpu()
-        cnt += torch.bincount(g.flatten(), minlength=3).cpu()
-        type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
-        preds.append(logits.argmax(-1).flatten().cpu())
-        targets.append(y.flatten().cpu())
-        stats.append({k: v.cpu() for k, v in rare_logit_stats(logits, y, gid_d == 2).items()})
-    preds, targets = torch.cat(preds), torch.cat(targets)
-    # The free re-weighting baseline: one bias on the rare group's logits, fitted on the valid split (minimum NLL,
-    # which also calibrates the group's predicted mass), applied to this split.
-    fit = [{k: v.cpu() for k, v in rare_logit_stats(lg, y, gid_d == 2).items()}
-           for lg, y in score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device, autocast,
-                              context_window)]
-    cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    stats, bias = cat(stats), fit_rare_bias(cat(fit))
-    up, ut = preds.unique(), targets.unique()
-    m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=run_dir, split=split,
-             context_window=context_window, tokens=int(cnt.sum()), ppl=ppl_of(nll_sum.sum(), cnt.sum()),
-             ppl_groups={g: ppl_of(nll_sum[k], cnt[k]) for k, g in enumerate(agg.GROUPS)},
-             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
-             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
-             rare_argmax=rare_bias_metrics(stats, 0.0, gid), rare_bias=rare_bias_metrics(stats, bias, gid))
-    gens, tok = [], data["tokenizer"]
-    span = prefix_len + gen_len
-    if len(ids) > span and n_samples:
-        for j in range(n_samples):
-            s = j * (len(ids) - span) // max(1, n_samples)
-            prefix = torch.from_numpy(np.asarray(ids[s:s + prefix_len], dtype=np.int64))[None].to(device)
-            cont = generate(model, prefix, gen_len, autocast)[0].tolist()
-            human = np.asarray(ids[s + prefix_len:s + span]).tolist()
-            gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
-                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human)),
-                             rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human)))
-    m["generations"] = gens
-    m["gen_uniq"] = float(np.mean([g["uniq"] for g in gens])) if gens else float("nan")
-    m["gen_uniq_human"] = float(np.mean([g["uniq_human"] for g in gens])) if gens else float("nan")
-    m["gen_rep4"] = float(np.mean([g["rep4"] for g in gens])) if gens else float("nan")
-    m["gen_rep4_human"] = float(np.mean([g["rep4_human"] for g in gens])) if gens else float("nan")
-    tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
-    return {"metrics": m, "weight": model.tok_emb.weight.detach().float().cpu(), "counts": data["counts"],
-            "tokens": tokens, "tokenizer": tok, "kind": cfg["tokenizer"], "type_nll": type_nll,
-            "type_count": torch.bincount(targets, minlength=V)}
-
-
-def repeated_4grams(tokens):
-    """seq-rep-4 of Welleck et al. 2020: the share of a continuation's 4-grams that are repeats, 1 - unique / all."""
-    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+        bar.close()
+    run.print(f"done: step {step}, checkpoint {run.ckpt_path}")
+    return run.out
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     explicit = runlib.explicit_flags(build_parser(), argv)
-    if args.prepare_only:  # build the data cache and stop, touching no run folder
-        data = prepare_data(resolve_config(args, explicit))
-        print(f"data ready in {data['dir']}: " + ", ".join(f"{k} {v:,} tokens" for k, v in data["meta"]["tokens"].items())
-              + f", V={data['vocab_size']}")
-        return None
     return train(resolve_config(args, explicit), explicit, argv)
 
 

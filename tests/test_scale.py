@@ -1,0 +1,74 @@
+"""scale.py: the study's plan (selections on validation, bracketed learning rates, nested data) and --train-fraction."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import data as data_py
+import scale
+import train_lm
+
+
+def fake_run(study, name, valid_ppl, steps=10):
+    """A finished run folder as scale.py reads it: config.json, a last valid record, a checkpoint at max_steps."""
+    import torch
+    folder = study.folder(name)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(max_steps=steps), f)
+    with open(os.path.join(folder, "log.jsonl"), "w") as f:
+        f.write(json.dumps(dict(step=steps, split="valid", ppl=valid_ppl)) + "\n")
+    torch.save(dict(step=steps, config=dict(max_steps=steps, task="lm"), model={}), os.path.join(folder, "ckpt.pt"))
+
+
+def test_plan_selects_on_validation_and_brackets_the_lr(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "SIZES", {"S": scale.SIZES["S"]})
+    monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3, seed=0))
+    study = scale.Study(str(tmp_path))
+    plan, pending = study.plan()
+    names = [n for n, _f, _c in plan]
+    assert pending and all("-f1-" in n and n.endswith("-s0") for n in names)  # sweeps first, nothing else yet
+    assert sorted(n for n in names if "mle" in n) == sorted(scale.run_name("S", 1.0, "mle", lr, 0)
+                                                            for lr in scale.LRS["S"])
+    for i, share in enumerate(scale.SHARES):  # the middle share has the lowest valid PPL
+        fake_run(study, scale.run_name("S", 1.0, "agg", 4e-3, 0, share), 100 + abs(i - 1))
+    for lr, ppl in zip(scale.LRS["S"], (120, 110, 100)):  # the largest lr wins: the list is extended upwards
+        fake_run(study, scale.run_name("S", 1.0, "mle", lr, 0), ppl)
+    assert study.share()[0] == scale.SHARES[1]
+    best, sweep = study.lr("S", "mle", None)
+    assert best is None and scale.run_name("S", 1.0, "mle", 2 * max(scale.LRS["S"]), 0) in [n for n, _ in sweep]
+    fake_run(study, scale.run_name("S", 1.0, "mle", 2 * max(scale.LRS["S"]), 0), 105)
+    assert study.lr("S", "mle", None)[0] == max(scale.LRS["S"])  # now bracketed
+    plan, _ = study.plan()
+    names = {n for n, _f, _c in plan}
+    lr = max(scale.LRS["S"])
+    cells = {scale.run_name("S", f, "mle", lr, s) for f in scale.FRACTIONS for s in scale.SEEDS}
+    assert cells <= names  # every data size and seed at the selected lr
+    flags = dict(plan[[n for n, _f, _c in plan].index(scale.run_name("S", 0.25, "mle", lr, 1))][1][i:i + 2]
+                 for i in range(0, 12, 2))
+    assert flags["--max-steps"] == str(scale.FULL_STEPS // 4) and flags["--train-fraction"] == "0.25"
+
+
+def test_train_fraction_is_a_nested_prefix_with_the_whole_splits_tokenizer(corpus, tmp_path):
+    base = dict(data_dir=corpus["data"], cache_dir=str(tmp_path / "cache"), vocab_size=300)
+    full = data_py.prepare_lm(train_lm.make_config(**base), log=lambda *a: None)
+    half = data_py.prepare_lm(train_lm.make_config(**base, train_fraction=0.5), log=lambda *a: None)
+    quarter = data_py.prepare_lm(train_lm.make_config(**base, train_fraction=0.25), log=lambda *a: None)
+    assert full["tokenizer"].to_str() == half["tokenizer"].to_str() == quarter["tokenizer"].to_str()
+    for split in ("valid", "test"):  # the same held-out ids at every data size
+        assert np.array_equal(full["ids"][split], half["ids"][split])
+    n = [len(d["ids"]["train"]) for d in (quarter, half, full)]
+    assert n[0] < n[1] < n[2] and abs(n[1] / n[2] - 0.5) < 0.05 and abs(n[0] / n[2] - 0.25) < 0.05
+    assert np.array_equal(half["ids"]["train"][:n[0]], quarter["ids"]["train"])  # nested prefixes
+    assert np.array_equal(full["ids"]["train"][:n[1]], half["ids"]["train"])
+    with pytest.raises(SystemExit, match="--train-fraction 1.5"):
+        train_lm.make_config(**base, train_fraction=1.5)
+
+
+def test_train_subset_cuts_whole_documents():
+    corpus = dict(train=["a" * 10, "b" * 10, "c" * 30, "d" * 50], train_documents=[2, 1, 1])
+    assert data_py.train_subset(corpus, 0.25) == ["a" * 10, "b" * 10]  # 20 of 100 characters: the first document
+    assert data_py.train_subset(corpus, 0.5) == ["a" * 10, "b" * 10, "c" * 30]
+    assert data_py.train_subset(corpus, 0.01) == ["a" * 10, "b" * 10]  # at least one document
+    assert data_py.train_subset(dict(train=["x" * 10] * 4), 0.5) == ["x" * 10] * 2  # lines when no documents
