@@ -454,7 +454,7 @@ class LMTrainer:
         self.model = train_lm.build_model(cfg, V)
         self.model.train()
         self.method = agg.build_method(name, vocab_size=V, counts=counts, special_ids=special, **hp)
-        self.opt = runlib.make_optimizer(self.model, cfg["lr"], cfg["weight_decay"])
+        self.opt = runlib.make_optimizer(self.model, cfg)
         self.micro_batch = cfg["micro_batch"]
         self.autocast = runlib.autocast(cfg)
 

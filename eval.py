@@ -110,12 +110,35 @@ def group_index(counts):
 
 
 def geometry(weight, counts, include_unseen=False):
-    """agg.geometry per frequency group, over the tokens seen in training unless include_unseen."""
+    """agg.geometry per frequency group, over the tokens seen in training unless include_unseen, and the metrics that
+    favour no method: IsoScore (Rudman et al. 2022; not dominated by rare rows as I(W)'s min/max is), I(W) with rows
+    weighted by their training frequency (Yokoi et al. 2024), I(W) after removing the mean row (does a method do more
+    than remove the common drift?), and the under-trained rows of Land & Bartolo 2024 (undertrained_count)."""
     _, groups = group_index(counts)
-    seen = None if include_unseen else torch.as_tensor(counts) > 0
+    counts = torch.as_tensor(counts)
+    seen = None if include_unseen else counts > 0
     geo = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen)
     geo["geometry_rows_rule"] = "all" if include_unseen else "seen in training"
+    W = weight.detach().double().cpu()
+    rows = W if seen is None else W[seen]
+    geo.update(isoscore=agg.isoscore(rows), isotropy_centered=agg.isotropy(rows, center=True),
+               isotropy_weighted=agg.isotropy(W[counts > 0], weights=counts[counts > 0].double()),
+               undertrained=undertrained_count(W, counts))
     return geo
+
+
+def undertrained_count(W, counts):
+    """How many rows of tokens seen in training look as untrained as a typical never-seen token: the indicator of
+    Land & Bartolo 2024 (agg.undertrained_rows: cosine to the mean of the never-seen rows after removing the first
+    principal component) at least the median of the never-seen rows' own. None when every token was seen."""
+    unused = (counts == 0).nonzero().squeeze(1)
+    if len(unused) < 2:
+        return dict(unused_rows=len(unused), count=None, share_of_seen=None)
+    ind = agg.undertrained_rows(W, unused)
+    threshold = float(ind[unused].median())
+    count = int((ind[counts > 0] >= threshold).sum())
+    return dict(unused_rows=len(unused), threshold=threshold, count=count, share_of_seen=count / int((counts > 0).sum()),
+                rule="seen rows whose indicator >= the median indicator of the never-seen rows")
 
 
 def pick_rare_tokens(counts, tokens, n, src_counts=None):
@@ -230,6 +253,12 @@ def repeated_4grams(tokens):
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
+def distinct_n(continuations, n):
+    """distinct-n (Li et al. 2016): distinct n-grams over all n-grams of the continuations, pooled."""
+    grams = [tuple(c[i:i + n]) for c in continuations for i in range(len(c) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else float("nan")
+
+
 @torch.no_grad()
 def evaluate_lm(out_dir, model, ck, args, device):
     """A train_lm.py run on its test split (or --split valid): PPL total and per frequency group, Uniq (distinct argmax
@@ -277,12 +306,13 @@ def evaluate_lm(out_dir, model, ck, args, device):
              rare_argmax=rare_bias_metrics(stats, 0.0, gid), rare_bias=rare_bias_metrics(stats, bias, gid),
              type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)))  # for --compare, not saved
     # greedy continuations of evenly spaced prefixes of the split (AGG Table 14)
-    gens, span = [], args.prefix_len + args.gen_len
+    gens, greedy, span = [], [], args.prefix_len + args.gen_len
     if len(ids) > span and args.n_samples:
         for j in range(args.n_samples):
             s = j * (len(ids) - span) // max(1, args.n_samples)
             prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
             cont = train_lm.generate(model, prefix, args.gen_len, autocast)[0].tolist()
+            greedy.append(cont)
             human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
             gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
                              human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human)),
@@ -290,7 +320,19 @@ def evaluate_lm(out_dir, model, ck, args, device):
     m["generations"] = gens
     for key in ("uniq", "uniq_human", "rep4", "rep4_human"):
         m[f"gen_{key}"] = float(np.mean([g[key] for g in gens])) if gens else float("nan")
-    W = model.tok_emb.weight.detach().float().cpu()
+    # the same prefixes continued by sampling (temperature 1, seeded): diversity where greedy decoding hides it
+    if gens:
+        import sample
+        torch.manual_seed(0)
+        sampled = []
+        for g in gens:
+            prefix = torch.from_numpy(np.asarray(ids[g["position"]:g["position"] + args.prefix_len], dtype=np.int64))
+            out = sample.generate(model, prefix[None].to(device), args.gen_len, temperature=1.0)
+            sampled.append(out[0, args.prefix_len:].tolist())
+        m["gen_rep4_sampled"] = float(np.mean([repeated_4grams(c) for c in sampled]))
+        m["gen_distinct"] = {kind: {str(n): distinct_n(conts, n) for n in (1, 2, 3, 4)}
+                             for kind, conts in (("greedy", greedy), ("sampled", sampled))}
+    W = model.out_weight.detach().float().cpu()  # the softmax's matrix: the tied embedding, or lm_head with --untie
     sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
     sims.update({k: getattr(args, k) for k in ("men", "rg65", "rw") if getattr(args, k)})
     ws = word_similarity(W, tok, cfg["tokenizer"], sims)
@@ -327,9 +369,9 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     import train_nmt  # its decoding and metrics
     cfg = dict(ck["config"], device=str(device), beam=args.beam, out=out_dir)
     data = prepare_nmt(cfg, log=lambda *a: None)
-    if cfg.get("data_fingerprint") not in (None, data.cache.name) or data.vocab_size != model.embed.shape[0]:
+    if cfg.get("data_fingerprint") not in (None, data.cache.name) or data.vocab_size != model.out_weight.shape[0]:
         raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
-                         f"{cfg.get('data_fingerprint')}, V={model.embed.shape[0]}; now {data.cache.name}, "
+                         f"{cfg.get('data_fingerprint')}, V={model.out_weight.shape[0]}; now {data.cache.name}, "
                          f"V={data.vocab_size}): restore the original files to evaluate it")
     if args.max_sentences:
         for k in ("test.src", "test.tgt"):
@@ -354,27 +396,29 @@ def evaluate_nmt(out_dir, model, ck, args, device):
              texts=dict(hyps=hyp_text, refs=list(ref_text),  # for --compare's paired bootstrap, not saved
                         bleu_tokenize=cfg["bleu_tokenize"] or train_nmt.BLEU_TOKENIZE.get(cfg["tgt"], "13a")))
     print(f"{cfg['out']}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
-    return m, model.embed.detach().float().cpu(), data.corpus_counts.clone(), data.src_counts.clone(), data.tokens()
+    return m, model.out_weight.detach().float().cpu(), data.corpus_counts.clone(), data.src_counts.clone(), data.tokens()
 
 
 # --------------------------------------------------------------------------------------------------------- driver
-def evaluate(run_dir, **flags):
-    """One run's evaluation as eval.py does it, for use from Python: flags are eval.py's by name (split="valid",
-    n_samples=0, beam=2, average_last=5, ...). Returns {"metrics", "weight" (V, d), "counts" (the frequency groups'),
-    "src_counts" and "tgt_counts" (NMT), "tokens"}."""
-    args = build_parser().parse_args([run_dir])
-    unknown = set(flags) - set(vars(args))
-    if unknown:
-        raise TypeError(f"unknown eval.py flags {sorted(unknown)}")
-    vars(args).update(flags)
-    model, ck = runlib.load_run(run_dir, args.checkpoint, args.device)
+def evaluate(run_dir, args=None, device=None, **flags):
+    """One run's evaluation, task metrics and geometry, the one read of its checkpoint. From Python: flags are
+    eval.py's by name (split="valid", n_samples=0, beam=2, average_last=5, ...). Returns {"metrics", "weight" (V, d),
+    "counts" (the frequency groups'), "src_counts" and "tgt_counts" (NMT, else None), "tokens", "out_bias"}."""
+    if args is None:
+        args = build_parser().parse_args([run_dir])
+        unknown = set(flags) - set(vars(args))
+        if unknown:
+            raise TypeError(f"unknown eval.py flags {sorted(unknown)}")
+        vars(args).update(flags)
+    device = torch.device(device or args.device)
+    model, ck = runlib.load_run(run_dir, args.checkpoint, device)
     task = ck.get("task") or ck["config"].get("task")
-    m, W, c, src_c, tokens = (evaluate_lm if task == "lm" else evaluate_nmt)(run_dir, model, ck, args,
-                                                                             torch.device(args.device))
-    out = dict(metrics=m, weight=W, counts=c, tokens=tokens)
-    if src_c is not None:
-        out.update(src_counts=src_c, tgt_counts=c - src_c)
-    return out
+    m, W, c, src_c, tokens = (evaluate_lm if task == "lm" else evaluate_nmt)(run_dir, model, ck, args, device)
+    m.update(geometry(W, c, args.include_unseen))
+    bias = getattr(model, "out_bias", None)
+    return dict(metrics=m, weight=W, counts=c, tokens=tokens, src_counts=src_c,
+                tgt_counts=None if src_c is None else c - src_c,
+                out_bias=None if bias is None else bias.detach().float().cpu())
 
 
 def read_config(out_dir, which="last"):
@@ -496,7 +540,8 @@ def summarise(metrics):
 
 # ----------------------------------------------------------------------------------------------- paired comparison
 COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "valid_ppl", "uniq", "uniq_groups.rare",
-                "isotropy", "isotropy_groups.rare", "mean_cosine", "mean_cosine_groups.rare",
+                "isotropy", "isotropy_groups.rare", "mean_cosine", "mean_cosine_groups.rare", "isoscore",
+                "isotropy_centered", "isotropy_weighted", "undertrained.count", "gen_rep4", "gen_rep4_sampled",
                 "rare_bias.ppl", "rare_bias.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
                 "rare_argmax.rare_argmax_recall",
                 # NMT: BLEU, test PPL and the target side (train_nmt.validate's "target")
@@ -819,9 +864,11 @@ def last_valid_ppl(out_dir, step):
 RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_ppl", "ppl", "ppl_groups", "uniq",
                "uniq_groups", "uniq_human", "uniq_human_groups", "isotropy", "isotropy_groups", "mean_cosine",
                "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
-               "rare_bias", "output_bias", "gen_rep4", "bleu", "bleu_signature", "test_ppl", "target", "rare_rule",
-               "checkpoints_averaged")
-RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams",
+               "rare_bias", "output_bias", "gen_rep4", "gen_distinct", "bleu", "bleu_signature", "test_ppl", "target",
+               "rare_rule", "checkpoints_averaged", "isoscore", "isotropy_centered", "isotropy_weighted",
+               "undertrained")
+RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams", "optimizer",
+            "untie", "weight_decay", "embedding_weight_decay", "dataset", "train_fraction",
             "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")
 
 
@@ -1073,12 +1120,10 @@ def main(argv=None):
         task = tasks[out_dir]
         if task == "lm" and args.average_last:
             raise SystemExit(f"{out_dir}: --average-last applies to NMT runs (train_nmt.py --keep-last N)")
-        model, ck = runlib.load_run(out_dir, args.checkpoint, device)  # the one read of each checkpoint
-        m, W, c, src_c, tokens = (evaluate_lm if task == "lm" else evaluate_nmt)(out_dir, model, ck, args, device)
-        if getattr(model, "out_bias", None) is not None:  # train_lm.py --output-bias
-            out_bias[out_dir] = model.out_bias.detach().float().cpu()
-        del model, ck
-        m.update(geometry(W, c, args.include_unseen))
+        res = evaluate(out_dir, args, device)
+        m, W, c, src_c, tokens = (res[k] for k in ("metrics", "weight", "counts", "src_counts", "tokens"))
+        if res["out_bias"] is not None:  # train_lm.py --output-bias
+            out_bias[out_dir] = res["out_bias"]
         m["seed"] = configs[out_dir].get("seed")
         m["valid_ppl"] = last_valid_ppl(out_dir, m.get("step"))
         if "texts" in m:  # NMT: the test translations, one per line, in the report folder

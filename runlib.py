@@ -714,13 +714,30 @@ def lr_schedule(kind, warmup, max_steps):
     return {"cosine": cosine, "inverse-sqrt": inverse_sqrt}[kind]
 
 
-def make_optimizer(model, lr, weight_decay):
-    """AdamW (betas 0.9 / 0.98 as in Vaswani et al. and the papers' fairseq set-ups); weight decay on matrices and
-    embeddings only, never on biases and LayerNorm gains."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98), eps=1e-8)
+def add_optimizer_flags(g):
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "coupled-adam"],
+                   help="adamw; or coupled-adam: the vocabulary matrices (the tied embedding, and the output matrix with "
+                        "--untie) take Coupled Adam's update (agg.CoupledAdamW: the second moment averaged over the "
+                        "vocabulary), every other parameter AdamW's")
+    g.add_argument("--embedding-weight-decay", type=float, default=None,
+                   help="weight decay of the vocabulary matrices (default: --weight-decay, as every matrix)")
+
+
+def make_optimizer(model, cfg, vocab_matrices=()):
+    """AdamW (betas 0.9 / 0.98 as in Vaswani et al. and the papers' fairseq set-ups); weight decay (cfg weight_decay)
+    on matrices and embeddings only, never on biases and LayerNorm gains. The vocabulary matrices take
+    --embedding-weight-decay when given, and with --optimizer coupled-adam Coupled Adam's update (agg.CoupledAdamW)."""
+    lr, wd = cfg["lr"], cfg["weight_decay"]
+    coupled, vocab_wd = cfg.get("optimizer", "adamw") == "coupled-adam", cfg.get("embedding_weight_decay")
+    own = coupled or vocab_wd is not None  # the vocabulary matrices in a group of their own
+    vocab = {id(p) for p in vocab_matrices} if own else set()
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2 and id(p) not in vocab], "weight_decay": wd},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    if own:
+        groups.append({"params": list(vocab_matrices), "weight_decay": wd if vocab_wd is None else vocab_wd})
+    if not coupled:
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    return agg.CoupledAdamW([dict(g, coupled=g is groups[-1]) for g in groups], lr=lr, betas=(0.9, 0.98), eps=1e-8)
 
 
 # ------------------------------------------------------------------------------------------ provenance and logging

@@ -77,6 +77,9 @@ def export_hf(args, model, tok, cfg):
     """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
     model = model.cpu()
+    if model.lm_head is not None:
+        raise SystemExit(f"{args.run} was trained with --untie; this export writes GPT-2 with tied embeddings: export a "
+                         f"tied run")
     if model.out_bias is not None:
         raise SystemExit(f"{args.run} was trained with --output-bias, which GPT-2 has no place for; export a run "
                          f"without it")

@@ -90,6 +90,9 @@ def build_parser():
     g.add_argument("--d-ff", type=int, default=None)
     g.add_argument("--dropout", type=float, default=None)
     g.add_argument("--block-size", type=int, default=None, help="context length")
+    g.add_argument("--untie", action="store_true",
+                   help="a separate output matrix instead of the tied embedding (a control: the methods then act on the "
+                        "output matrix only, and the geometry is that matrix's)")
     g.add_argument("--output-bias", action="store_true",
                    help="a learned per-token bias on the tied softmax's logits (zero-initialised, no weight decay); "
                         "every method's gates act on the weight, the bias gets the plain gradient")
@@ -100,6 +103,7 @@ def build_parser():
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (gradient accumulation)")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--weight-decay", type=float, default=None)
+    runlib.add_optimizer_flags(g)
     g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then cosine decay to 0.1 lr")
     g.add_argument("--eval-interval", type=int, default=None, help="validate + checkpoint every N steps")
     g.add_argument("--eval-tokens", type=int, default=None, help="cap on validation tokens (default all)")
@@ -216,10 +220,12 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Pre-LN decoder. The output layer is the input embedding (tied): logits = features(x) @ tok_emb.weight.T, plus a
     learned per-token bias with output_bias (zero-initialised, no weight decay: a unigram prior that can encode
-    frequency without moving the embeddings). forward(x) returns the features (the input of the tied head), so DDP
-    wraps the call that agg's losses need."""
+    frequency without moving the embeddings). untie: a separate output matrix lm_head (the control where the
+    degeneration story's tied W does not exist); out_weight is the matrix of the softmax either way, the one the
+    methods act on. forward(x) returns the features (the input of the head), so DDP wraps the call agg's losses need."""
 
-    def __init__(self, vocab_size, n_layer, d_model, n_head, d_ff, dropout, block_size, output_bias=False):
+    def __init__(self, vocab_size, n_layer, d_model, n_head, d_ff, dropout, block_size, output_bias=False,
+                 untie=False):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -228,6 +234,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.out_bias = nn.Parameter(torch.zeros(vocab_size)) if output_bias else None
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False) if untie else None
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 L)
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
@@ -252,9 +259,14 @@ class GPT(nn.Module):
     def forward(self, x):
         return self.features(x)
 
+    @property
+    def out_weight(self):
+        """The (V, d) matrix of the softmax: the tied embedding, or lm_head's weight with untie."""
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
     def head(self, h):
-        """The tied output layer: logits of features h."""
-        logits = h @ self.tok_emb.weight.t()
+        """The output layer: logits of features h."""
+        logits = h @ self.out_weight.t()
         return logits if self.out_bias is None else logits + self.out_bias
 
     def logits(self, x):
@@ -262,7 +274,8 @@ class GPT(nn.Module):
 
 
 def build_model(cfg, vocab_size):
-    return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")))
+    return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")),
+               untie=bool(cfg.get("untie")))
 
 
 def init_from(model, cfg):
@@ -353,7 +366,7 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
         with sync:
             with autocast():
                 hidden = model(x)  # = raw.features(x), the input of the tied head
-                loss = method.loss(hidden, raw.tok_emb.weight, y, bias=raw.out_bias)
+                loss = method.loss(hidden, raw.out_weight, y, bias=raw.out_bias)
             scaler.scale(loss * (y.numel() / y_all.numel())).backward()
         loss_sum += loss.item() * y.numel()
         nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
@@ -361,7 +374,7 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
     torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # GPT-2 / nanoGPT practice for decoder LMs
     scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
     scaler.update()
-    method.after_step(raw.tok_emb.weight)
+    method.after_step(raw.out_weight)
     opt.zero_grad(set_to_none=True)
     stats = method.stats
     if ddp:
@@ -410,7 +423,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
     first micro-batch of windows (`grad_a_rare`, ...; freeze-rare's frozen rows are not shown as frozen)."""
     model.eval()
     n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
-    gid = agg.group_of(groups, model.tok_emb.weight.shape[0]).to(device)
+    gid = agg.group_of(groups, model.out_weight.shape[0]).to(device)
     rare = gid == 2
     dyn = None if method_rare is None else method_rare.to(device)
     acc = agg.GroupNLL()
@@ -425,7 +438,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
             dyn_true += dyn[y].sum().item()
     model.train()
     count = acc.tokens()
-    geo = agg.geometry(model.tok_emb.weight, dict(zip(agg.GROUPS, groups)), seen)
+    geo = agg.geometry(model.out_weight, dict(zip(agg.GROUPS, groups)), seen)
     out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
                isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
                mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
@@ -447,7 +460,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
             hidden = model.features(x)
         model.train()
         gates = method.gates(y.reshape(-1)) if method.steps else (None, None, None)
-        parts = agg.gradient_parts(hidden, model.tok_emb.weight, y, gid == 2, gates).cpu()
+        parts = agg.gradient_parts(hidden, model.out_weight, y, gid == 2, gates).cpu()
         for k, name in enumerate(agg.GROUPS):
             out.update({f"grad_{part}_{name}": float(parts[groups[k].cpu(), j].mean()) for j, part in enumerate("abc")})
     return out
@@ -497,7 +510,8 @@ def train(cfg, explicit=frozenset(), argv=()):
                                   rare_share=rare_share, **kw)
         hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
               if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
-        opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+        opt = runlib.make_optimizer(model, cfg, vocab_matrices=[model.tok_emb.weight] + ([model.lm_head.weight]
+                                                                                         if cfg.get("untie") else []))
         schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
@@ -548,7 +562,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if run.master and step in cfg.get("snapshot_steps", ()):
                 os.makedirs(os.path.join(run.out, "snapshots"), exist_ok=True)
                 runlib.save_checkpoint(os.path.join(run.out, "snapshots", f"emb_{step}.pt"),
-                                       dict(step=step, weight=raw.tok_emb.weight.detach().float().cpu().clone()))
+                                       dict(step=step, weight=raw.out_weight.detach().float().cpu().clone()))
             # once in a while: validate (rank 0), keep the best model, checkpoint everything a resume needs
             evaluated = step % cfg["eval_interval"] == 0 or step == run.stop_step
             if evaluated and run.master:

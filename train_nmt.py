@@ -83,6 +83,9 @@ def build_parser():
     for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-head", int), ("d-ff", int),
                       ("dropout", float), ("vocab-size", int), ("max-len", int)]:
         m.add_argument("--" + name, type=typ, default=None)
+    m.add_argument("--untie", action="store_true",
+                   help="a separate output matrix (a control): the methods act on it, encoder and decoder share the input "
+                        "embedding")
     m.add_argument("--norm", default=None, choices=["pre", "post"],
                    help="post: LayerNorm after each residual (Vaswani et al.; base and big); pre: before (cpu)")
     runlib.add_method_flags(p)
@@ -102,6 +105,7 @@ def build_parser():
     t.add_argument("--source-only-rare", dest="rare_rule", action="store_const", const="official",
                    help="the same as --rare-rule official")
     t.add_argument("--weight-decay", type=float, default=0.01)
+    runlib.add_optimizer_flags(t)
     t.add_argument("--label-smoothing", type=float, default=0.1)
     t.add_argument("--eval-interval", type=int, default=None)
     t.add_argument("--log-interval", type=int, default=25)
@@ -285,7 +289,8 @@ class Transformer(nn.Module):
     norm="post": the Transformer of Vaswani et al. (LayerNorm after each residual, no final LayerNorm); "pre": LayerNorm
     before each sublayer and after the last layer (trains stably at higher learning rates)."""
 
-    def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, norm="pre", **_):
+    def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, norm="pre", untie=False,
+                 **_):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
@@ -298,7 +303,13 @@ class Transformer(nn.Module):
         self.dec = nn.ModuleList(DecoderLayer(d_model, n_head, d_ff, dropout, pre) for _ in range(dec_layers))
         final = (lambda: nn.LayerNorm(d_model)) if pre else nn.Identity
         self.enc_ln, self.dec_ln = final(), final()
+        # untie: a separate output matrix (a control); out_weight is the softmax's matrix, the one the methods act on
+        self.out_embed = nn.Parameter(torch.randn(vocab_size, d_model) * d_model ** -0.5) if untie else None
         self.drop = nn.Dropout(dropout)
+
+    @property
+    def out_weight(self):
+        return self.embed if self.out_embed is None else self.out_embed
 
     def embed_tokens(self, tokens, offset=0):
         x = F.embedding(tokens, self.embed) * math.sqrt(self.d)
@@ -331,7 +342,7 @@ class Transformer(nn.Module):
         for layer, cache, kv in zip(self.dec, state["caches"], state["cross"]):
             x = layer(x, None, state["mask"], cache=cache, cross_kv=kv)
         state["t"] += 1
-        return F.log_softmax((self.dec_ln(x[:, 0]) @ self.embed.T).float(), dim=-1), state
+        return F.log_softmax((self.dec_ln(x[:, 0]) @ self.out_weight.T).float(), dim=-1), state
 
     @staticmethod
     def reorder(state, idx):
@@ -499,8 +510,8 @@ def bleu_tok_compound(hyps, refs, lang):
 
 
 def build_model(cfg, vocab_size):
-    return Transformer(vocab_size=vocab_size, norm=cfg.get("norm", "pre"), **{k: cfg[k] for k in
-                       ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")})
+    return Transformer(vocab_size=vocab_size, norm=cfg.get("norm", "pre"), untie=bool(cfg.get("untie")),
+                       **{k: cfg[k] for k in ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")})
 
 
 
@@ -572,7 +583,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         with runlib.autocast(cfg)():
             hidden = model(s, ti)
         keep = to != PAD
-        logp = torch.log_softmax(hidden.float()[keep] @ model.embed.float().T, dim=-1)
+        logp = torch.log_softmax(hidden.float()[keep] @ model.out_weight.float().T, dim=-1)
         y = to[keep]
         nll = -logp.gather(1, y[:, None]).squeeze(1).double()
         acc.add(nll, gid[y])
@@ -615,7 +626,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
         out["bleu_tok_compound_protocol"] = TOK_COMPOUND_PROTOCOL
     out["bleu_sents"] = n
     target.update(rare_token_recall(hyps, [list(r) for r in tgt[:n]], t_rare.cpu()))
-    W = model.embed.detach().float().cpu()
+    W = model.out_weight.detach().float().cpu()
     target.update(agg.geometry(W, tgroups, seen=tid_cpu < 3))
     out["target"] = target
     # the whole matrix's geometry over the tokens seen in training (either side), as train_lm.validate counts it
@@ -650,7 +661,7 @@ def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp=Fa
                 hidden = fwd(s, ti)
             share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
             # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
-            loss = method.loss(hidden.float(), model.embed, to, ignore_index=PAD, label_smoothing=label_smoothing)
+            loss = method.loss(hidden.float(), model.out_weight, to, ignore_index=PAD, label_smoothing=label_smoothing)
             scaler.scale(loss * share).backward()
         loss_sum += loss.item() * share
         nll_sum += method.stats["nll"] * share
@@ -660,7 +671,7 @@ def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp=Fa
         loss_sum, nll_sum = (t / world).tolist()
     scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
     scaler.update()
-    method.after_step(model.embed)
+    method.after_step(model.out_weight)
     return loss_sum, nll_sum, n_all
 
 
@@ -704,7 +715,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
               if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
         # the same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes
-        opt = runlib.make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+        opt = runlib.make_optimizer(model, cfg, vocab_matrices=[model.embed] + ([model.out_embed] if cfg.get("untie")
+                                                                                else []))
         schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling

@@ -312,7 +312,7 @@ def test_output_bias_trains_is_checkpointed_and_never_decayed(lm_run, tmp_path, 
     bias = ck["model"]["out_bias"]
     assert bias.shape == (300,) and bias.abs().sum() > 0  # zero-initialised, then trained
     model = train_lm.build_model(ck["config"], 300)
-    opt = runlib.make_optimizer(model, 1e-3, 0.5)  # the optimizer the run was trained with
+    opt = runlib.make_optimizer(model, dict(lr=1e-3, weight_decay=0.5))  # the optimizer the run was trained with
     assert [g["weight_decay"] for g in opt.param_groups if any(p is model.out_bias for p in g["params"])] == [0.0]
     model.load_state_dict(ck["model"])
     model.eval()
@@ -439,3 +439,23 @@ def test_freeze_rare_until_releases_the_rare_rows_and_logs_it(lm_run, read_log, 
     init = train_lm.build_model(dict(cfg), len(counts)).tok_emb.weight.detach()
     w = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)["model"]["tok_emb.weight"]
     assert rare.any() and not torch.equal(w[rare], init[rare])  # released rows moved (the softmax pushes them)
+
+
+def test_coupled_adam_untie_and_embedding_decay_are_run_settings(lm_run, tmp_path):
+    lm_run(tmp_path / "ca", "--optimizer", "coupled-adam", "--method", "agg", steps=2)
+    cfg = json.load(open(tmp_path / "ca" / "config.json"))
+    assert cfg["optimizer"] == "coupled-adam"
+    ck = torch.load(tmp_path / "ca" / "ckpt.pt", weights_only=True)
+    assert [g["coupled"] for g in ck["optimizer"]["param_groups"]] == [False, False, True]
+    lm_run(tmp_path / "untied", "--untie", "--method", "center", "--embedding-weight-decay", "0", steps=2)
+    ck = torch.load(tmp_path / "untied" / "ckpt.pt", weights_only=True)
+    assert ck["model"]["tok_emb.weight"].shape == ck["model"]["lm_head.weight"].shape == (300, 16)
+    assert not torch.equal(ck["model"]["tok_emb.weight"], ck["model"]["lm_head.weight"])
+    # center acts on the softmax's matrix: the output matrix is centered, the input embedding is not
+    assert ck["model"]["lm_head.weight"].mean(0).abs().max() < 1e-6
+    assert ck["model"]["tok_emb.weight"].mean(0).abs().max() > 1e-4
+    assert [g["weight_decay"] for g in ck["optimizer"]["param_groups"]][-1] == 0.0
+    m = eval_mod.evaluate(str(tmp_path / "untied"), n_samples=1, gen_len=8, prefix_len=4)["metrics"]
+    for key in ("isoscore", "isotropy_centered", "isotropy_weighted"):
+        assert 0 <= m[key] <= 1, key
+    assert set(m["gen_distinct"]) == {"greedy", "sampled"} and 0 <= m["gen_rep4_sampled"] <= 1

@@ -392,3 +392,14 @@ def test_float16_trains_with_loss_scaling(tmp_path, nmt_tiny, read_log):
     ck = torch.load(tmp_path / "fp16" / "ckpt.pt", weights_only=True)
     assert ck["scaler"]["scale"] > 0
     assert all(math.isfinite(r["loss"]) for r in read_log(tmp_path / "fp16") if r["split"] == "train")
+
+
+def test_untie_trains_a_separate_output_matrix(tmp_path, nmt_tiny):
+    T.main(nmt_tiny + ["--synthetic-size", "300", "--max-steps", "2", "--eval-interval", "2", "--valid-bleu-sents",
+                       "2", "--untie", "--method", "agg", "--optimizer", "coupled-adam", "--out", str(tmp_path / "u")])
+    ck = torch.load(tmp_path / "u" / "ckpt.pt", weights_only=True)
+    assert ck["model"]["embed"].shape == ck["model"]["out_embed"].shape
+    assert [g["coupled"] for g in ck["optimizer"]["param_groups"]] == [False, False, True]
+    assert len(ck["optimizer"]["param_groups"][-1]["params"]) == 2  # both vocabulary matrices coupled
+    m = eval_mod.evaluate(str(tmp_path / "u"), beam=1, max_sentences=2)["metrics"]
+    assert m["isoscore"] >= 0 and m["undertrained"]["unused_rows"] >= 0
