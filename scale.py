@@ -62,16 +62,27 @@ def run_flags(size, fraction, method, lr, seed, share=None):
 
 
 class Study:
-    """The runs of the study as far as the finished ones decide them (selections need their sweeps done)."""
+    """The runs of the study as far as the finished ones decide them (selections need their sweeps done). `prior`:
+    results files of this study (results/lm_scale.json, the corpus file): their runs count as finished and evaluated,
+    so the study continues on a machine without their run folders."""
 
-    def __init__(self, out):
+    def __init__(self, out, prior=()):
         self.runs = os.path.join(out, "runs")
         self.done = set()  # runs known finished (a finished run stays finished)
+        self.prior = {}
+        for path in prior:
+            if path and os.path.exists(path):
+                with open(path) as f:
+                    self.prior.update(json.load(f)["runs"])
 
     def finished(self, name):
-        if name not in self.done and runlib.finished(self.folder(name)):
+        if name not in self.done and (name in self.prior or runlib.finished(self.folder(name))):
             self.done.add(name)
         return name in self.done
+
+    def evaluated(self, name):
+        return os.path.exists(os.path.join(self.folder(name), "report", "metrics.json")) or (
+            name in self.prior and not os.path.exists(os.path.join(self.folder(name), "ckpt.pt")))
 
     def folder(self, name):
         return os.path.join(self.runs, name)
@@ -81,6 +92,8 @@ class Study:
         folder = self.folder(name)
         if not self.finished(name):
             return None
+        if not os.path.exists(os.path.join(folder, "log.jsonl")):
+            return self.prior[name]["valid_ppl"]
         with open(os.path.join(folder, "config.json")) as f:
             last = json.load(f)["max_steps"]
         recs = [json.loads(line) for line in open(os.path.join(folder, "log.jsonl")) if line.strip()]
@@ -141,10 +154,6 @@ class Study:
                                      for size in SIZES})
 
 
-def evaluated(folder):
-    return os.path.exists(os.path.join(folder, "report", "metrics.json"))
-
-
 def next_job(study, busy):
     """The next command to run: an evaluation of a finished run first, then the cheapest unfinished run."""
     plan, pending = study.plan()
@@ -153,7 +162,7 @@ def next_job(study, busy):
         if name in busy:
             continue
         if study.finished(name):
-            if not evaluated(folder):
+            if not study.evaluated(name):
                 return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",
                               os.path.join(folder, "report"), "--n-samples", "0"]
             continue
@@ -162,9 +171,10 @@ def next_job(study, busy):
     return None, pending
 
 
-def train(study, jobs):
-    """Keep `jobs` processes busy (one thread each when jobs > 1) until nothing is runnable; SIGTERM / SIGINT stop
-    the runs cleanly (each checkpoints) and the script, which a rerun continues."""
+def train(study, jobs, after=None):
+    """Keep `jobs` processes busy (one thread each when jobs > 1) until nothing is runnable, calling `after()` when a
+    job ends (the results so far); SIGTERM / SIGINT stop the runs cleanly (each checkpoints) and the script, which a
+    rerun continues."""
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))} if jobs > 1 else {}))
     running = {}
 
@@ -183,6 +193,8 @@ def train(study, jobs):
                 del running[name]
                 if proc.returncode:
                     raise SystemExit(f"scale: {name} failed (see {study.folder(name)}.log); fix it and rerun")
+                if after is not None:
+                    after()
         while len(running) < jobs:
             name, cmd = next_job(study, running)
             if name is None:
@@ -329,8 +341,8 @@ def write_results(study, path, argv, corpus_path=None):
     """results JSON: every finished run, the selections with the valid PPL behind them, the paired cells, the fits."""
     plan, _ = study.plan()
     out_label = "out/scale"
-    runs = {n: run_record(study, n, out_label) for n, _f, _c in plan
-            if study.finished(n) and evaluated(study.folder(n))}
+    runs = {n: run_record(study, n, out_label) if os.path.exists(os.path.join(study.folder(n), "report"))
+            else study.prior[n] for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
     sel = study.selections()
     share_runs = {sh: study.valid_ppl(run_name(SHARE_SETTING["size"], 1.0, "agg", SHARE_SETTING["lr"],
                                                SHARE_SETTING["seed"], sh)) for sh in SHARES}
@@ -383,12 +395,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more")
-    study = Study(args.out)
+    study = Study(args.out, prior=[args.results, args.corpus_results])
+    argv = sys.argv[1:] if argv is None else argv
+    results = (lambda: write_results(study, args.results, argv, args.corpus_results)) if args.results else None
     if not args.no_train:
-        train(study, args.jobs)
+        train(study, args.jobs, results)
     print(json.dumps(study.selections()))
-    if args.results:
-        write_results(study, args.results, sys.argv[1:] if argv is None else argv, args.corpus_results)
+    if results:
+        results()
 
 
 if __name__ == "__main__":

@@ -72,3 +72,16 @@ def test_train_subset_cuts_whole_documents():
     assert data_py.train_subset(corpus, 0.5) == ["a" * 10, "b" * 10, "c" * 30]
     assert data_py.train_subset(corpus, 0.01) == ["a" * 10, "b" * 10]  # at least one document
     assert data_py.train_subset(dict(train=["x" * 10] * 4), 0.5) == ["x" * 10] * 2  # lines when no documents
+
+
+def test_a_results_file_continues_the_study_without_its_run_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "SIZES", {"S": scale.SIZES["S"]})
+    monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3, seed=0))
+    runs = {scale.run_name("S", 1.0, "agg", 4e-3, 0, sh): dict(valid_ppl=100 + i) for i, sh in enumerate(scale.SHARES)}
+    path = tmp_path / "lm_scale.json"
+    path.write_text(json.dumps(dict(runs=runs)))
+    study = scale.Study(str(tmp_path / "elsewhere"), prior=[str(path)])
+    assert study.share()[0] == scale.SHARES[0]  # selected from the recorded valid PPL
+    plan, _ = study.plan()
+    assert all(study.finished(n) and study.evaluated(n) for n in runs)
+    assert scale.next_job(study, {})[0] not in runs  # nothing recorded is trained again
