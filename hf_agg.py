@@ -12,6 +12,8 @@ Copy `AGGTrainer` (and agg.py) into your own code. What it does, and why:
   every target of the step exactly once, whatever the gradient accumulation;
 - loss scale: each micro-batch's mean loss is weighted by its share of the step's valid targets, so the gradient is
   the mean over all valid targets of the optimizer step (under DDP, over all ranks' targets), exactly;
+- after each optimizer step: `method.after_step` on the output weight (freeze-rare restores its frozen rows, center
+  and agg+center subtract the mean row), through a TrainerCallback's on_step_end;
 - method state: saved as `agg_method.pt` in every Trainer checkpoint and restored on resume (AGG's window);
 - `method.stats` (nll, rare_fraction, ...) are added to the Trainer's logs as `agg/...`;
 - the model's own logit transform is kept: lm_head's bias and a logit scale (Cohere's logit_scale, Granite's
@@ -25,7 +27,7 @@ import os
 import re
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import agg
@@ -43,6 +45,7 @@ class AGGTrainer(Trainer):
         self.method = method
         self.logit_scale = logit_scale(self.model)
         self._step_targets = None  # valid targets in the current optimizer step, all ranks
+        self.add_callback(AfterStep(self))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -94,6 +97,17 @@ class AGGTrainer(Trainer):
                                  f"state (AGG's window) cannot be restored")
             self.method.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+
+class AfterStep(TrainerCallback):
+    """method.after_step(output weight) after every optimizer step (on_step_end follows optimizer.step)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        head = self.trainer.accelerator.unwrap_model(self.trainer.model).get_output_embeddings()
+        self.trainer.method.after_step(head.weight)
 
 
 def logit_scale(model):

@@ -132,3 +132,14 @@ def test_resume_skips_a_checkpoint_without_the_method_state(tmp_path, capsys):
             (folder / hf_agg.METHOD_STATE).write_bytes(b"")
     assert hf_agg.last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
     assert "skipping" in capsys.readouterr().out and hf_agg.last_complete_checkpoint(str(tmp_path / "none")) is None
+
+
+def test_after_step_runs_after_each_optimizer_step(tmp_path):
+    """center subtracts the mean row of the tied output matrix after every step; freeze-rare keeps its rows."""
+    model, _, _ = train(tmp_path / "c", "center", batch=2, accum=1, steps=2, lr=0.1)
+    assert model.get_output_embeddings().weight.mean(0).abs().max() < 1e-6
+    start = tiny_gpt2().get_output_embeddings().weight.detach().clone()
+    counts = torch.arange(V, 0, -1)  # token V-1 rarest
+    model, method, _ = train(tmp_path / "f", "freeze-rare", batch=2, accum=1, steps=2, lr=0.1, counts=counts)
+    frozen = method.rare_mask()
+    assert frozen.any() and torch.equal(model.get_output_embeddings().weight.detach()[frozen], start[frozen])
