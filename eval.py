@@ -588,7 +588,7 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
     out = dict(base=base, cand=cand, seeds=seeds, metrics={})
     for key in COMPARE_KEYS:
         vals = [(_get(b, key), _get(c, key)) for b, c in pairs]
-        if any(not isinstance(x, (int, float)) for pair in vals for x in pair):
+        if any(not isinstance(x, (int, float)) or x != x for pair in vals for x in pair):  # missing or nan
             continue
         log = "ppl" in key
         diffs = [math.log(c / b) if log else c - b for b, c in vals]
@@ -623,13 +623,66 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
             dict(seed=s, **train_nmt.paired_bleu(texts[b]["hyps"], texts[c]["hyps"], texts[b]["refs"], None,
                                                  texts[b]["bleu_tokenize"], seed=seed))
             for s, (b, c) in zip(seeds, labels)]
-    if all("rare_bias" in b for b, _ in pairs):
-        shares = [(math.log(b["ppl_groups"]["rare"]) - math.log(b["rare_bias"]["ppl_groups"]["rare"])) /
-                  ((math.log(b["ppl_groups"]["rare"]) - math.log(c["ppl_groups"]["rare"])) or float("nan"))
-                  for b, c in pairs]
+    out.update(calibration_and_equivalence(pairs, out["metrics"]))
+    return out
+
+
+# Equivalence margins (this project's): "equal" or "matches" in the docs means the 90% interval of the paired mean
+# log ratio lies within these (TOST at 5%): 2% for a total PPL, 10% for a frequency group's PPL.
+EQUIVALENCE_MARGINS = {"ppl": math.log(1.02), "valid_ppl": math.log(1.02), "rare_bias.ppl": math.log(1.02),
+                       "ppl_groups.rare": math.log(1.10), "rare_bias.ppl_groups.rare": math.log(1.10),
+                       "test_ppl": math.log(1.02)}
+
+
+def tost(diffs, margin):
+    """Two one-sided t-tests of the paired mean difference against +-margin: equivalent at 5% when the 90% t
+    interval lies inside (-margin, margin); p is the larger one-sided p-value."""
+    from scipy import stats
+    d = np.asarray(diffs, dtype=np.float64)
+    n, mean = len(d), float(d.mean())
+    if n < 2 or d.std() == 0:
+        return dict(margin=margin, n=n, equivalent=None)
+    se = d.std(ddof=1) / math.sqrt(n)
+    half = float(stats.t.ppf(0.95, n - 1) * se)
+    p = max(stats.t.sf((mean + margin) / se, n - 1), stats.t.cdf((mean - margin) / se, n - 1))
+    return dict(margin=margin, n=n, ci90=[mean - half, mean + half], p=float(p), equivalent=bool(p < 0.05))
+
+
+def calibration_and_equivalence(pairs, compared):
+    """For (base, cand) run pairs with eval.py's rare_bias (one bias on the rare logits fitted on valid): the share of
+    cand's rare-PPL gain that calibrating base alone recovers (free_baseline_share), the share of the rare-PPL gap
+    that calibrating both closes (gap_closed_by_calibration: 1 - calibrated gap / gap), and TOST equivalence
+    (EQUIVALENCE_MARGINS) of every compared PPL."""
+    out = {}
+    if all("rare_bias" in b and "rare_bias" in c for b, c in pairs):
+        gap = [math.log(b["ppl_groups"]["rare"] / c["ppl_groups"]["rare"]) or float("nan") for b, c in pairs]
+        shares = [(math.log(b["ppl_groups"]["rare"]) - math.log(b["rare_bias"]["ppl_groups"]["rare"])) / g
+                  for (b, _), g in zip(pairs, gap)]
+        closed = [1 - math.log(b["rare_bias"]["ppl_groups"]["rare"] / c["rare_bias"]["ppl_groups"]["rare"]) / g
+                  for (b, c), g in zip(pairs, gap)]
         out["free_baseline_share"] = dict(per_seed=shares, mean=float(np.mean(shares)),
                                           base_bias=[b["rare_bias"]["bias"] for b, _ in pairs])
+        out["gap_closed_by_calibration"] = dict(per_seed=closed, mean=float(np.mean(closed)),
+                                                min=float(np.min(closed)), max=float(np.max(closed)))
+    out["equivalence"] = {k: dict(tost(compared[k]["diffs"], m), log_ratio=True)
+                          for k, m in EQUIVALENCE_MARGINS.items() if k in compared}
     return out
+
+
+def reanalyse(path):
+    """Recompute the statistics of a results file's comparisons from its per-run records (no checkpoint needed):
+    paired intervals, calibration shares and equivalence; what needs the runs themselves (rare_types, BLEU
+    bootstraps) is kept as it was. Written back in place, atomically."""
+    with open(path) as f:
+        res = json.load(f)
+    runs = res["runs"]
+    for entry in res.get("compare") or []:
+        new = compare({k: dict(r, variant=r.get("variant", r["method"])) for k, r in runs.items()}, {},
+                      entry["base"], entry["cand"], [])
+        entry.update({k: v for k, v in new.items() if k not in ("rare_types", "bleu_paired_bootstrap")})
+    res["reanalysis_command"] = f"python eval.py --reanalyse {os.path.relpath(path, train_lm.ROOT)}"
+    runlib.write_json(path, res)
+    return res
 
 
 def pm(s, nd=2):
@@ -1058,7 +1111,9 @@ def _md(s):
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dirs", nargs="+", help="run folders (each with ckpt.pt)")
+    p.add_argument("out_dirs", nargs="*", help="run folders (each with ckpt.pt)")
+    p.add_argument("--reanalyse", default=None, metavar="FILE",
+                   help="recompute the comparisons of a results file from its per-run records (no run folders)")
     p.add_argument("--out", default=os.path.join(train_lm.ROOT, "out", "report"), help="report folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
@@ -1098,6 +1153,10 @@ def build_parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args.reanalyse)
+    if not args.out_dirs:
+        raise SystemExit("eval.py: give run folders (or --reanalyse RESULTS.json)")
     device = torch.device(args.device)
     metrics, weights, counts, extras, type_stats, all_tokens, texts = {}, {}, {}, {}, {}, {}, {}
     # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)

@@ -452,3 +452,22 @@ def test_the_command_of_a_resumed_run_reproduces_it():
     plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
     assert runlib.run_command(plain, "train_lm.py") == ("python train_lm.py --method agg --seed 1 --out out/a "
                                                         "--lr 0.004 --warmup 200")
+
+
+def test_tost_and_the_reanalysis_of_a_results_file(tmp_path):
+    assert ev.tost([0.001, -0.002, 0.0015, 0.0], math.log(1.02))["equivalent"] is True
+    assert ev.tost([0.05, -0.06, 0.07, -0.04], math.log(1.02))["equivalent"] is False  # too noisy to claim it
+    assert ev.tost([0.03, 0.031, 0.029], math.log(1.02))["equivalent"] is False  # a real difference
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "lm_headline.json")
+    path = tmp_path / "h.json"
+    path.write_text(open(src).read())
+    before = json.load(open(src))["compare"][0]
+    after = ev.main(["--reanalyse", str(path)])["compare"][0]
+    assert after["metrics"]["ppl"]["t95"] == before["metrics"]["ppl"]["t95"]  # the same runs, the same interval
+    closed = after["gap_closed_by_calibration"]
+    runs = json.load(open(src))["runs"]
+    b, c = runs["mle-lr0.004-wu240-s0"], runs["agg-lr0.004-wu240-s0"]
+    gap = math.log(b["ppl_groups"]["rare"] / c["ppl_groups"]["rare"])
+    cal = math.log(b["rare_bias"]["ppl_groups"]["rare"] / c["rare_bias"]["ppl_groups"]["rare"])
+    assert closed["per_seed"][0] == pytest.approx(1 - cal / gap)
+    assert set(after["equivalence"]) >= {"ppl", "rare_bias.ppl", "rare_bias.ppl_groups.rare"}
