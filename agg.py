@@ -248,13 +248,29 @@ class MLE:
             value = self.hparams.get(key)
             if value is not None and not (value >= 0 and value != float("inf")):  # nan fails value >= 0
                 raise ValueError(f"method {self.name!r}: {key} must be a finite number >= 0, got {value}")
-        if "window" in self.hparams and not self.hparams["window"] >= 1:
-            raise ValueError(f"method {self.name!r}: window must be >= 1 optimizer step, got {self.hparams['window']}")
+        for key in ("rare_fraction", "popular_fraction"):  # shares of the vocabulary
+            if self.hparams.get(key) is not None and not 0 <= self.hparams[key] <= 1:
+                raise ValueError(f"method {self.name!r}: {key} must be a share of the vocabulary in [0, 1], "
+                                 f"got {self.hparams[key]}")
+        if "window" in self.hparams:  # K divides the window's counts (Eq. 5): a fractional K gives rates no step has
+            window = self.hparams["window"]
+            if isinstance(window, bool) or not (window >= 1 and float(window).is_integer()):
+                raise ValueError(f"method {self.name!r}: window must be >= 1 optimizer step, a whole number, "
+                                 f"got {window}")
         self.vocab_size = vocab_size
+        if counts is not None:  # a NaN or negative count would turn into a wrong rare group without an error
+            c = torch.as_tensor(counts).reshape(-1)
+            bad = ~torch.isfinite(c) | (c < 0) if c.is_floating_point() else c < 0
+            if bool(bad.any()):
+                raise ValueError(f"counts must be finite numbers >= 0; entry {int(bad.nonzero()[0])} is "
+                                 f"{c[bad][0].item()}")
         self.counts = None if counts is None else torch.as_tensor(counts).reshape(-1).long().cpu()
         if self.counts is not None and len(self.counts) != vocab_size:
             raise ValueError(f"counts has {len(self.counts)} entries but vocab_size is {vocab_size}")
         self.special_ids = sorted({int(i) for i in special_ids})
+        bad = [i for i in self.special_ids if not 0 <= i < vocab_size]
+        if bad:  # -1 would silently mean the last token
+            raise ValueError(f"special_ids {bad} are outside [0, vocab_size={vocab_size})")
         self.steps = 0  # optimizer steps observed
         self._stats = {}
         self._pass = {}  # token-weighted sums of the stats since reset_pass() (see pass_stats)
@@ -313,7 +329,12 @@ class MLE:
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
         h, y = hidden.reshape(-1, d), targets.reshape(-1)
         valid = y != ignore_index
-        if not bool(valid.all()):
+        # one device sync for both checks: an id outside [0, V) would index another token's row or fail deep inside
+        out_of_range = (valid & ((y < 0) | (y >= self.vocab_size))).any()
+        all_valid, bad = torch.stack([valid.all(), out_of_range]).tolist()
+        if bad:
+            self._check_ids(y, ignore_index)
+        if not all_valid:
             h, y = h[valid], y[valid]
         col_gate, group_rows, group_gate = self.gates(y)
         rare = self.rare_mask()

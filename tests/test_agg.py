@@ -870,6 +870,33 @@ def test_bad_numbers_are_refused_with_the_parameter_named():
             m.loss(h, w, y, **kw)
 
 
+def test_values_that_would_give_wrong_numbers_are_refused_with_the_value_and_range():
+    counts = make_counts()
+    for name, kw, match in (("agg", dict(window=2.5), r"window must be >= 1 optimizer step, a whole number, got 2\.5"),
+                            ("agg", dict(window=True), "window must be >= 1 optimizer step, a whole number, got True"),
+                            ("agps", dict(counts=counts, rare_fraction=1.5), r"rare_fraction .*\[0, 1\].*1\.5"),
+                            ("freeze-rare", dict(counts=counts, rare_fraction=-0.1), "rare_fraction"),
+                            ("frage", dict(counts=counts, popular_fraction=1.5), r"popular_fraction .*\[0, 1\].*1\.5"),
+                            ("mle", dict(special_ids=[-1]), r"special_ids \[-1\] are outside \[0, vocab_size=40\)"),
+                            ("agg", dict(special_ids=[0, V]), rf"special_ids \[{V}\] are outside"),
+                            ("agps", dict(counts=counts.double().index_fill(0, torch.tensor([3]), float("nan"))),
+                             "counts must be finite numbers >= 0; entry 3 is nan"),
+                            ("frage", dict(counts=counts.index_fill(0, torch.tensor([5]), -2)), "entry 5 is -2")):
+        with pytest.raises(ValueError, match=match):
+            agg.build_method(name, V, **kw)
+    assert agg.build_method("agg", V, window=4.0).hparams["window"] == 4.0  # a whole number given as a float is K
+    h, w, y = inputs(seed=3, ignore=(0, 1))
+    for name in ("mle", "agg", "cosreg"):
+        m = agg.build_method(name, V)
+        m.observe(y)
+        for bad in (V, -5):
+            yb = y.clone()
+            yb[7] = bad
+            with pytest.raises(ValueError, match=f"target id {bad} is outside \\[0, vocab_size={V}\\)"):
+                m.loss(h, w, yb)
+        m.loss(h, w, y)  # ignore_index (-100) is fine
+
+
 def test_hparams_table_covers_every_method_with_the_defaults_types():
     """agg.HPARAMS documents every method hyper-parameter (the scripts' flags) with its defaults' type."""
     for name, cls in agg.METHODS.items():
