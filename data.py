@@ -114,15 +114,39 @@ def data_dir_files(data_dir):
                 raise SystemExit(f"--data-dir {data_dir}: the saved dataset has splits {have}, no {' or '.join(names)}")
             files[split] = sorted(glob.glob(os.path.join(data_dir, name, "*.arrow")))
         return "save_to_disk", files
+    found = []  # (layout, {split: files}) of every layout whose three splits are all there
     for layout, patterns in DIR_LAYOUTS:
-        files = {split: sorted({f for n in names for p in patterns for f in glob.glob(os.path.join(data_dir, p.format(s=n)))})
-                 for split, names in SPLIT_NAMES.items()}
-        if all(files.values()):
-            return layout, files
-    raise SystemExit(f"--data-dir {data_dir}: no train/valid/test files found. Use train.txt, valid.txt, test.txt; "
-                     f"the raw WikiText layout (wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens); parquet "
-                     f"files with a 'text' column (train-*.parquet, validation-*.parquet, test-*.parquet); or a "
-                     f"datasets.save_to_disk folder")
+        hits = {split: [(p, n, f) for n in names for p in patterns
+                        for f in glob.glob(os.path.join(data_dir, p.format(s=n)))]  # (pattern, split name, file)
+                for split, names in SPLIT_NAMES.items()}
+        if all(hits.values()):
+            found.append((layout, hits))
+    if not found:
+        raise SystemExit(f"--data-dir {data_dir}: no train/valid/test files found. Use train.txt, valid.txt, test.txt; "
+                         f"the raw WikiText layout (wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens); parquet "
+                         f"files with a 'text' column (train-*.parquet, validation-*.parquet, test-*.parquet); or a "
+                         f"datasets.save_to_disk folder")
+    # one corpus per folder: files of two layouts, two folders (four WikiText configs side by side, parquet both flat
+    # and under data/) or two variants (wiki.*.tokens and wiki.*.raw) would be concatenated into one corpus
+    if len(found) > 1:
+        raise SystemExit(f"--data-dir {data_dir}: holds the files of {len(found)} layouts "
+                         f"({', '.join(layout for layout, _ in found)}), which would be read as one corpus: keep one "
+                         f"corpus per folder and point --data-dir at it")
+    layout, hits = found[0]
+    folders = sorted({os.path.relpath(os.path.dirname(f), data_dir) for h in hits.values() for _p, _n, f in h})
+    if len(folders) > 1:
+        shown = ", ".join("./" if d == "." else d + "/" for d in folders)
+        raise SystemExit(f"--data-dir {data_dir}: holds {layout} files in {len(folders)} folders ({shown}), "
+                         f"several corpora or configs that would be read as one: point --data-dir at one of them, "
+                         f"e.g. --data-dir {os.path.join(data_dir, folders[-1])}")
+    variants = sorted({p.format(s="*") for h in hits.values() for p, _n, _f in h})
+    names = sorted({n for _p, n, _f in hits["valid"]})
+    if len(variants) > 1 or len(names) > 1:
+        shown = ", ".join(variants if len(variants) > 1 else [n + " split" for n in names])
+        raise SystemExit(f"--data-dir {data_dir}: holds two variants of a split ({shown}) that would be read as one "
+                         f"corpus: keep one of them in the folder (move the other to a folder of its own) and point "
+                         f"--data-dir at it")
+    return layout, {split: sorted(f for _p, _n, f in h) for split, h in hits.items()}
 
 
 def read_split(layout, paths):
@@ -137,14 +161,24 @@ def read_split(layout, paths):
                 raise SystemExit(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
                                  f"iconv -f latin1 -t utf-8") from None
     else:
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        if layout == "parquet":
-            tables = [pq.read_table(p, columns=["text"]) for p in paths]
-        else:
-            import pyarrow as pa
-            tables = [pa.ipc.open_stream(p).read_all() for p in paths]
-        if any("text" not in t.column_names for t in tables):
-            raise SystemExit(f"{paths[0]}: no 'text' column (columns: {tables[0].column_names})")
+        tables = []
+        for p in paths:
+            try:
+                if layout == "parquet":
+                    columns = pq.read_schema(p).names
+                    table = pq.read_table(p, columns=["text"]) if "text" in columns else None
+                else:
+                    table = pa.ipc.open_stream(p).read_all()
+                    columns = table.column_names
+            except (OSError, pa.ArrowException) as e:  # a download cut short, another format under the name
+                raise SystemExit(f"{p}: not a readable {'parquet' if layout == 'parquet' else 'Arrow'} file "
+                                 f"({type(e).__name__}: {str(e)[:200]}); download it again or remove it from "
+                                 f"--data-dir") from None
+            if "text" not in columns:
+                raise SystemExit(f"{p}: no 'text' column (columns: {columns})")
+            tables.append(table)
         lines = [str(t).strip() for tab in tables for t in tab.column("text").to_pylist() if t is not None]
     return [line for line in lines if line]
 
@@ -309,18 +343,36 @@ def prepare_lm(cfg, log=print):
             shutil.rmtree(tmp, ignore_errors=True)
     else:
         log(f"reusing cached tokenizer + token ids in {cdir}")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    for s in ("train", "valid", "test"):  # a cache damaged after it was built (a copy cut short, a full disk)
-        path, want = os.path.join(cdir, f"{s}.bin"), meta["tokens"][s] * np.dtype(meta["dtype"]).itemsize
+    # a cache damaged after it was built (a copy cut short, a full disk): one line, and how to rebuild it
+    damaged = lambda what: SystemExit(f"the data cache {cdir} is damaged ({what}): delete that folder and run "
+                                      f"again to rebuild it")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        sizes = {s: meta["tokens"][s] * np.dtype(meta["dtype"]).itemsize for s in ("train", "valid", "test")}
+        missing = [k for k in ("vocab_size", "eos_id", "pad_id") if k not in meta]
+        if missing:
+            raise KeyError(", ".join(missing))
+    except Exception as e:  # truncated JSON, a missing key, an unknown dtype
+        raise damaged(f"meta.json: {type(e).__name__}: {str(e)[:200]}") from None
+    try:
+        counts = torch.from_numpy(np.load(os.path.join(cdir, "counts.npy")))
+    except Exception as e:
+        raise damaged(f"counts.npy: {type(e).__name__}: {str(e)[:200]}") from None
+    try:
+        tokenizer = Tokenizer.from_file(os.path.join(cdir, "tokenizer.json"))
+    except Exception as e:
+        raise damaged(f"tokenizer.json: {type(e).__name__}: {str(e)[:200]}") from None
+    if counts.shape != (meta["vocab_size"],) or tokenizer.get_vocab_size() != meta["vocab_size"]:
+        raise damaged(f"counts.npy has shape {tuple(counts.shape)} and tokenizer.json {tokenizer.get_vocab_size()} "
+                      f"tokens, meta.json says {meta['vocab_size']}")
+    for s in ("train", "valid", "test"):
+        path, want = os.path.join(cdir, f"{s}.bin"), sizes[s]
         if not os.path.exists(path) or os.path.getsize(path) != want:
-            raise SystemExit(f"the data cache {cdir} is damaged ({s}.bin has "
-                             f"{os.path.getsize(path) if os.path.exists(path) else 0} bytes, not {want}): delete "
-                             f"that folder and run again to rebuild it")
+            raise damaged(f"{s}.bin has {os.path.getsize(path) if os.path.exists(path) else 0} bytes, not {want}")
     ids = {s: np.memmap(os.path.join(cdir, f"{s}.bin"), dtype=meta["dtype"], mode="r", shape=(meta["tokens"][s],))
            for s in ("train", "valid", "test")}
-    return dict(ids=ids, counts=torch.from_numpy(np.load(os.path.join(cdir, "counts.npy"))), meta=meta,
-                tokenizer=Tokenizer.from_file(os.path.join(cdir, "tokenizer.json")), vocab_size=meta["vocab_size"],
+    return dict(ids=ids, counts=counts, meta=meta, tokenizer=tokenizer, vocab_size=meta["vocab_size"],
                 eos_id=meta["eos_id"], pad_id=meta["pad_id"], dir=cdir, reused=reused)
 
 
@@ -511,8 +563,13 @@ def prepare_nmt(cfg, log=print):
         (cache / "done").write_text("ok\n")
     V = cfg["vocab_size"]
     tok_path = cache / f"bpe{V}.json"
+    damaged = lambda path, e: SystemExit(f"the data cache file {path} is damaged ({type(e).__name__}: {str(e)[:200]}): "
+                                         f"delete it and run again to rebuild it")
     if tok_path.exists():
-        tokenizer = Tokenizer.from_file(str(tok_path))
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_path))
+        except Exception as e:
+            raise damaged(tok_path, e) from None
     else:  # joint source-target BPE, one shared vocabulary (AGG Sec. 5.3: 37K shared tokens on WMT14)
         log(f"training joint byte-level BPE ({V}) on {len(pairs['train'][0])} pairs -> {tok_path}")
         bpe = ByteLevelBPETokenizer()
@@ -525,7 +582,10 @@ def prepare_nmt(cfg, log=print):
     assert [tokenizer.token_to_id(s) for s in NMT_SPECIALS] == [PAD, BOS, EOS, UNK], "special tokens must be ids 0-3"
     ids_path = cache / f"ids_bpe{V}.pt"
     if ids_path.exists():
-        ids = torch.load(ids_path, weights_only=True)
+        try:
+            ids = torch.load(ids_path, weights_only=True)
+        except Exception as e:
+            raise damaged(ids_path, e) from None
     else:
         ids = {}
         for split in ("train", "valid", "test"):

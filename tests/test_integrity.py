@@ -219,6 +219,19 @@ def test_data_that_is_not_utf8_and_a_damaged_cache_end_in_one_line(corpus_writer
         train_lm.main(argv[:5] + [str(tmp_path / "o2")] + argv[6:])
 
 
+@pytest.mark.parametrize("name", ["counts.npy", "meta.json", "tokenizer.json"])
+def test_a_damaged_cache_file_ends_in_one_line(corpus_writer, tmp_path, name):
+    import data as data_py
+    cfg = train_lm.make_config(data_dir=corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20)),
+                               cache_dir=str(tmp_path / "cache"), vocab_size=300, block_size=16)
+    cache = data_py.prepare_lm(cfg, log=lambda *a: None)["dir"]
+    path = os.path.join(cache, name)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)  # a copy cut short
+    with pytest.raises(SystemExit, match=rf"data cache .* is damaged \({name}: .*delete that folder and run again"):
+        data_py.prepare_lm(cfg, log=lambda *a: None)
+
+
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(corpus, tmp_path, monkeypatch):
     train_lm.main(lm_argv(corpus, tmp_path / "r", "--stop-at", "2", steps=4))
     before = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)

@@ -358,6 +358,60 @@ def test_data_dir_without_known_files_names_the_layouts(tmp_path):
         data_py.data_dir_files(str(tmp_path / "d"))
 
 
+def test_a_data_dir_holding_several_corpora_is_refused_with_the_folders_named(tmp_path):
+    """Four WikiText configs side by side, parquet both flat and under data/, wiki.*.tokens next to wiki.*.raw, two
+    names of the valid split: each would be read as one concatenated corpus."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def parquet(folder, names=("train", "validation", "test")):
+        os.makedirs(folder, exist_ok=True)
+        for n in names:
+            pq.write_table(pa.table({"text": [f"a {n} line ."]}), os.path.join(folder, f"{n}-00000-of-00001.parquet"))
+    hub = tmp_path / "wikitext"
+    for config in ("wikitext-103-raw-v1", "wikitext-103-v1", "wikitext-2-raw-v1", "wikitext-2-v1"):
+        parquet(hub / config)
+    with pytest.raises(SystemExit, match=r"parquet files in 4 folders \(wikitext-103-raw-v1/, wikitext-103-v1/, "
+                                         r"wikitext-2-raw-v1/, wikitext-2-v1/\).*point --data-dir at one of them"):
+        data_py.data_dir_files(str(hub))
+    assert data_py.data_dir_files(str(hub / "wikitext-2-v1"))[0] == "parquet"  # one config: read as before
+    snapshot = tmp_path / "snapshot"
+    parquet(snapshot)
+    parquet(snapshot / "data")
+    with pytest.raises(SystemExit, match=r"in 2 folders \(\./, data/\)"):
+        data_py.data_dir_files(str(snapshot))
+    wiki = tmp_path / "wiki"
+    wiki.mkdir()
+    for s in ("train", "valid", "test"):
+        for ext in ("tokens", "raw"):
+            (wiki / f"wiki.{s}.{ext}").write_text("a b c .\n")
+    with pytest.raises(SystemExit, match=r"two variants of a split \(wiki\.\*\.raw, wiki\.\*\.tokens\)"):
+        data_py.data_dir_files(str(wiki))
+    both = tmp_path / "both"
+    parquet(both, ("train", "valid", "validation", "test"))
+    with pytest.raises(SystemExit, match=r"valid split, validation split"):
+        data_py.data_dir_files(str(both))
+    text = tmp_path / "text"
+    parquet(text)
+    for s in ("train", "valid", "test"):
+        (text / f"{s}.txt").write_text("a b c .\n")
+    with pytest.raises(SystemExit, match=r"the files of 2 layouts \(text, parquet\)"):
+        data_py.data_dir_files(str(text))
+
+
+def test_an_unreadable_parquet_file_ends_in_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for s in ("train", "validation", "test"):
+        pq.write_table(pa.table({"text": ["a b c ."]}), tmp_path / f"{s}-00000-of-00001.parquet")
+    (tmp_path / "test-00000-of-00001.parquet").write_bytes(b"PAR1 cut short")
+    with pytest.raises(SystemExit, match=r"test-00000-of-00001.parquet: not a readable parquet file .*download it again"):
+        data_py.load_text_dir(str(tmp_path))
+    pq.write_table(pa.table({"body": ["a b c ."]}), tmp_path / "test-00000-of-00001.parquet")
+    with pytest.raises(SystemExit, match=r"test-00000-of-00001.parquet: no 'text' column \(columns: \['body'\]\)"):
+        data_py.load_text_dir(str(tmp_path))
+
+
 def test_data_py_builds_the_cache_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
     folder = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
     argv = ["--data-dir", folder, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), *lm_tiny]
