@@ -439,7 +439,10 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
     model.train()
     count = acc.tokens()
     geo = agg.geometry(model.out_weight, dict(zip(agg.GROUPS, groups)), seen)
-    out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
+    # the schema of eval.py's metrics.json (ppl_groups, isotropy_groups, ...) with flat aliases (ppl_rare, ...)
+    out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, ppl_groups=acc.ppl_groups(),
+               isotropy_groups=geo["isotropy_groups"], mean_cosine_groups=geo["mean_cosine_groups"],
+               **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
                isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
                mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
                cosine_rare_freq=geo["cosine_rare_freq"], **{f"norm_{g}": geo["norm_groups"][g] for g in agg.GROUPS},

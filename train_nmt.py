@@ -597,7 +597,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
             dyn_pred += p[:, dyn].sum().item()
             dyn_true += int(dyn[y].sum())
     count = acc.tokens()
-    out = {"loss": acc.loss(), "ppl": acc.ppl(), "tokens": count,
+    out = {"loss": acc.loss(), "ppl": acc.ppl(), "tokens": count, "ppl_groups": acc.ppl_groups(),
            **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
            "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(acc.count[2]) / count}
     if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
@@ -631,7 +631,9 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     out["target"] = target
     # the whole matrix's geometry over the tokens seen in training (either side), as train_lm.validate counts it
     geo = agg.geometry(W, dict(zip(agg.GROUPS, groups)), seen=data.corpus_counts > 0)
-    out.update(isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
+    out.update(isotropy=geo["isotropy"], isotropy_groups=geo["isotropy_groups"],
+               mean_cosine_groups=geo["mean_cosine_groups"],
+               **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
                mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
                cosine_rare_freq=geo["cosine_rare_freq"], geometry_rows=geo["rows"])
     model.train()
