@@ -32,7 +32,6 @@ Timings on a shared machine are noisy: compare rows of one run only.
 import argparse
 import gc
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -579,6 +578,8 @@ def chunked_table(rows):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/bench", help="folder for bench.json")
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="also write bench.json's content to FILE (the figures RESULTS.md quotes, in results/)")
     p.add_argument("--plan", default=None, metavar="PRESET",
                    help="print what a preset of train_lm.py / train_nmt.py costs (parameters, FLOPs, tokens, memory "
                         "per GPU, hours) instead of timing anything")
@@ -720,9 +721,8 @@ def main(argv=None):
     path = os.path.join(args.out, "bench.json")
 
     def save():  # after every group, so a long run leaves its finished parts behind
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(path + ".tmp", path)
+        for p in [path] + ([args.results] if args.results else []):
+            runlib.write_json(p, result)
         with open(os.path.join(args.out, "bench.md.tmp"), "w") as f:
             f.write("\n".join(report) + "\n")
         os.replace(os.path.join(args.out, "bench.md.tmp"), os.path.join(args.out, "bench.md"))
