@@ -192,7 +192,10 @@ def start_or_resume(cfg, explicit, task, run_control=RUN_CONTROL):
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             raise SystemExit(f"--resume: {saved_path} is unreadable ({e}); start the run afresh with --overwrite") from None
-        if saved.get("task", task) != task:
+        if not isinstance(saved, dict) or "task" not in saved:
+            raise SystemExit(f"--resume: {cfg['out']} holds no run to resume: its config.json was not written by "
+                             f"train_lm.py / train_nmt.py (a Hugging Face export?); choose the run's folder")
+        if saved["task"] != task:
             raise SystemExit(f"--resume: {cfg['out']} holds a {saved.get('task')!r} run, not {task!r}")
         for key in sorted(explicit - set(run_control)):
             if key in saved and saved[key] != cfg.get(key):
@@ -209,11 +212,51 @@ def start_or_resume(cfg, explicit, task, run_control=RUN_CONTROL):
     if os.path.exists(path) and not cfg["overwrite"]:
         raise SystemExit(f"{path} already exists: pass --resume to continue it, --overwrite to start afresh, or "
                          f"choose another --out")
+    check_new_out(cfg["out"], cfg["overwrite"])
     return cfg, None
 
 
 _LOCKS = {}  # run folder -> the open file whose lock says "a process writes here" (released when the process ends)
 RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "config.json", "log.jsonl", "tokenizer.json")  # a run's files (--overwrite)
+# the temporary files of a run's atomic writes (write_text, save_checkpoint): NAME.tmpPID
+RUN_TMP = re.compile(r"(ckpt(_best|_\d+)?\.pt|config\.json|log\.jsonl|tokenizer\.json)\.tmp\d+")
+# a run's sub-folders and the files it writes in them: --snapshot-steps, --log-to tensorboard
+RUN_SUBDIRS = {"snapshots": re.compile(r"emb_\d+\.pt(\.tmp\d+)?"),
+               "tensorboard": re.compile(r"events\.out\.tfevents\..+")}
+
+
+def run_config(out):
+    """The config.json in folder `out` as a dict; None when there is none or it does not parse; False when it is
+    JSON that train_lm.py / train_nmt.py did not write (no "task": a Hugging Face export's, say)."""
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and "task" in saved else False
+
+
+def is_run_file(name):
+    """True for the names a run writes at the top of its folder (what --overwrite may remove, and .lock)."""
+    return (name in RUN_FILES or name in RUN_SUBDIRS or name in (".lock", "wandb")
+            or bool(re.fullmatch(r"ckpt_\d+\.pt", name) or RUN_TMP.fullmatch(name)))
+
+
+def check_new_out(out, overwrite):
+    """A new run's --out, before anything is written: a folder with files no run wrote (notes, a Hugging Face export)
+    is refused unless --overwrite (which keeps them); a config.json of something else is refused always, since the
+    run would replace it."""
+    if not os.path.isdir(out):
+        return
+    if run_config(out) is False:
+        raise SystemExit(f"--out {out}: its config.json was not written by train_lm.py / train_nmt.py (a Hugging Face "
+                         f"export?) and a run would replace it: choose another --out")
+    foreign = sorted(n for n in os.listdir(out) if not is_run_file(n))
+    has_run = os.path.exists(os.path.join(out, "ckpt.pt")) or run_config(out)
+    if foreign and not has_run and not overwrite:
+        raise SystemExit(f"--out {out}: holds files no run wrote ({', '.join(foreign[:5])}"
+                         f"{', ...' if len(foreign) > 5 else ''}) and no run: choose a new or empty --out, or pass "
+                         f"--overwrite to train there anyway (those files are kept)")
 
 
 def lock_run(out):
@@ -240,8 +283,8 @@ def lock_run(out):
     f.write(str(os.getpid()))
     f.flush()
     _LOCKS[os.path.abspath(out)] = f
-    for name in os.listdir(out):  # temporary files of writes that were killed
-        if ".tmp" in name:
+    for name in os.listdir(out):  # temporary files of our writes that were killed (NAME.tmpPID), nothing else
+        if RUN_TMP.fullmatch(name):
             os.remove(os.path.join(out, name))
 
 
@@ -253,14 +296,20 @@ def unlock_run(out):
 
 
 def clear_run(out):
-    """--overwrite: remove the previous run's files (checkpoints, kept snapshots, config, log, tokenizer)."""
-    import glob
-    import shutil
-    for path in [os.path.join(out, n) for n in RUN_FILES] + glob.glob(os.path.join(out, "ckpt_*.pt")):
-        if os.path.exists(path):
+    """--overwrite (and a new run in a folder with an old one's files): remove the files a run writes - RUN_FILES, the
+    ckpt_STEP.pt snapshots, snapshots/emb_STEP.pt, the tensorboard/ events of --log-to - and nothing else. A
+    sub-folder left empty is removed; files the run did not write stay."""
+    for path in [os.path.join(out, n) for n in RUN_FILES] + snapshots(out):
+        if os.path.isfile(path):
             os.remove(path)
-    if os.path.isdir(os.path.join(out, "snapshots")):
-        shutil.rmtree(os.path.join(out, "snapshots"))
+    for sub, ours in RUN_SUBDIRS.items():
+        folder = os.path.join(out, sub)
+        if os.path.isdir(folder):
+            for name in os.listdir(folder):
+                if ours.fullmatch(name) and os.path.isfile(os.path.join(folder, name)):
+                    os.remove(os.path.join(folder, name))
+            if not os.listdir(folder):
+                os.rmdir(folder)
 
 
 def run_segments(out, argv, resumed_step):

@@ -130,9 +130,44 @@ def test_overwrite_removes_the_previous_runs_files(corpus, tmp_path):
     train_lm.main(lm_argv(corpus, out, "--snapshot-steps", "1,2"))
     assert os.path.exists(out / "snapshots" / "emb_2.pt")
     (out / "ckpt.pt.tmp999").write_text("left by a killed write")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1700000000.host.1.0").write_bytes(b"old run's events")
     train_lm.main(lm_argv(corpus, out, "--overwrite", steps=1) + ["--eval-interval", "1"])
     assert not os.path.exists(out / "snapshots") and not os.path.exists(out / "ckpt.pt.tmp999")
+    assert not os.path.exists(out / "tensorboard")
     assert [json.loads(line)["step"] for line in open(out / "log.jsonl")][-1] == 1
+
+
+def test_an_out_folder_that_holds_no_run_is_not_emptied(corpus, tmp_path):
+    """--out pointed at a folder of other files: refused without --overwrite; with it, only the run's own files are
+    written and removed. A config.json that no run wrote (a Hugging Face export) is never replaced."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    with pytest.raises(SystemExit, match=r"--out .*mine: holds files no run wrote \(notes.txt\) and no run.*--overwrite"):
+        train_lm.main(lm_argv(corpus, out))
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+    train_lm.main(lm_argv(corpus, out, "--overwrite"))
+    mine = {"notes.txt": "my notes", "results.tmp7": "a temp file of mine", "ckpt_mine.pt": "not a snapshot",
+            "config.json.bak": "{}", os.path.join("snapshots", "plot.png"): "a figure"}
+    os.makedirs(out / "snapshots")
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    train_lm.main(lm_argv(corpus, out, "--overwrite", "--snapshot-steps", "1"))  # a run in the folder: no refusal
+    assert {name: (out / name).read_text() for name in mine} == mine
+    assert os.path.exists(out / "snapshots" / "emb_1.pt") and os.path.exists(out / "ckpt.pt")
+    train_lm.main(lm_argv(corpus, out, "--overwrite"))  # the old snapshots go, the figure stays
+    assert os.listdir(out / "snapshots") == ["plot.png"]
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1}')
+    (hf / "model.safetensors").write_bytes(b"weights")
+    for flags in ((), ("--overwrite",), ("--resume",)):
+        with pytest.raises(SystemExit, match=r"config.json was not written by train_lm.py / train_nmt.py"):
+            train_lm.main(lm_argv(corpus, hf, *flags))
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]
+    assert json.load(open(hf / "config.json")) == {"model_type": "gpt2", "n_layer": 1}
 
 
 def test_damaged_checkpoint_tensors_are_detected(corpus, tmp_path):
