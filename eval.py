@@ -260,6 +260,19 @@ def distinct_n(continuations, n):
 
 
 @torch.no_grad()
+def run_data_dir(cfg, data_dir):
+    """--data-dir: the run's corpus read from another folder (moved or copied); the data fingerprint is checked after
+    reading, as for the run's own folder. A run whose data folder is gone says so."""
+    if data_dir:
+        if cfg.get("dataset") != "dir":
+            raise SystemExit(f"--data-dir {data_dir}: {cfg['out']} was trained on --dataset {cfg.get('dataset')}, "
+                             f"not on a --data-dir; leave --data-dir out")
+        cfg["data_dir"] = os.path.abspath(data_dir)
+    elif cfg.get("dataset") == "dir" and not os.path.isdir(cfg["data_dir"]):
+        raise SystemExit(f"{cfg['out']}: its data folder {cfg['data_dir']} is not there (moved?): give eval.py "
+                         f"--data-dir with the folder's new place")
+
+
 def evaluate_lm(out_dir, model, ck, args, device):
     """A train_lm.py run on its test split (or --split valid): PPL total and per frequency group, Uniq (distinct argmax
     next-token predictions; AGG Table 3) total and per group with the human reference, the free re-weighting baseline
@@ -268,8 +281,9 @@ def evaluate_lm(out_dir, model, ck, args, device):
     cfg = dict(ck["config"], device=str(device), out=out_dir)
     if args.cache_dir:
         cfg["cache_dir"] = args.cache_dir
+    run_data_dir(cfg, args.data_dir)
     data = prepare_lm(cfg, log=lambda *a: None)
-    if cfg.get("data_fingerprint") not in (None, os.path.basename(data["dir"])):
+    if not runlib.same_data(cfg.get("data_fingerprint"), os.path.basename(data["dir"])):
         raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
                          f"{cfg['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the original "
                          f"files to evaluate it")
@@ -368,8 +382,10 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     source counts, tokens)."""
     import train_nmt  # its decoding and metrics
     cfg = dict(ck["config"], device=str(device), beam=args.beam, out=out_dir)
+    run_data_dir(cfg, args.data_dir)
     data = prepare_nmt(cfg, log=lambda *a: None)
-    if cfg.get("data_fingerprint") not in (None, data.cache.name) or data.vocab_size != model.out_weight.shape[0]:
+    same = runlib.same_data(cfg.get("data_fingerprint"), data.cache.name)
+    if not same or data.vocab_size != model.out_weight.shape[0]:
         raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
                          f"{cfg.get('data_fingerprint')}, V={model.out_weight.shape[0]}; now {data.cache.name}, "
                          f"V={data.vocab_size}): restore the original files to evaluate it")
@@ -1123,6 +1139,9 @@ def build_parser():
                    help="LM: score each block after this many tokens of context, as fairseq's --context-window "
                         "(default 0: non-overlapping blocks, the same scoring as training's validation)")
     p.add_argument("--cache-dir", default=None, help="LM data cache (default: the run's own)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="the runs' --data-dir corpus at another path (moved or copied); used when its files are the "
+                        "ones the run trained on (the data fingerprint matches)")
     p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
     p.add_argument("--show-samples", type=int, default=2, help="continuations (LM) or test translations (NMT) printed in report.md")
     p.add_argument("--prefix-len", type=int, default=50)

@@ -28,8 +28,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # flag check). Each script adds its own (train_lm.RUN_CONTROL, train_nmt.RUN_CONTROL).
 RUN_CONTROL = {"out", "resume", "overwrite", "stop_at", "device", "compile", "eval_interval", "log_interval", "log_to",
                "cache_dir"}
-# These change the result but may be given again on resume: a run continued to a new length, or in another precision.
-RESUME_MAY_CHANGE = {"max_steps", "dtype"}
+# These change the result but may be given again on resume: a run continued to a new length, or in another precision;
+# and the corpus at another path (data_dir), which Run.begin accepts only when its fingerprint is the run's.
+RESUME_MAY_CHANGE = {"max_steps", "dtype", "data_dir"}
 # Of the run-control keys, the ones that follow the current invocation (not the saved config) unless given.
 FOLLOW_INVOCATION = ("device", "resume", "stop_at", "overwrite", "compile")
 
@@ -312,6 +313,13 @@ def clear_run(out):
                 os.rmdir(folder)
 
 
+def same_data(was, now):
+    """True when a run's data fingerprint `was` (None: not recorded) names the data `now` (the cache folder's name:
+    corpus and tokenizer hash). An NMT run saved when that name began with its --data-dir folder's name matches on
+    the rest (languages and hash)."""
+    return was is None or was == now or (now is not None and now.startswith("dir-") and was.endswith(now[3:]))
+
+
 def run_segments(out, argv, resumed_step):
     """Provenance of every segment of a run, oldest first: config.json's earlier segments plus this one (git
     commit, argv, agg.py's hash, the step it started at). A changed agg.py is reported on resume."""
@@ -468,7 +476,7 @@ class Run:
             if not resumed:
                 clear_run(self.out)  # a new run (or --overwrite, or a restart before any checkpoint): no old files
             was = self.ck["config"].get("data_fingerprint") if resumed else None
-            if was not in (None, self.cfg.get("data_fingerprint")):
+            if not same_data(was, self.cfg.get("data_fingerprint")):
                 raise SystemExit(f"{self.ckpt_path}: the corpus or tokenizer changed since this run started (its "
                                  f"data was {was}, now {self.cfg['data_fingerprint']}): restore the original files, "
                                  f"or start a new run with another --out")

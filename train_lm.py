@@ -133,6 +133,7 @@ def resolve_config(args, explicit=None):
         cfg["vocab_size"] = 0  # word level: keep every word of the train split (WikiText's closed vocabulary)
     if cfg["data_dir"]:
         cfg["dataset"] = "dir"
+        cfg["data_dir"] = os.path.abspath(cfg["data_dir"])  # the run's data wherever it is resumed or evaluated from
     if cfg["split_seed"] and cfg["dataset"] != OFFLINE_DATASET:
         raise SystemExit(f"--split-seed {cfg['split_seed']}: only the offline corpus {OFFLINE_DATASET} is split here; "
                          f"{describe_source(cfg)} comes with its own splits")

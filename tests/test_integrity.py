@@ -1,6 +1,7 @@
 """A run never silently becomes another run: resume before the first checkpoint, one writer per folder, torn logs,
 preemption, divergence, a changed corpus, --overwrite, damaged checkpoints, provenance, bad flags (train_lm.py)."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -123,6 +124,50 @@ def test_a_changed_corpus_is_refused_on_resume_and_in_eval(corpus_writer, tmp_pa
         train_lm.main(["--out", str(tmp_path / "run"), "--resume"])
     with pytest.raises(SystemExit, match="corpus or tokenizer changed"):
         ev.main([str(tmp_path / "run"), "--out", str(tmp_path / "rep"), "--n-samples", "0"])
+
+
+def test_a_moved_corpus_resumes_and_evaluates_with_data_dir(corpus_writer, tmp_path, monkeypatch):
+    """A run is tied to its data by the fingerprint, not by the --data-dir string: the corpus moved elsewhere resumes
+    with --resume --data-dir NEW and evaluates with eval.py --data-dir NEW; another corpus there is still refused."""
+    import shutil
+    old = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
+    out = str(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)  # a relative --data-dir is stored as an absolute path
+    train_lm.main(["--data-dir", "data", "--cache-dir", str(tmp_path / "cache"), "--out", out, "--max-steps", "2",
+                   "--eval-interval", "2", *LM_TINY])
+    assert json.load(open(os.path.join(out, "config.json")))["data_dir"] == old
+    new = str(tmp_path / "elsewhere" / "corpus")
+    shutil.move(old, new)
+    with pytest.raises(SystemExit, match=r"data folder .*data is not there \(moved\?\): give eval.py --data-dir"):
+        ev.main([out, "--out", str(tmp_path / "rep"), "--n-samples", "0"])
+    train_lm.main(["--out", out, "--resume", "--data-dir", new, "--max-steps", "4"])
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["step"] == 4
+    assert json.load(open(os.path.join(out, "config.json")))["data_dir"] == new
+    shutil.move(new, old)  # and back: evaluated from the new place given on the command line
+    m = ev.main([out, "--out", str(tmp_path / "rep"), "--n-samples", "0", "--data-dir", old])["run"]
+    assert m["step"] == 4 and math.isfinite(m["ppl"])
+    other = corpus_writer(str(tmp_path / "other"), n_lines=(200, 20, 20), seed=5)
+    with pytest.raises(SystemExit, match="corpus or tokenizer changed"):
+        ev.main([out, "--out", str(tmp_path / "rep"), "--n-samples", "0", "--data-dir", other])
+    with pytest.raises(SystemExit, match="corpus or tokenizer changed"):
+        train_lm.main(["--out", out, "--resume", "--data-dir", other, "--max-steps", "6"])
+
+
+def test_the_nmt_data_fingerprint_does_not_name_the_folder(tmp_path):
+    import shutil
+    import data as data_py
+    a = tmp_path / "corpus-a"
+    a.mkdir()
+    for split in ("train", "valid", "test"):
+        (a / f"{split}.en").write_text("the cat sat\na dog ran\nthe dog sat\n")
+        (a / f"{split}.de").write_text("die katze sass\nein hund lief\nder hund sass\n")
+    cfg = dict(dataset="dir", data_dir=str(a), src="en", tgt="de", vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    first = data_py.prepare_nmt(cfg, log=lambda *x: None).cache.name
+    shutil.move(a, tmp_path / "b")
+    again = data_py.prepare_nmt(dict(cfg, data_dir=str(tmp_path / "b")), log=lambda *x: None).cache.name
+    assert first == again and first.startswith("dir-en-de-")
+    assert runlib.same_data("corpus-a-en-de-" + first[len("dir-en-de-"):], first)  # a run saved with the old name
+    assert not runlib.same_data("corpus-a-en-de-0123456789ab", first) and runlib.same_data(None, first)
 
 
 def test_overwrite_removes_the_previous_runs_files(corpus, tmp_path):
