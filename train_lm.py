@@ -496,10 +496,10 @@ def train(cfg, explicit=frozenset(), argv=()):
         if seqs_per_step % run.world:
             raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
                              f"{cfg['block_size']} tokens, not divisible by {run.world} processes: change it")
-        local_seqs = seqs_per_step // run.world
+        local_seqs = seqs_per_step // run.world  # this process's sequences per step
         check_memory(cfg, V, min(cfg["micro_batch"], local_seqs))
-        tokens_per_step = seqs_per_step * cfg["block_size"]
-        steps_per_epoch = seq.n / seqs_per_step
+        tokens_per_step = seqs_per_step * cfg["block_size"]  # what AGG's alpha is counted against
+        steps_per_epoch = seq.n / seqs_per_step  # AGG's window K: one epoch (AGG Sec. 4.1)
         groups = agg.frequency_groups(counts)  # 30/50/20% of the vocabulary by train counts (AGG Sec. 3.1)
 
         # model, method (agg.py: the paper's defaults for this preset), optimizer, schedule
@@ -516,7 +516,7 @@ def train(cfg, explicit=frozenset(), argv=()):
               if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
         opt = runlib.make_optimizer(model, cfg, vocab_matrices=[model.tok_emb.weight] + ([model.lm_head.weight]
                                                                                          if cfg.get("untie") else []))
-        schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])
+        schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])  # warm-up, cosine to 10%
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
         step = run.restore(model, opt, sched, schedule, method, scaler)  # a resumed run continues exactly
@@ -525,7 +525,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             raise SystemExit(f"{run.ckpt_path}: data position {run.ck['data_position']} does not match step {step} x "
                              f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
         raw, model = model, run.wrap(model)  # raw: the weights the methods see; model: compiled / DDP wrapper
-        n_params = sum(p.numel() for p in raw.parameters())
+        n_params = sum(p.numel() for p in raw.parameters())  # recorded in config.json
         rare_share = agg.rare_share_of_alpha(counts, hp["alpha"], tokens_per_step, special_ids) if "alpha" in hp \
             else None
         run.begin(data["tokenizer"].to_str(), n_params=n_params, vocab_size_actual=V, data_cache=data["dir"],
@@ -536,12 +536,12 @@ def train(cfg, explicit=frozenset(), argv=()):
                   (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share else ""))
 
         bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
-        t0, tokens_seen = time.time(), 0
-        model.train()
+        t0, tokens_seen = time.time(), 0  # throughput since this invocation started
+        model.train()  # dropout on
         while step < run.stop_step:
             # this process's share of the step's sequences: the data position is just the step counter
             x_all, y_all = seq.get(step * seqs_per_step + run.rank * local_seqs, local_seqs)
-            x_all, y_all = x_all.to(device), y_all.to(device)
+            x_all, y_all = x_all.to(device), y_all.to(device)  # inputs and their next tokens
             if seq_ul_now(cfg, step):  # fine-tuning with --seq-ul-prob: a sequence-level unlikelihood update
                 loss, share = seq_ul_step(model, raw, opt, x_all, autocast, scaler=scaler)
                 rec = dict(seq_ul_loss=loss, seq_ul_share=share)
@@ -557,9 +557,9 @@ def train(cfg, explicit=frozenset(), argv=()):
                            **runlib.method_record(stats, tokens_per_step))
                 bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},
                                 refresh=False)
-            sched.step()
+            sched.step()  # the lr of the next step
             step += 1
-            bar.update(1)
+            bar.update(1)  # the progress bar counts optimizer steps
             if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step or "seq_ul_loss" in rec:
                 run.log(dict(step=step, split="train", **rec, lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
             # snapshots of the embedding matrix for eval.py's SVD plots over time (AGG Fig. 1)
@@ -579,7 +579,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if evaluated or stopping:
                 run.checkpoint(step, raw, opt, sched, method, scaler, best_valid_ppl=best_ppl, data_position=dict(
                     sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n))
-            if stopping:
+            if stopping:  # after the checkpoint: the run exits with status 1
                 break
         bar.close()
     run.print(f"done: step {step}, checkpoint {run.ckpt_path}")

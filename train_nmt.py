@@ -691,7 +691,7 @@ def train(cfg, explicit=frozenset(), argv=()):
         micro_tokens = min(cfg["micro_tokens"], max(1, cfg["tokens_per_step"] // run.world))
         batches = make_batches(tr_src, tr_tgt, micro_tokens, max_len=cfg["max_len"], seed=cfg["seed"])
         accum = max(1, math.ceil(cfg["tokens_per_step"] / (micro_tokens * run.world)))
-        per_step = accum * run.world
+        per_step = accum * run.world  # micro-batches per step over all processes
         steps_per_epoch = len(batches) // per_step
         if steps_per_epoch == 0:
             raise SystemExit(f"the training split has only {len(batches)} micro-batches of {micro_tokens} tokens, "
@@ -743,25 +743,25 @@ def train(cfg, explicit=frozenset(), argv=()):
         order = epoch_order(epoch)
         bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, desc=f"nmt {cfg['method']}")
         t0, tok_count = time.time(), 0
-        model.train()
+        model.train()  # dropout on
         while step < run.stop_step:
             # this process's micro-batches of the step (the remainder of an epoch is dropped)
             if cursor + per_step > len(order):
                 epoch, cursor = epoch + 1, 0
                 order = epoch_order(epoch)
             mine = order[cursor + run.rank * accum: cursor + (run.rank + 1) * accum]
-            cursor += per_step
+            cursor += per_step  # the data position: (epoch, cursor)
             micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
             # the method's update: observe the targets, accumulate micro-batches, step
             loss, nll, n_all = train_step(fwd, model, method, opt, micro, cfg["label_smoothing"], autocast, run.ddp,
                                           run.world, scaler)
-            sched.step()
+            sched.step()  # the lr of the next step
             step += 1
             tok_count += n_all
             if not math.isfinite(loss):
                 raise SystemExit(f"step {step}: loss is {loss}; lower --lr or raise --warmup ({run.ckpt_path} keeps "
                                  f"the last good checkpoint)")
-            bar.update(1)
+            bar.update(1)  # the progress bar counts optimizer steps
             if step % cfg["log_interval"] == 0 or step == run.stop_step:
                 rec = dict(step=step, split="train", loss=loss, nll=nll, ppl=math.exp(min(nll, 50)),
                            lr=sched.get_last_lr()[0], epoch=epoch, tokens_per_s=tok_count / max(time.time() - t0, 1e-9),
@@ -781,7 +781,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if evaluated or stopping or step % cfg["save_interval"] == 0:
                 run.checkpoint(step, model, opt, sched, method, scaler, epoch=epoch, cursor=cursor, vocab_size=V)
                 t0 = time.time()
-            if stopping:
+            if stopping:  # after the checkpoint: the run exits with status 1
                 break
         bar.close()
     run.print(f"done: step {step}, checkpoint {run.ckpt_path}; test it with `python eval.py {run.out}`")
