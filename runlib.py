@@ -320,16 +320,20 @@ def same_data(was, now):
     return was is None or was == now or (now is not None and now.startswith("dir-") and was.endswith(now[3:]))
 
 
-def run_segments(out, argv, resumed_step):
-    """Provenance of every segment of a run, oldest first: config.json's earlier segments plus this one (git
-    commit, argv, agg.py's hash, the step it started at). A changed agg.py is reported on resume."""
+def run_segments(out, argv, resumed_step, ck=None):
+    """Provenance of every segment of a run, oldest first: the earlier segments (from config.json, or from the
+    checkpoint `ck` when config.json is missing or unreadable) plus this one (git commit, argv, agg.py's hash, the
+    step it started at). A changed agg.py is reported on resume."""
     old = []
-    path = os.path.join(out, "config.json")
-    if resumed_step is not None and os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f)
-        old = saved.get("segments") or [{k: saved.get(k) for k in ("git_commit", "argv", "agg_sha256")}
-                                         | {"start_step": 0}]
+    if resumed_step is not None:
+        saved = run_config(out)
+        if saved:
+            old = saved.get("segments") or [{k: saved.get(k) for k in ("git_commit", "argv", "agg_sha256")}
+                                            | {"start_step": 0}]
+        else:  # config.json lost or damaged: the copy the checkpoint carries
+            old = list((ck or {}).get("provenance") or [])
+            print(f"warning: {os.path.join(out, 'config.json')} is missing or unreadable: the earlier segments' "
+                  f"provenance comes from the checkpoint" + ("" if old else " (which has none: it is lost)"))
     now = dict(provenance(argv), start_step=resumed_step or 0)
     if old and old[-1].get("agg_sha256") not in (None, now["agg_sha256"]):
         print(f"warning: agg.py changed since this run's last segment (sha256 {old[-1]['agg_sha256'][:12]} -> "
@@ -422,7 +426,7 @@ class Run:
         self.out = self.cfg["out"]
         self.ckpt_path = os.path.join(self.out, "ckpt.pt")
         self.stop_step = min(self.cfg["max_steps"], self.cfg["stop_at"] or self.cfg["max_steps"])
-        self.tracker, self.signal, self.step = None, None, 0
+        self.tracker, self.signal, self.step, self.segments = None, None, 0, None
         if self.ck is not None:
             self.print(f"resuming {self.ckpt_path} at step {self.ck['step']}")
         seed_everything(self.cfg["seed"], self.rank)
@@ -481,7 +485,7 @@ class Run:
                                  f"data was {was}, now {self.cfg['data_fingerprint']}): restore the original files, "
                                  f"or start a new run with another --out")
             write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
-            segments = run_segments(self.out, self.argv, self.step if resumed else None)
+            segments = self.segments = run_segments(self.out, self.argv, self.step if resumed else None, self.ck)
             prov = provenance(self.argv)
             prov.update({k: segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in segments[0]})
             write_json(os.path.join(self.out, "config.json"), dict(
@@ -513,7 +517,8 @@ class Run:
                              f"last good checkpoint. Lower --lr or check the method's hyper-parameters")
 
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
-        """ckpt.pt, written atomically, with everything an exact resume needs (+ `extra`, e.g. the data position);
+        """ckpt.pt, written atomically, with everything an exact resume needs (+ `extra`, e.g. the data position) and
+        the provenance of the run's segments (run_segments: a copy of config.json's);
         --keep-last N also keeps the model of the last N checkpoints as ckpt_STEP.pt (checkpoint averaging). Every
         rank calls it (the RNG states are gathered); a model with non-finite weights is never saved."""
         self.step = step
@@ -524,8 +529,10 @@ class Run:
         if not self.master:
             return
         head = dict(format=self.fmt, model=model.state_dict(), step=step, config=self.cfg, task=self.task)
+        # the provenance of every segment rides along: config.json can be lost or damaged, the checkpoint is the run
         save_checkpoint(self.ckpt_path, dict(head, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                                             method=method.state_dict(), scaler=scaler.state_dict(), rng=rngs, **extra))
+                                             method=method.state_dict(), scaler=scaler.state_dict(), rng=rngs,
+                                             provenance=self.segments, **extra))
         if self.cfg.get("keep_last"):  # model-only snapshots for checkpoint averaging
             save_checkpoint(os.path.join(self.out, f"ckpt_{step}.pt"), head)
             for old in snapshots(self.out)[:-self.cfg["keep_last"]]:

@@ -73,6 +73,19 @@ def translate_nmt(args, model, tok, cfg):
     return out
 
 
+def check_export_dir(path):
+    """--export-hf DIR writes config.json, tokenizer.json and the weights: DIR must be a new or empty folder, never a
+    run folder (its config.json and tokenizer.json would be replaced)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SystemExit(f"--export-hf {path}: is a file; give a new or empty folder")
+    if os.path.isdir(path) and os.listdir(path):
+        if os.path.exists(os.path.join(path, "ckpt.pt")) or runlib.run_config(path):
+            raise SystemExit(f"--export-hf {path}: a run folder, whose config.json and tokenizer.json the export would "
+                             f"replace; give a new or empty folder, e.g. {os.path.normpath(path)}-hf")
+        raise SystemExit(f"--export-hf {path}: not empty ({len(os.listdir(path))} entries); give a new or empty "
+                         f"folder")
+
+
 def export_hf(args, model, tok, cfg):
     """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -131,6 +144,8 @@ def main(argv=None):
     path = os.path.join(args.run, "ckpt.pt")
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no checkpoint; pass a run folder written by train_lm.py or train_nmt.py")
+    if args.export_hf:
+        check_export_dir(args.export_hf)
     model, tok, cfg = load(args.run, args.checkpoint, args.device)
     if args.export_hf:
         if cfg["task"] != "lm":

@@ -236,6 +236,23 @@ def test_provenance_of_every_segment_is_kept(corpus, tmp_path):
     assert cfg["argv"] == first["argv"] and cfg["segments"][0]["argv"] == first["argv"]  # the original kept
 
 
+def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_falls_back_to_it(corpus, tmp_path, capsys):
+    out = tmp_path / "prov2"
+    train_lm.main(lm_argv(corpus, out, steps=6) + ["--stop-at", "2"])
+    first = json.load(open(out / "config.json"))
+    assert torch.load(out / "ckpt.pt", weights_only=True)["provenance"] == first["segments"]
+    (out / "config.json").write_text('{"task": "lm", "segm')  # damaged (a disk error, an editor)
+    train_lm.main(["--out", str(out), "--resume", "--stop-at", "4"])
+    assert "config.json is missing or unreadable" in capsys.readouterr().out
+    cfg = json.load(open(out / "config.json"))
+    assert [s["start_step"] for s in cfg["segments"]] == [0, 2] and cfg["argv"] == first["argv"]
+    os.remove(out / "config.json")
+    train_lm.main(["--out", str(out), "--resume"])
+    cfg = json.load(open(out / "config.json"))
+    assert [s["start_step"] for s in cfg["segments"]] == [0, 2, 4] and cfg["segments"][0] == first["segments"][0]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["provenance"] == cfg["segments"]
+
+
 @pytest.mark.parametrize("flags, match", [(["--stop-at", "0"], "--stop-at 0"), (["--stop-at", "-1"], "--stop-at -1"),
                                           (["--stop-at", "9"], "--stop-at 9"), (["--lr", "nan"], "--lr nan"),
                                           (["--eval-interval", "0"], "--eval-interval 0"),

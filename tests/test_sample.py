@@ -40,6 +40,21 @@ def test_export_to_transformers_gives_the_same_logits(lm_folder, tmp_path):
     assert os.path.exists(tmp_path / "hf" / "tokenizer.json")
 
 
+def test_export_never_writes_into_a_run_or_a_non_empty_folder(lm_folder, tmp_path):
+    before = {n: open(os.path.join(lm_folder, n), "rb").read() for n in ("config.json", "tokenizer.json")}
+    with pytest.raises(SystemExit, match=r"--export-hf .*: a run folder, whose config.json and tokenizer.json"):
+        sample.main([lm_folder, "--export-hf", lm_folder, "--device", "cpu"])
+    assert {n: open(os.path.join(lm_folder, n), "rb").read() for n in before} == before
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit, match=r"--export-hf .*full: not empty \(1 entries\)"):
+        sample.main([lm_folder, "--export-hf", str(tmp_path / "full"), "--device", "cpu"])
+    (tmp_path / "empty").mkdir()
+    pytest.importorskip("transformers")
+    sample.main([lm_folder, "--export-hf", str(tmp_path / "empty"), "--device", "cpu"])  # an empty folder is fine
+    assert os.path.exists(tmp_path / "empty" / "config.json")
+
+
 def test_an_nmt_run_translates_a_file(nmt_tiny, tmp_path, capsys):
     out = str(tmp_path / "nmt")
     train_nmt.main(["--out", out, *nmt_tiny, "--max-steps", "2", "--eval-interval", "2", "--synthetic-size", "300",
