@@ -584,19 +584,67 @@ def paired_interval(diffs, n_boot=10000, seed=0):
     return out
 
 
-def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts=None):
+def pair_difference(a, b):
+    """What makes two runs (their configs) unfit to pair, or None: another task, other data (corpus or tokenizer, the
+    data fingerprint), another vocabulary size, another thread count (CPU results depend on it). A value one of the
+    configs does not record is not compared."""
+    values = {"task": lambda c: c.get("task"), "data": lambda c: c.get("data_fingerprint"),
+              "vocabulary size": lambda c: c.get("vocab_size_actual"),
+              "thread count": lambda c: (c.get("versions") or {}).get("threads")}
+    for what, value in values.items():
+        x, y = value(a), value(b)
+        same = runlib.same_data(x, y) or runlib.same_data(y, x) if what == "data" else x == y
+        if x is not None and y is not None and not same:
+            return f"{what} ({x} vs {y})"
+    return None
+
+
+def pair_problem(configs, variants, base, cand):
+    """The first pair of runs (the same seed, variants `base` and `cand`) that cannot be compared, said in one line;
+    None when every pair can. configs and variants: {run: config}, {run: variant name}."""
+    runs = {v: {c.get("seed"): r for r, c in configs.items() if variants[r] == v} for v in (base, cand)}
+    for s in sorted(set(runs[base]) & set(runs[cand]), key=str):
+        a, b = runs[base][s], runs[cand][s]
+        diff = pair_difference(configs[a], configs[b])
+        if diff:
+            return (f"the runs of seed {s} ({a}, {b}) differ in {diff}; paired runs must share the task, the data, "
+                    f"the vocabulary and the thread count")
+    return None
+
+
+def comparable_pairs(pairs, configs, variants, default):
+    """The --compare pairs whose runs can be paired (pair_problem). A pair given with --compare that cannot is
+    refused in one line; the default pair (two variants, no --compare) is dropped with a note instead, since runs
+    on other data may still be evaluated side by side."""
+    keep = []
+    for base, cand in pairs:
+        problem = pair_problem(configs, variants, base, cand)
+        if problem and not default:
+            raise SystemExit(f"--compare {base} {cand}: {problem}")
+        if problem:
+            print(f"no paired comparison of {cand} against {base}: {problem}")
+        else:
+            keep.append([base, cand])
+    return keep
+
+
+def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts=None, configs=None):
     """Variant `cand` against variant `base` over the seeds both have (pairs share a seed, hence the init and the
     data order): per metric the paired differences (cand - base; PPLs as log ratios, so exp(mean) is the geometric
     mean ratio) with intervals; for LM runs the rare-PPL gap split over the rare target types (pooled over the
     pairs: what share the top types carry) with a type-level bootstrap interval of the rare-PPL ratio, and the share
     of cand's rare-PPL gain that base gains from one bias on the rare logits fitted on valid (the free baseline);
     for NMT runs (texts: {label: test hypotheses and references}) the paired bootstrap of BLEU over test sentences
-    for each seed (train_nmt.paired_bleu)."""
+    for each seed (train_nmt.paired_bleu). configs ({label: config}), when given: pairs that cannot be compared
+    (pair_problem: other data, vocabulary, task or thread count) are refused."""
     runs = {v: {m["seed"]: k for k, m in metrics.items() if m.get("variant") == v} for v in (base, cand)}
     for v in (base, cand):
         if not runs[v]:
             raise SystemExit(f"--compare: no run of variant {v!r}; variants here: "
                              f"{', '.join(sorted({m.get('variant') for m in metrics.values()}))}")
+    problem = configs and pair_problem(configs, {k: m.get("variant") for k, m in metrics.items()}, base, cand)
+    if problem:
+        raise SystemExit(f"--compare {base} {cand}: {problem}")
     seeds = sorted(set(runs[base]) & set(runs[cand]))
     if not seeds:
         raise SystemExit(f"--compare {base!r} {cand!r}: no seed in common; give runs of both with the same --seed")
@@ -1185,13 +1233,15 @@ def main(argv=None):
     variants = variant_names(configs)
     names = list(dict.fromkeys(variants[d] for d in args.out_dirs))  # in the order given
     seeds = [{configs[d].get("seed") for d in args.out_dirs if variants[d] == v} for v in names]
-    if not args.compare and len(names) == 2 and seeds[0] & seeds[1]:
+    default = not args.compare and len(names) == 2 and bool(seeds[0] & seeds[1])
+    if default:
         args.compare = [sorted(names, key=lambda v: v != "mle")]  # stable: mle first, else the order given
     for pair in args.compare:  # before any long work: every variant compared must be among the runs
         for v in pair:
             if v not in variants.values():
                 raise SystemExit(f"--compare: no run of variant {v!r}; variants here: "
                                  f"{', '.join(sorted(set(variants.values())))}")
+    args.compare = comparable_pairs(args.compare, configs, variants, default)
     os.makedirs(args.out, exist_ok=True)
     picks = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
@@ -1230,9 +1280,15 @@ def main(argv=None):
         print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in ("ppl", "bleu", "isotropy", "mean_cosine")
                                          if k in m))
     summary = summarise(metrics)
+    # pairs checked again with the vocabulary size the weights have (a config may not record it)
+    label_configs = {label: dict(configs[d], vocab_size_actual=int(weights[label].shape[0]))
+                     for label, d in zip(labels_for(args.out_dirs), args.out_dirs)}
+    args.compare = comparable_pairs(args.compare, label_configs, {k: m["variant"] for k, m in metrics.items()},
+                                    default)
     comparisons = []
     for base, cand in args.compare:
-        comparisons.append(compare(metrics, type_stats, base, cand, next(iter(all_tokens.values())), texts=texts))
+        comparisons.append(compare(metrics, type_stats, base, cand, next(iter(all_tokens.values())), texts=texts,
+                                   configs=label_configs))
     for name, obj in (("metrics.json", metrics), ("summary.json", summary)) + ((("compare.json", comparisons),)
                                                                                   if comparisons else ()):
         runlib.write_json(os.path.join(args.out, name), obj)

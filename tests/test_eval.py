@@ -309,6 +309,39 @@ def test_compare_pairs_runs_by_seed_and_splits_the_rare_gap_by_type(runs, tmp_pa
         ev.main([runs["mle"], runs["agg"], "--out", str(tmp_path), "--n-samples", "0", "--compare", "mle", "ul"])
 
 
+def test_runs_on_other_data_or_thread_counts_are_never_paired(runs, corpus, lm_tiny, tmp_path, capsys):
+    """A paired comparison needs runs alike but for the method: another corpus or vocabulary (data fingerprint,
+    vocab_size_actual) or another thread count (versions.threads) is refused with --compare and not paired by
+    default (the runs are still evaluated side by side)."""
+    import shutil
+    other = str(tmp_path / "agg-v280")
+    train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", other, "--method", "agg",
+                   *lm_tiny, "--vocab-size", "280", "--max-steps", "3", "--eval-interval", "3", "--alpha", "0.5",
+                   "--snapshot-steps", "1,3"])
+    with pytest.raises(SystemExit, match=r"--compare mle agg: the runs of seed 0 .* differ in data \(dir-bpe300-.* vs "
+                                         r"dir-bpe280-.*\); paired runs must share"):
+        ev.main([runs["mle"], other, "--out", str(tmp_path / "r1"), "--n-samples", "0", "--compare", "mle", "agg"])
+    assert not (tmp_path / "r1" / "metrics.json").exists()  # refused before any evaluation
+    metrics = ev.main([runs["mle"], other, "--out", str(tmp_path / "r2"), "--n-samples", "0"])
+    assert set(metrics) == {"mle", "agg-v280"} and not (tmp_path / "r2" / "compare.json").exists()
+    assert "no paired comparison of agg against mle: the runs of seed 0" in capsys.readouterr().out
+    threads = str(tmp_path / "agg-threads")
+    shutil.copytree(runs["agg"], threads)
+    cfg = json.load(open(os.path.join(threads, "config.json")))
+    cfg["versions"]["threads"] = cfg["versions"]["threads"] + 1
+    json.dump(cfg, open(os.path.join(threads, "config.json"), "w"))
+    with pytest.raises(SystemExit, match=r"differ in thread count \(1 vs 2\)"):
+        ev.main([runs["mle"], threads, "--out", str(tmp_path / "r3"), "--compare", "mle", "agg"])
+    assert ev.pair_difference(dict(task="lm", versions={"threads": 2}), dict(task="lm")) is None  # not recorded
+    assert ev.pair_difference(dict(task="lm", vocab_size_actual=300), dict(task="lm", vocab_size_actual=280)) == \
+        "vocabulary size (300 vs 280)"
+    assert ev.pair_difference(dict(task="lm"), dict(task="nmt")) == "task (lm vs nmt)"
+    metrics = {"a": dict(variant="mle", seed=0, ppl=2.0), "b": dict(variant="agg", seed=0, ppl=1.0)}
+    with pytest.raises(SystemExit, match=r"--compare mle agg: .*differ in data \(x vs y\)"):
+        ev.compare(metrics, {}, "mle", "agg", [], configs={"a": dict(data_fingerprint="x"),
+                                                           "b": dict(data_fingerprint="y")})
+
+
 def test_compare_splits_the_rare_gap_over_types_and_pools_the_seeds():
     V = 6
     rare = torch.tensor([False, False, False, True, True, True])
