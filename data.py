@@ -565,8 +565,8 @@ def prepare_nmt(cfg, log=print):
         (cache / "done").write_text("ok\n")
     V = cfg["vocab_size"]
     tok_path = cache / f"bpe{V}.json"
-    damaged = lambda path, e: SystemExit(f"the data cache file {path} is damaged ({type(e).__name__}: {str(e)[:200]}): "
-                                         f"delete it and run again to rebuild it")
+    damaged = lambda path, e: SystemExit(f"the data cache file {path} is damaged ({type(e).__name__}: "
+                                         f"{runlib.load_error(e)}): delete it and run again to rebuild it")
     if tok_path.exists():
         try:
             tokenizer = Tokenizer.from_file(str(tok_path))

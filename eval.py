@@ -359,6 +359,8 @@ def evaluate_lm(out_dir, model, ck, args, device):
 # ------------------------------------------------------------------------------------------------------------ NMT
 def average_checkpoints(out_dir, n):
     """The mean of the model weights of the last n snapshots, as fairseq's scripts/average_checkpoints.py."""
+    if n < 1:  # [-n:] of a negative n would drop snapshots instead of taking the last ones
+        raise SystemExit(f"--average-last {n}: give the number of snapshots to average, >= 1 (0: the last checkpoint)")
     paths = runlib.snapshots(out_dir)[-n:]
     if len(paths) < n:
         raise SystemExit(f"{out_dir}: --average-last {n} needs {n} ckpt_STEP.pt snapshots, found {len(paths)}; "
@@ -1224,6 +1226,9 @@ def main(argv=None):
         return reanalyse(args.reanalyse)
     if not args.out_dirs:
         raise SystemExit("eval.py: give run folders (or --reanalyse RESULTS.json)")
+    if args.average_last < 0:
+        raise SystemExit(f"--average-last {args.average_last}: give the number of snapshots to average, >= 1 "
+                         f"(0: the last checkpoint)")
     device = torch.device(args.device)
     metrics, weights, counts, extras, type_stats, all_tokens, texts = {}, {}, {}, {}, {}, {}, {}
     # fail on a bad folder before any long work; one checkpoint in memory at a time (each task script loads its own)

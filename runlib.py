@@ -156,9 +156,21 @@ def method_args(cfg, preset_method=None):
             share = preset_method.get("rare_share")
     if share is not None and not 0 < share < 1:
         raise SystemExit(f"--rare-share {share}: must be a share of the vocabulary in (0, 1), e.g. 0.2")
+    for key, value in kw.items():  # nan and inf pass a comparison with 0 unnoticed
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SystemExit(f"{method_flag(key)} {value}: must be a finite number")
     if kw.get("alpha", 0) < 0:
         raise SystemExit(f"--alpha {kw['alpha']}: must be >= 0 (appearances per optimizer step)")
     return kw, share
+
+
+def build_method(name, **kw):
+    """agg.build_method for a training script: a hyper-parameter agg.py refuses (a share outside [0, 1], a window of
+    2.5 steps) ends the run in one line that names it, before anything is written."""
+    try:
+        return agg.build_method(name, **kw)
+    except ValueError as e:
+        raise SystemExit(f"--method {name}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------- resume
@@ -358,6 +370,8 @@ def check_run_flags(cfg):
         raise SystemExit(f"--lr {cfg['lr']}: must be a finite number >= 0, e.g. 1e-3")
     if cfg.get("warmup") is not None and cfg["warmup"] < 0:
         raise SystemExit(f"--warmup {cfg['warmup']}: must be >= 0 steps")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(cfg.get("device", "cpu"))):
+        raise SystemExit(f"--device {cfg['device']}: unknown device; use cpu, cuda or cuda:N")
     if str(cfg.get("device", "cpu")).startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {cfg['device']}: CUDA is not available on this machine; use --device cpu")
     if os.path.exists(cfg["out"]) and not os.path.isdir(cfg["out"]):
@@ -365,15 +379,15 @@ def check_run_flags(cfg):
 
 
 class StopSignal:
-    """`with StopSignal() as stop:` SIGTERM (a preempted job) and SIGINT (Ctrl-C) set a flag instead of killing the
-    run, so the loop can write a checkpoint at the next step boundary and exit cleanly; a second Ctrl-C stops at
-    once. The previous handlers come back on exit."""
+    """`with StopSignal() as stop:` SIGTERM (a preempted job), SIGHUP (the terminal or ssh session closed) and SIGINT
+    (Ctrl-C) set a flag instead of killing the run, so the loop can write a checkpoint at the next step boundary and
+    exit cleanly; a second Ctrl-C stops at once. The previous handlers come back on exit."""
 
     def __enter__(self):
         import signal
         self.name, self.signal, self.old = None, signal, {}
         try:
-            for s in (signal.SIGTERM, signal.SIGINT):
+            for s in (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()):
                 self.old[s] = signal.signal(s, self._handle)
         except ValueError:  # not the main thread: signals keep their default behaviour
             pass
@@ -587,6 +601,14 @@ def save_checkpoint(path, state):
                          f"intact. Free disk space or make the folder writable, then --resume") from None
 
 
+def load_error(e, limit=200):
+    """The text of a torch.load error without torch's advice to load with weights_only=False, which would let a
+    crafted file run code: never the fix for a checkpoint of this project."""
+    parts = re.split(r"(?<=[.:])\s+|\n+", str(e))
+    keep = [p for p in parts if p.strip() and not re.search(r"weights_only|trusted source|file an issue", p, re.I)]
+    return " ".join(keep)[:limit]
+
+
 def load_checkpoint(path, task=None):
     """Load a checkpoint as data (weights_only=True: a crafted pickle cannot run code) with clear errors."""
     if not os.path.isfile(path):
@@ -598,10 +620,10 @@ def load_checkpoint(path, task=None):
             raise SystemExit(f"{path} is not a plain checkpoint of this project: its pickle asks to run code or "
                              f"build objects a checkpoint never holds, so it was refused and nothing in it ran. "
                              f"Use a run folder written by train_lm.py / train_nmt.py.") from None
-        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {str(e)[:200]}). Delete it "
+        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {load_error(e)}). Delete it "
                          f"(or start with --overwrite) and train again, or restore a good copy.") from None
     except Exception as e:
-        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {str(e)[:200]}). Delete it "
+        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {load_error(e)}). Delete it "
                          f"(or start with --overwrite) and train again, or restore a good copy.") from None
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
@@ -858,15 +880,17 @@ def run_command(saved, script, root=ROOT):
                                                  for a in s.get("argv") or []):
         # the cosine decay depends on --max-steps: a run continued to a new length is its segments, in order
         first = run_command({**saved, "segments": segments[:1]}, script, root)
-        return " && ".join([first] + [shlex.join(["python", script, *segments_argv([s]), "--resume"])
+        return " && ".join([first] + [shlex.join(["python", script, *map(str, segments_argv([s])), "--resume"])
                                       for s in segments[1:]])
     argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in segments_argv(segments)]
     for key in ("lr", "warmup"):
         flag = "--" + key
         if flag not in argv and saved.get(key) is not None:
             argv += [flag, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
-    threads = saved.get("versions", {}).get("threads")
-    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *argv])
+    threads = (saved.get("versions") or {}).get("threads")
+    threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
+    # every word shell-quoted, the thread count a number: a crafted config.json cannot put shell text in the command
+    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *map(str, argv)])
 
 
 def provenance(argv):
@@ -908,8 +932,13 @@ def start_log(path, resumed_step=None):
 
 
 def append_log(path, record, tracker=None):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """One record to the JSON-lines log (and the --log-to tracker). A full disk stops the run in one line: the last
+    checkpoint is intact, and a resumed run drops a record cut short (start_log)."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise SystemExit(f"cannot append to {path} ({e.strerror or e}): free disk space, then --resume") from None
     if tracker is not None:
         tracker(record)
 

@@ -509,9 +509,9 @@ def train(cfg, explicit=frozenset(), argv=()):
         model = model.to(device)
         special_ids = [data["pad_id"], data["eos_id"]]  # never rare
         kw, rare_share = runlib.method_args(cfg, PRESET_METHOD.get(cfg["preset"]))
-        method = agg.build_method(cfg["method"], vocab_size=V, counts=counts, special_ids=special_ids,
-                                  steps_per_epoch=steps_per_epoch, tokens_per_step=tokens_per_step,
-                                  rare_share=rare_share, **kw)
+        method = runlib.build_method(cfg["method"], vocab_size=V, counts=counts, special_ids=special_ids,
+                                     steps_per_epoch=steps_per_epoch, tokens_per_step=tokens_per_step,
+                                     rare_share=rare_share, **kw)
         hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
               if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
         opt = runlib.make_optimizer(model, cfg, vocab_matrices=[model.tok_emb.weight] + ([model.lm_head.weight]

@@ -712,8 +712,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         kw, rare_share = runlib.method_args(cfg, PRESET_METHOD.get(cfg["preset"]))
         if rare_share is not None:  # a share of the target vocabulary, from the target counts
             kw["alpha"] = agg.alpha_for_rare_share(data.counts, rare_share, target_tokens_per_step, target_special)
-        method = agg.build_method(cfg["method"], vocab_size=V, counts=data.corpus_counts, special_ids=method_special,
-                                  steps_per_epoch=steps_per_epoch, **kw)
+        method = runlib.build_method(cfg["method"], vocab_size=V, counts=data.corpus_counts,
+                                     special_ids=method_special, steps_per_epoch=steps_per_epoch, **kw)
         hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
               if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
         # the same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes

@@ -466,6 +466,23 @@ def test_compare_names_are_checked_before_any_evaluation(runs, tmp_path):
     assert not (tmp_path / "r" / "metrics.json").exists()
 
 
+def test_a_crafted_config_json_puts_no_shell_text_in_the_command():
+    saved = {"segments": [{"argv": ["--method", "agg", "--out", "; rm -rf /", "--seed", "$(reboot)"]}], "lr": 1e-3,
+             "warmup": "5; rm -rf ~", "schedule": "cosine", "versions": {"threads": "1; rm -rf /"}}
+    cmd = runlib.run_command(saved, "train_lm.py")
+    assert shlex.split(cmd) == ["python", "train_lm.py", "--method", "agg", "--out", "; rm -rf /", "--seed",
+                                "$(reboot)", "--lr", "0.001", "--warmup", "5; rm -rf ~"]  # each one word, none run
+    saved["versions"]["threads"] = 2
+    assert runlib.run_command(saved, "train_lm.py").startswith("OMP_NUM_THREADS=2 python train_lm.py ")
+
+
+def test_average_last_below_zero_is_refused(runs, tmp_path):
+    with pytest.raises(SystemExit, match=r"--average-last -2: give the number of snapshots to average, >= 1"):
+        ev.main([runs["mle"], "--out", str(tmp_path / "r"), "--average-last", "-2"])
+    with pytest.raises(SystemExit, match=r"--average-last -2"):
+        ev.average_checkpoints(runs["mle"], -2)
+
+
 def test_the_command_of_a_resumed_run_reproduces_it():
     """A run continued in a new folder to a longer --max-steps: one command under inverse-sqrt (the same run, see
     test_resume_equals_uninterrupted), its segments in order under cosine (the decay moved with --max-steps)."""

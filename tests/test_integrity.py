@@ -258,13 +258,44 @@ def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_falls_ba
                                           (["--eval-interval", "0"], "--eval-interval 0"),
                                           (["--log-interval", "0"], "--log-interval 0"),
                                           (["--vocab-size", "-5"], "--vocab-size -5"),
-                                          (["--device", "cuda"], "CUDA is not available")])
+                                          (["--device", "cuda"], "CUDA is not available"),
+                                          (["--device", "tpu"], "--device tpu: unknown device; use cpu, cuda"),
+                                          (["--method", "agg", "--alpha", "inf"], "--alpha inf: must be a finite"),
+                                          (["--method", "agg", "--alpha", "nan"], "--alpha nan: must be a finite"),
+                                          (["--method", "agps", "--rare-fraction", "1.5"],
+                                           r"--method agps: .*rare_fraction must be a share .*\[0, 1\], got 1.5"),
+                                          (["--method", "agg", "--window", "0"], "--method agg: .*window must be >= 1")])
 def test_bad_run_flags_end_in_one_line_before_anything_is_written(corpus, tmp_path, flags, match):
     if "cuda" in flags and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(SystemExit, match=match):
         train_lm.main(lm_argv(corpus, tmp_path / "bad", *flags, steps=2))
     assert not os.path.exists(tmp_path / "bad")
+
+
+def test_torn_checkpoint_messages_never_advise_weights_only_false(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as e:
+        runlib.load_checkpoint(str(path))
+    assert "corrupted or not a checkpoint" in str(e.value) and "weights_only" not in str(e.value)
+    assert "trusted source" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sighup_stops_at_a_step_boundary_like_sigterm():
+    with runlib.StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.01)
+        assert stop.received() and stop.name == "SIGHUP"
+    assert signal.getsignal(signal.SIGHUP) is not stop._handle  # the previous handler is back
+
+
+def test_a_full_disk_while_logging_ends_in_one_line():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with pytest.raises(SystemExit, match=r"cannot append to /dev/full \(No space left on device\): free disk space, "
+                                         r"then --resume"):
+        runlib.append_log("/dev/full", dict(step=1, split="train", loss=1.0))
 
 
 def test_out_that_is_a_file_is_refused(corpus, tmp_path):
