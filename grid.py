@@ -104,12 +104,12 @@ def same_flags(folder, cmd):
     invocation, such as --stop-at or --device, aside), else what differs: a grid never tabulates or continues a run
     made with other flags."""
     import train_lm
-    path = os.path.join(folder, "config.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        saved = json.load(f)
-    was = (saved.get("segments") or [saved])[0].get("argv")
+    saved, ckpt = runlib.run_config(folder), os.path.join(folder, "ckpt.pt")
+    if saved:
+        was = (saved.get("segments") or [saved])[0].get("argv")
+    else:  # no config.json, or a damaged one: the checkpoint's copy of the provenance
+        prov = runlib.load_checkpoint(ckpt).get("provenance") if os.path.exists(ckpt) else None
+        was = prov[0].get("argv") if prov else None
     if not was:
         return None
     parse = lambda argv: vars(train_lm.build_parser().parse_args(argv))
@@ -152,19 +152,30 @@ def train_all(args, extra):
         raise SystemExit(f"grid: `{' '.join(failed[0])}` failed; fix it and rerun grid.py (finished runs are kept)")
 
 
+def train_command(args, extra, method, seed, lr=None, wu=None, knob=None):
+    """(folder, the train_lm.py command) of one run of the grid; --resume when it has a checkpoint."""
+    folder = run_dir(args.out, method, seed, lr, wu, knob)
+    resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
+    return folder, [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed),
+                    "--out", folder, *(["--resume"] if resume else []), *extra,
+                    *(["--lr", f"{lr:g}"] if lr is not None else []), *(["--warmup", str(wu)] if wu is not None else []),
+                    *([f"--{knob[0]}", f"{knob[1]:g}"] if knob is not None else [])]
+
+
+def check_flags(folder, cmd):
+    """Refuse a run of the grid's folder that was made with other training flags than the grid's (same_flags)."""
+    differs = same_flags(folder, cmd)
+    if differs:
+        raise SystemExit(f"grid: {folder} was {differs}: give another --out for other flags, or delete the run "
+                         f"to redo it")
+
+
 def _train_todo(args, extra, todo, env, running):
     failed = []
     for i, (method, seed, lr, wu, knob) in enumerate(todo):
-        folder = run_dir(args.out, method, seed, lr, wu, knob)
+        folder, cmd = train_command(args, extra, method, seed, lr, wu, knob)
+        check_flags(folder, cmd)
         resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
-        cmd = [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed), "--out",
-               folder, *(["--resume"] if resume else []), *extra,
-               *(["--lr", f"{lr:g}"] if lr is not None else []), *(["--warmup", str(wu)] if wu is not None else []),
-               *([f"--{knob[0]}", f"{knob[1]:g}"] if knob is not None else [])]
-        differs = same_flags(folder, cmd)
-        if differs:
-            raise SystemExit(f"grid: {folder} was {differs}: give another --out for other flags, or delete the run "
-                             f"to redo it")
         if runlib.finished(folder):
             print(f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}: done, skipped")
             continue
@@ -275,6 +286,11 @@ def main(argv=None):
     if args.no_train:
         missing = [os.path.basename(f) for f in folders if not runlib.finished(f)]
         folders = [f for f in folders if runlib.finished(f)]
+        # the tables never take in a run made with other training flags than the grid's (as training would not)
+        for folder, cmd in (train_command(args, extra, m, s, *st) for m in args.methods for st in settings(args)
+                            for s in args.seeds):
+            if folder in folders:
+                check_flags(folder, cmd)
         if not folders:
             raise SystemExit(f"grid: no finished run in {args.out}/runs; run grid.py without --no-train first")
         if missing:

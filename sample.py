@@ -16,6 +16,8 @@ import torch
 
 import runlib
 
+EOT = "<|endoftext|>"  # data.LM_EOS: the end of each paragraph in an LM's training stream
+
 
 def load(run, checkpoint, device):
     """(model, tokenizer, config) of a run: runlib.load_run, and the run's tokenizer.json (or its data cache's)."""
@@ -49,7 +51,7 @@ def generate(model, x, max_new_tokens, temperature=1.0, top_k=None):
 
 
 def sample_lm(args, model, tok, cfg):
-    ids = tok.encode(args.prompt).ids if args.prompt else [tok.token_to_id("<|endoftext|>") or 0]
+    ids = tok.encode(args.prompt).ids if args.prompt else [tok.token_to_id(EOT) or 0]
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     torch.manual_seed(args.seed)
     out = []
@@ -98,10 +100,17 @@ def export_hf(args, model, tok, cfg):
                          f"without it")
     sd = model.state_dict()
     V, d = sd["tok_emb.weight"].shape
+    # the model's own end-of-text id as bos, eos and pad (GPT-2's defaults, 50256, are not this vocabulary's), so
+    # generate() stops where the model ends a text
+    eos = tok.token_to_id(EOT)
+    if eos is None or not 0 <= eos < V:
+        raise SystemExit(f"{args.run}: its tokenizer has no {EOT} token inside the model's {V} rows; export a run "
+                         f"trained by train_lm.py")
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=cfg["block_size"], n_embd=d, n_layer=cfg["n_layer"],
                                     n_head=cfg["n_head"], n_inner=cfg["d_ff"], activation_function="gelu",
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
-                                    tie_word_embeddings=True))
+                                    tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos))
+    hf.generation_config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     new = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
            "transformer.ln_f.weight": sd["ln_f.weight"], "transformer.ln_f.bias": sd["ln_f.bias"]}
     for i in range(cfg["n_layer"]):
@@ -119,7 +128,8 @@ def export_hf(args, model, tok, cfg):
         raise SystemExit(f"export: the model does not map onto GPT-2 (missing {missing}, unexpected {unexpected})")
     hf.tie_weights()
     hf.save_pretrained(args.export_hf)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(args.export_hf)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT).save_pretrained(
+        args.export_hf)
     print(f"wrote {args.export_hf}: GPT2LMHeadModel.from_pretrained({args.export_hf!r})")
     return hf
 

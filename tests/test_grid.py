@@ -111,6 +111,12 @@ def test_a_finished_run_with_other_flags_is_refused(corpus, lm_tiny, tmp_path):
     cmd = [sys.executable, "train_lm.py", "--method", "mle", "--seed", "0", "--out", str(tmp_path / "runs" / "mle-s0"),
            *flags, "--device", "cpu", "--stop-at", "1"]
     assert grid.same_flags(str(tmp_path / "runs" / "mle-s0"), cmd) is None  # steering flags do not count
+    # --no-train tabulates finished runs only when they were made with the grid's flags
+    with pytest.raises(SystemExit, match="dropout=None \\(now 0.3\\)"):
+        grid.main(["--methods", "mle", "--seeds", "0", "--out", str(tmp_path), "--no-train", "--", *flags,
+                   "--dropout", "0.3"])
+    os.remove(tmp_path / "runs" / "mle-s0" / "config.json")  # lost: the checkpoint's provenance still tells
+    assert "dropout=None (now 0.3)" in grid.same_flags(str(tmp_path / "runs" / "mle-s0"), cmd + ["--dropout", "0.3"])
 
 
 def test_sigterm_to_the_grid_stops_its_runs_with_checkpoints(tmp_path):

@@ -38,6 +38,22 @@ def test_export_to_transformers_gives_the_same_logits(lm_folder, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model.logits(x), rtol=1e-4, atol=1e-4)
     assert os.path.exists(tmp_path / "hf" / "tokenizer.json")
+    # the model's own <|endoftext|> id as bos / eos / pad, in the config and the generation config
+    _, tok, _ = sample.load(lm_folder, "last", "cpu")
+    eos = tok.token_to_id("<|endoftext|>")
+    gen = transformers.GenerationConfig.from_pretrained(str(tmp_path / "hf"))
+    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (eos, eos, eos)
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (eos, eos, eos)
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).eos_token_id == eos
+    # generate() stops at the model's end of text: a model made to predict it at once ends after one token
+    with torch.no_grad():
+        u = torch.zeros(hf.config.n_embd)
+        u[0] = 1.0
+        hf.transformer.ln_f.weight.zero_()
+        hf.transformer.ln_f.bias.copy_(u)  # every position's feature is u
+        hf.transformer.wte.weight[eos] = 10 * u  # so <|endoftext|> has the largest logit
+    out = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=10, do_sample=False)
+    assert out[0].tolist() == [5, 6, 7, eos]
 
 
 def test_export_never_writes_into_a_run_or_a_non_empty_folder(lm_folder, tmp_path):
