@@ -158,7 +158,8 @@ def train_command(args, extra, method, seed, lr=None, wu=None, knob=None):
     resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
     return folder, [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed),
                     "--out", folder, *(["--resume"] if resume else []), *extra,
-                    *(["--lr", f"{lr:g}"] if lr is not None else []), *(["--warmup", str(wu)] if wu is not None else []),
+                    *(["--lr", f"{lr:g}"] if lr is not None else []),
+                    *(["--warmup", str(wu)] if wu is not None else []),
                     *([f"--{knob[0]}", f"{knob[1]:g}"] if knob is not None else [])]
 
 

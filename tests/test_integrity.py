@@ -264,7 +264,8 @@ def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_falls_ba
                                           (["--method", "agg", "--alpha", "nan"], "--alpha nan: must be a finite"),
                                           (["--method", "agps", "--rare-fraction", "1.5"],
                                            r"--method agps: .*rare_fraction must be a share .*\[0, 1\], got 1.5"),
-                                          (["--method", "agg", "--window", "0"], "--method agg: .*window must be >= 1")])
+                                          (["--method", "agg", "--window", "0"],
+                                           "--method agg: .*window must be >= 1")])
 def test_bad_run_flags_end_in_one_line_before_anything_is_written(corpus, tmp_path, flags, match):
     if "cuda" in flags and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
