@@ -296,9 +296,11 @@ def lock_run(out):
     f.write(str(os.getpid()))
     f.flush()
     _LOCKS[os.path.abspath(out)] = f
-    for name in os.listdir(out):  # temporary files of our writes that were killed (NAME.tmpPID), nothing else
-        if RUN_TMP.fullmatch(name):
-            os.remove(os.path.join(out, name))
+    snaps = os.path.join(out, "snapshots")
+    for folder, ours in ((out, RUN_TMP), (snaps, re.compile(r"emb_\d+\.pt\.tmp\d+"))):
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if ours.fullmatch(name):  # temporary files of our writes that were killed (NAME.tmpPID), nothing else
+                os.remove(os.path.join(folder, name))
 
 
 def unlock_run(out):

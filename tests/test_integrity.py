@@ -201,6 +201,7 @@ def test_an_out_folder_that_holds_no_run_is_not_emptied(corpus, tmp_path):
     train_lm.main(lm_argv(corpus, out, "--overwrite", "--snapshot-steps", "1"))  # a run in the folder: no refusal
     assert {name: (out / name).read_text() for name in mine} == mine
     assert os.path.exists(out / "snapshots" / "emb_1.pt") and os.path.exists(out / "ckpt.pt")
+    (out / "snapshots" / "emb_1.pt.tmp42").write_text("left by a killed write")
     train_lm.main(lm_argv(corpus, out, "--overwrite"))  # the old snapshots go, the figure stays
     assert os.listdir(out / "snapshots") == ["plot.png"]
 
