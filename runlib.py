@@ -48,7 +48,9 @@ def add_run_flags(p, task):
     g.add_argument("--resume", action="store_true",
                    help="continue OUT/ckpt.pt exactly; `--out OUT --resume` alone reuses the saved config, and any "
                         "other flag given must match it (except run-control flags such as --max-steps, --device)")
-    g.add_argument("--overwrite", action="store_true", help="start afresh in an OUT that already holds a run")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an OUT that already holds a run (its files are removed, nothing else), or "
+                        "train in a folder of other files (they are kept)")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (also the LR schedule's length)")
     g.add_argument("--stop-at", type=int, default=None,
                    help="checkpoint and stop after this step without changing the schedule (split a run into jobs)")

@@ -67,7 +67,10 @@ def build_parser():
                    help=f"{OFFLINE_DATASET} (offline default) | {BIBLE_EN} (offline: the World English Bible, a chapter "
                         f"a line) | wikitext-103 | wikitext-2 (hub) ; ignored with --data-dir")
     g.add_argument("--data-dir", default=None,
-                   help="folder with train.txt, valid.txt, test.txt; or the raw WikiText layout (wiki.train.tokens, ...); or parquet files with a text column (train-*.parquet, validation-*.parquet, ...); or a datasets.save_to_disk folder")
+                   help="folder with train.txt, valid.txt, test.txt; or the raw WikiText layout (wiki.train.tokens, "
+                        "...); or parquet files with a text column (train-*.parquet, validation-*.parquet, ...); or a "
+                        "datasets.save_to_disk folder. One corpus per folder: a folder of several (WikiText configs "
+                        "side by side, .tokens next to .raw) is refused")
     g.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
