@@ -460,9 +460,10 @@ SUMMARY_SKIP = {"step", "tokens", "rows", "rows_groups", "seed", "uniq_human", "
                 "lenpen", "word_similarity_pairs", "singular_values"}
 
 
-# config keys that do not make two runs different experiments: the seed, the data's hash (the data flags say it), the
-# run-control keys of the task's script (runlib.RUN_CONTROL), and a flag that rare_rule tells
-NOT_AN_EXPERIMENT = {"seed", "data_fingerprint", "source_only_rare"}
+# config keys that do not make two runs different experiments: the seed, where the data lies (data_fingerprint, the
+# hash of the corpus and tokenizer, tells corpora apart), the run-control keys of the task's script
+# (runlib.RUN_CONTROL), and a flag that rare_rule tells
+NOT_AN_EXPERIMENT = {"seed", "data_dir", "source_only_rare"}
 
 
 _FLAG_DEFAULTS = {}
@@ -508,7 +509,8 @@ def variant_names(configs):
     for method, runs in by_method.items():
         flags = {k for r in runs for k in vars(script_of(configs[r]).build_parser().parse_args([]))}
         control = set().union(*(script_of(configs[r]).RUN_CONTROL for r in runs)) | NOT_AN_EXPERIMENT
-        keys = sorted(({k for r in runs for k in configs[r]} & (flags | {"task", "rare_rule"})) - control)
+        keys = sorted(({k for r in runs for k in configs[r]} & (flags | {"task", "rare_rule", "data_fingerprint"}))
+                      - control)
         differ = [k for k in keys if len({repr(setting(configs[r], k)) for r in runs}) > 1]
         for r in runs:
             names[r] = method + "".join(f" {k}={setting(configs[r], k)}" for k in differ)

@@ -12,7 +12,8 @@ The protocol (this project's choices; RESULTS.md states them with the numbers):
   warm-up 10% of the steps, 12 validations.
 - learning rate: per size and method, LRS on the full data, seed 0, the lowest valid PPL at the last step; a best
   value at the edge of the list extends it by a factor 2 (up to twice), so the selection is bracketed.
-- AGG's rare share: SHARES at M on the full data, lr 4e-3, seed 0, the lowest valid PPL; used at every size.
+- AGG's rare share: SHARES at M on the full data, lr 4e-3, seed 0, the lowest valid PPL (bracketed as the lr);
+  used at every size.
 - seeds 0 1 2 per (size, data, method) at the selected lr, paired by seed; the lr sweep's seed-0 run is reused.
 - a second corpus: the pair at M with M's selections on the English Bible (--dataset bible-en, 2400 steps), seeds
   0 1 2, so that no conclusion rests on one set of articles.
@@ -106,21 +107,27 @@ class Study:
         best = None if None in ppl.values() else min(ppl, key=ppl.get)
         return best, [spec for v, spec in candidates.items()]
 
+    def bracketed(self, values, spec):
+        """(selected value, wanted runs) over `values`, spec(value) = (name, flags); a winner at the edge of the list
+        extends it by a factor 2 beyond that edge (twice at most), so the selection is bracketed."""
+        values, wanted = list(values), []
+        for _ in range(3):
+            best, wanted = self.select({v: spec(v) for v in values})
+            if best is None or min(values) < best < max(values) or len(values) >= 5:
+                return best, wanted
+            values.append(best * 2 if best == max(values) else best / 2)
+        return best, wanted
+
     def share(self):
         s = SHARE_SETTING
-        return self.select({sh: (run_name(s["size"], 1.0, "agg", s["lr"], s["seed"], sh),
-                                 run_flags(s["size"], 1.0, "agg", s["lr"], s["seed"], sh)) for sh in SHARES})
+        return self.bracketed([sh for sh in SHARES], lambda sh: (
+            run_name(s["size"], 1.0, "agg", s["lr"], s["seed"], sh),
+            run_flags(s["size"], 1.0, "agg", s["lr"], s["seed"], sh)))
 
     def lr(self, size, method, share):
-        """The selected lr of (size, method) and the sweep's runs; an edge winner extends the list (twice at most)."""
-        lrs, wanted = list(LRS[size]), []
-        for _ in range(3):
-            best, wanted = self.select({lr: (run_name(size, 1.0, method, lr, 0, share),
-                                             run_flags(size, 1.0, method, lr, 0, share)) for lr in lrs})
-            if best is None or min(lrs) < best < max(lrs) or len(lrs) >= len(LRS[size]) + 2:
-                return best, wanted
-            lrs.append(best * 2 if best == max(lrs) else best / 2)
-        return best, wanted
+        """The selected lr of (size, method) and the sweep's runs."""
+        return self.bracketed(LRS[size], lambda lr: (run_name(size, 1.0, method, lr, 0, share),
+                                                     run_flags(size, 1.0, method, lr, 0, share)))
 
     def plan(self):
         """[(name, flags, cost)] of every run wanted so far, and whether selections are still pending."""
@@ -344,8 +351,7 @@ def write_results(study, path, argv, corpus_path=None):
     runs = {n: run_record(study, n, out_label) if os.path.exists(os.path.join(study.folder(n), "report"))
             else study.prior[n] for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
     sel = study.selections()
-    share_runs = {sh: study.valid_ppl(run_name(SHARE_SETTING["size"], 1.0, "agg", SHARE_SETTING["lr"],
-                                               SHARE_SETTING["seed"], sh)) for sh in SHARES}
+    share_runs = {name: study.valid_ppl(name) for name, _f in study.share()[1]}
     lr_runs = {size: {m: {f"{lr:g}": study.valid_ppl(run_name(size, 1.0, m, lr, 0, sel["share"] if m == "agg" else None))
                           for lr in sorted({r["lr"] for r in runs.values() if r["size"] == size and r["method"] == m
                                             and r["train_fraction"] == 1.0 and r["seed"] == 0})}
@@ -367,7 +373,7 @@ def write_results(study, path, argv, corpus_path=None):
                               n_layer=first["n_layer"], lr=lrs, **cell))
     result = dict(command=shlex.join(["python", "scale.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
                   selection=dict(rule="lowest valid PPL at the last step, seed 0, full data", share=sel["share"],
-                                 share_valid_ppl={f"{k:g}": v for k, v in share_runs.items()}, lr=sel["lr"],
+                                 share_valid_ppl=share_runs, lr=sel["lr"],
                                  lr_valid_ppl=lr_runs),
                   runs=runs, compare=cells,
                   fits={k: fit_trend(cells, k) for k in FIT_QUANTITIES} if len(cells) >= 3 else {})

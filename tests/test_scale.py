@@ -31,11 +31,13 @@ def test_plan_selects_on_validation_and_brackets_the_lr(tmp_path, monkeypatch):
     assert pending and all("-f1-" in n and n.endswith("-s0") for n in names)  # sweeps first, nothing else yet
     assert sorted(n for n in names if "mle" in n) == sorted(scale.run_name("S", 1.0, "mle", lr, 0)
                                                             for lr in scale.LRS["S"])
-    for i, share in enumerate(scale.SHARES):  # the middle share has the lowest valid PPL
-        fake_run(study, scale.run_name("S", 1.0, "agg", 4e-3, 0, share), 100 + abs(i - 1))
+    for i, share in enumerate(scale.SHARES):  # the smallest share wins: the list is extended downwards
+        fake_run(study, scale.run_name("S", 1.0, "agg", 4e-3, 0, share), 100 + i)
+    assert study.share()[0] is None
+    fake_run(study, scale.run_name("S", 1.0, "agg", 4e-3, 0, scale.SHARES[0] / 2), 101)
     for lr, ppl in zip(scale.LRS["S"], (120, 110, 100)):  # the largest lr wins: the list is extended upwards
         fake_run(study, scale.run_name("S", 1.0, "mle", lr, 0), ppl)
-    assert study.share()[0] == scale.SHARES[1]
+    assert study.share()[0] == scale.SHARES[0]  # now bracketed
     best, sweep = study.lr("S", "mle", None)
     assert best is None and scale.run_name("S", 1.0, "mle", 2 * max(scale.LRS["S"]), 0) in [n for n, _ in sweep]
     fake_run(study, scale.run_name("S", 1.0, "mle", 2 * max(scale.LRS["S"]), 0), 105)
@@ -77,11 +79,12 @@ def test_train_subset_cuts_whole_documents():
 def test_a_results_file_continues_the_study_without_its_run_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(scale, "SIZES", {"S": scale.SIZES["S"]})
     monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3, seed=0))
-    runs = {scale.run_name("S", 1.0, "agg", 4e-3, 0, sh): dict(valid_ppl=100 + i) for i, sh in enumerate(scale.SHARES)}
+    runs = {scale.run_name("S", 1.0, "agg", 4e-3, 0, sh): dict(valid_ppl=100 + abs(i - 1))
+            for i, sh in enumerate(scale.SHARES)}
     path = tmp_path / "lm_scale.json"
     path.write_text(json.dumps(dict(runs=runs)))
     study = scale.Study(str(tmp_path / "elsewhere"), prior=[str(path)])
-    assert study.share()[0] == scale.SHARES[0]  # selected from the recorded valid PPL
+    assert study.share()[0] == scale.SHARES[1]  # selected from the recorded valid PPL
     plan, _ = study.plan()
     assert all(study.finished(n) and study.evaluated(n) for n in runs)
     assert scale.next_job(study, {})[0] not in runs  # nothing recorded is trained again
