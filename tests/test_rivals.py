@@ -8,20 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import agg
-
-V, D, WINDOW, ALPHA = 40, 6, 10, 0.45
-
-
-def make_counts(seed=0):
-    """Appearance counts a_k in 0..WINDOW with ~half the vocabulary below ALPHA * WINDOW (rare)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, WINDOW + 1, (V,), generator=g)
-
-
-def observe_counts(method, counts, window=WINDOW):
-    """Feed `window` steps so that afterwards the method's window holds exactly `counts` appearances."""
-    for s in range(window):
-        method.observe(torch.nonzero(counts > s).squeeze(1))
+from test_agg import ALPHA, D, V, WINDOW, make_counts, observe_counts  # noqa: F401
 
 
 def inputs(seed=0, T=60, ignore=()):
