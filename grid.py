@@ -74,16 +74,23 @@ def settings(args):
 
 
 def sweep_flag(flag, methods):
-    """(flag, config key) of a method hyper-parameter given to --sweep (e.g. 'lambda' -> 'lambda_'); a one-line
-    error when it is not one, or when a method of the grid does not take it."""
+    """(flag, config key, type) of the numeric flag given to --sweep: a method hyper-parameter (e.g. 'lambda' ->
+    'lambda_'; every method of the grid must take it) or another numeric train_lm.py flag (e.g. rare-share,
+    embedding-weight-decay); a one-line error otherwise."""
+    import train_lm
     keys = {runlib.method_flag(k)[2:]: k for k in agg.HPARAMS}
-    key = keys.get(flag.lstrip("-"))
-    if key is None:
-        raise SystemExit(f"grid: --sweep {flag}: not a method hyper-parameter; give one of: {', '.join(keys)}")
-    without = [m for m in methods if key not in agg.METHODS[m].defaults]
-    if without:
-        raise SystemExit(f"grid: --sweep {flag}: {', '.join(without)} do not take --{flag}; give --methods that do")
-    return flag.lstrip("-"), key
+    flag = flag.lstrip("-")
+    if flag in keys:
+        key, typ = keys[flag], agg.HPARAMS[keys[flag]][0]
+        without = [m for m in methods if key not in agg.METHODS[m].defaults]
+        if without:
+            raise SystemExit(f"grid: --sweep {flag}: {', '.join(without)} do not take --{flag}; give --methods that do")
+        return flag, key, typ
+    action = next((a for a in train_lm.build_parser()._actions if f"--{flag}" in a.option_strings), None)
+    if action is None or action.type not in (int, float):
+        raise SystemExit(f"grid: --sweep {flag}: not a numeric train_lm.py flag; give a method hyper-parameter "
+                         f"({', '.join(keys)}) or a flag such as rare-share, embedding-weight-decay, weight-decay")
+    return flag, action.dest, action.type
 
 
 def wait_for_slot(running, jobs):
@@ -273,8 +280,7 @@ def main(argv=None):
         p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
     key = None
     if args.sweep:
-        flag, key = sweep_flag(args.sweep[0], args.methods)
-        typ = agg.HPARAMS[key][0]
+        flag, key, typ = sweep_flag(args.sweep[0], args.methods)
         try:
             assert typ in (int, float)
             args.sweep = (flag, [typ(v) for v in args.sweep[1:]])

@@ -93,11 +93,17 @@ def test_a_knob_sweep_trains_each_value_and_selects_on_valid_ppl(corpus, lm_tiny
 
 
 def test_a_knob_sweep_names_a_bad_flag_in_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="--sweep gama: not a method hyper-parameter"):
+    with pytest.raises(SystemExit, match="--sweep gama: not a numeric train_lm.py flag"):
         grid.main(["--methods", "cosreg", "--sweep", "gama", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="mle do not take --gamma"):
         grid.main(["--methods", "cosreg", "mle", "--sweep", "gamma", "1", "--out", str(tmp_path)])
-    assert grid.sweep_flag("lambda", ["frage"]) == ("lambda", "lambda_")  # the flag drops the trailing _
+    assert grid.sweep_flag("lambda", ["frage"]) == ("lambda", "lambda_", float)  # the flag drops the trailing _
+    # any numeric training flag: the rivals' knobs that are not method hyper-parameters
+    assert grid.sweep_flag("embedding-weight-decay", ["mle"]) == ("embedding-weight-decay", "embedding_weight_decay",
+                                                                   float)
+    assert grid.sweep_flag("rare-share", ["agg", "agg+center"])[1] == "rare_share"
+    with pytest.raises(SystemExit, match="not a numeric train_lm.py flag"):
+        grid.sweep_flag("optimizer", ["mle"])
     assert grid.run_dir("o", "agps", 1, knob=("mu1", 17.0)) == os.path.join("o", "runs", "agps-mu1=17-s1")
 
 
