@@ -259,7 +259,6 @@ def distinct_n(continuations, n):
     return len(set(grams)) / len(grams) if grams else float("nan")
 
 
-@torch.no_grad()
 def run_data_dir(cfg, data_dir):
     """--data-dir: the run's corpus read from another folder (moved or copied); the data fingerprint is checked after
     reading, as for the run's own folder. A run whose data folder is gone says so."""
@@ -273,6 +272,7 @@ def run_data_dir(cfg, data_dir):
                          f"--data-dir with the folder's new place")
 
 
+@torch.no_grad()
 def evaluate_lm(out_dir, model, ck, args, device):
     """A train_lm.py run on its test split (or --split valid): PPL total and per frequency group, Uniq (distinct argmax
     next-token predictions; AGG Table 3) total and per group with the human reference, the free re-weighting baseline

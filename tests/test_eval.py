@@ -521,3 +521,8 @@ def test_tost_and_the_reanalysis_of_a_results_file(tmp_path):
     cal = math.log(b["rare_bias"]["ppl_groups"]["rare"] / c["rare_bias"]["ppl_groups"]["rare"])
     assert closed["per_seed"][0] == pytest.approx(1 - cal / gap)
     assert set(after["equivalence"]) >= {"ppl", "rare_bias.ppl", "rare_bias.ppl_groups.rare"}
+
+
+def test_evaluation_builds_no_autograd_graph(runs):
+    res = ev.evaluate(runs["agg"], n_samples=1, gen_len=4, prefix_len=4, device="cpu")
+    assert not res["metrics"]["type_stats"]["nll"].requires_grad and not res["weight"].requires_grad
