@@ -75,15 +75,15 @@ def load_gensim_wiki(split_seed=0, documents=False):
     articles.sort()
     split = {"valid": articles[:6], "test": articles[6:11], "train": articles[11:]}
     out = {k: [line for _h, lines in v for line in lines] for k, v in split.items()}
-    # documents: also the lines per train article, where --train-fraction cuts
-    return (out, [len(lines) for _h, lines in split["train"]]) if documents else out
+    # documents: also the lines per article of each split (--train-fraction cuts there; eval.py resamples them)
+    return (out, {k: [len(lines) for _h, lines in v] for k, v in split.items()}) if documents else out
 
 
 def train_subset(corpus, fraction):
     """The first `fraction` of the train split by characters, cut at whole documents (articles of the offline corpus,
     else lines): the longest prefix of documents with at most that share of the characters, and at least one."""
     lines, docs, start = corpus["train"], [], 0
-    for n in corpus.get("train_documents") or [1] * len(lines):
+    for n in (corpus.get("documents") or {}).get("train") or [1] * len(lines):
         docs.append(lines[start:start + n])
         start += n
     chars = np.cumsum([sum(map(len, doc)) for doc in docs])
@@ -240,7 +240,7 @@ def load_bible_en():
             text = " ".join(" ".join(v.text.split()) for v in chap if v.text.strip())
             if text:
                 out[_split_of(f"{bi}:{chap.ID}")].append(text)
-    return out
+    return dict(out, documents={s: [1] * len(lines) for s, lines in out.items()})  # a chapter a line and a document
 
 
 def load_lm_corpus(cfg):
@@ -248,7 +248,7 @@ def load_lm_corpus(cfg):
         return load_text_dir(cfg["data_dir"])
     if cfg["dataset"] == OFFLINE_DATASET:
         corpus, docs = load_gensim_wiki(cfg.get("split_seed") or 0, documents=True)
-        return dict(corpus, train_documents=docs)
+        return dict(corpus, documents=docs)
     if cfg["dataset"] == BIBLE_EN:
         return load_bible_en()
     if cfg["dataset"] in HUB_DATASETS:
@@ -324,6 +324,8 @@ def prepare_lm(cfg, log=print):
         dtype = np.uint16 if V <= 65535 else np.uint32
         meta = dict(vocab_size=V, eos_id=eos_id, pad_id=pad_id, dtype=np.dtype(dtype).name, tokens={},
                     dataset=name, tokenizer=cfg["tokenizer"], lines={k: len(corpus[k]) for k in ("train", "valid", "test")})
+        if corpus.get("documents"):  # lines per document (article) of the held-out splits: eval.py's bootstrap units
+            meta["documents"] = {s: corpus["documents"][s] for s in ("valid", "test")}
         # built in a folder of this process, then renamed into place: runs started together (grid.py --jobs) never
         # write the same files, and a cache appears whole or not at all
         tmp = f"{cdir}.tmp{os.getpid()}"
@@ -373,6 +375,10 @@ def prepare_lm(cfg, log=print):
             raise damaged(f"{s}.bin has {os.path.getsize(path) if os.path.exists(path) else 0} bytes, not {want}")
     ids = {s: np.memmap(os.path.join(cdir, f"{s}.bin"), dtype=meta["dtype"], mode="r", shape=(meta["tokens"][s],))
            for s in ("train", "valid", "test")}
+    if "documents" not in meta and cfg["dataset"] in (OFFLINE_DATASET, BIBLE_EN) and not cfg.get("data_dir"):
+        docs = load_lm_corpus(cfg)["documents"]  # a cache built before meta.json kept them: the same ids, added
+        meta["documents"] = {s: docs[s] for s in ("valid", "test")}
+        runlib.write_json(meta_path, meta)
     return dict(ids=ids, counts=counts, meta=meta, tokenizer=tokenizer, vocab_size=meta["vocab_size"],
                 eos_id=meta["eos_id"], pad_id=meta["pad_id"], dir=cdir, reused=reused)
 

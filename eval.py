@@ -272,6 +272,17 @@ def run_data_dir(cfg, data_dir):
                          f"--data-dir with the folder's new place")
 
 
+def document_of(ids, eos_id, documents):
+    """(article index of every position of `ids` as a LongTensor, lines per article) when the split's articles are
+    known (data.py's meta.json "documents": lines per article; every line ends with EOS), else None."""
+    if not documents:
+        return None
+    eos = torch.from_numpy(np.asarray(ids) == eos_id)
+    line = torch.cumsum(eos.long(), 0) - eos.long()  # a line's EOS belongs to it
+    ends = torch.cumsum(torch.tensor(documents), 0)
+    return torch.searchsorted(ends, line, right=True).clamp(max=len(documents) - 1), documents
+
+
 @torch.no_grad()
 def evaluate_lm(out_dir, model, ck, args, device):
     """A train_lm.py run on its test split (or --split valid): PPL total and per frequency group, Uniq (distinct argmax
@@ -296,10 +307,14 @@ def evaluate_lm(out_dir, model, ck, args, device):
     acc = agg.GroupNLL()
     type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
     preds, targets, stats = [], [], []
-    for logits, y in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window),
-                          desc=f"{os.path.basename(os.path.normpath(cfg['out']))} {args.split}", leave=False):
+    doc = document_of(ids, data["eos_id"], data["meta"].get("documents", {}).get(args.split))
+    articles = agg.GroupNLL(3 * len(doc[1])) if doc is not None else None  # NLL per (article, group)
+    for logits, y, pos in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window, True),
+                               desc=f"{os.path.basename(os.path.normpath(cfg['out']))} {args.split}", leave=False):
         nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
         acc.add(nll, gid_d[y])
+        if articles is not None:
+            articles.add(nll.cpu(), 3 * doc[0][pos] + gid[y.cpu()])
         type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
         preds.append(logits.argmax(-1).flatten().cpu())
         targets.append(y.flatten().cpu())
@@ -318,7 +333,9 @@ def evaluate_lm(out_dir, model, ck, args, device):
              uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
              uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
              rare_argmax=rare_bias_metrics(stats, 0.0, gid), rare_bias=rare_bias_metrics(stats, bias, gid),
-             type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)))  # for --compare, not saved
+             type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)),  # for --compare, not saved
+             article_stats=None if articles is None else dict(  # per held-out article and group: the bootstrap units
+                 nll=articles.nll.view(-1, 3).tolist(), count=articles.count.view(-1, 3).tolist()))
     # greedy continuations of evenly spaced prefixes of the split (AGG Table 14)
     gens, greedy, span = [], [], args.prefix_len + args.gen_len
     if len(ids) > span and args.n_samples:
@@ -692,7 +709,25 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
                                                  texts[b]["bleu_tokenize"], seed=seed))
             for s, (b, c) in zip(seeds, labels)]
     out.update(calibration_and_equivalence(pairs, out["metrics"]))
+    if all(b.get("article_stats") and c.get("article_stats") for b, c in pairs):
+        out["rare_articles"] = article_bootstrap(pairs, n_boot, seed)
     return out
+
+
+def article_bootstrap(pairs, n_boot=10000, seed=0):
+    """The rare-group PPL ratio cand / base pooled over the seed pairs, with a bootstrap over the held-out articles
+    (the units the test set was drawn in: one article can carry much of a gap) and each article's share of the gap."""
+    base = np.array([b["article_stats"]["nll"] for b, _ in pairs])[..., 2].sum(0)  # rare NLL per article
+    cand = np.array([c["article_stats"]["nll"] for _, c in pairs])[..., 2].sum(0)
+    count = np.array(pairs[0][0]["article_stats"]["count"])[:, 2] * len(pairs)  # the same targets in every run
+    gap = base - cand
+    keep = count > 0
+    gap, count = gap[keep], count[keep]
+    rng = np.random.default_rng(seed)
+    boot = [math.exp(-gap[i].sum() / max(count[i].sum(), 1)) for i in rng.integers(0, len(gap), (n_boot, len(gap)))]
+    return dict(articles=int(len(gap)), rare_targets=count.tolist(), ratio=math.exp(-gap.sum() / count.sum()),
+                ratio_article_boot95=np.percentile(boot, [2.5, 97.5]).tolist(),
+                gap_share_per_article=(gap / gap.sum()).tolist() if gap.sum() else None)
 
 
 # Equivalence margins (this project's): "equal" or "matches" in the docs means the 90% interval of the paired mean
@@ -987,7 +1022,7 @@ RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_pp
                "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
                "rare_bias", "output_bias", "gen_rep4", "gen_distinct", "bleu", "bleu_signature", "test_ppl", "target",
                "rare_rule", "checkpoints_averaged", "isoscore", "isotropy_centered", "isotropy_weighted",
-               "undertrained")
+               "undertrained", "article_stats")
 RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams", "optimizer",
             "untie", "weight_decay", "embedding_weight_decay", "dataset", "train_fraction",
             "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")

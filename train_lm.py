@@ -401,9 +401,9 @@ def windows(n, block, context=0):
     return out
 
 
-def score(model, ids, n, cfg, device, autocast, context=0):
+def score(model, ids, n, cfg, device, autocast, context=0, positions=False):
     """Yields (logits, targets) of the scored positions of the first n targets of `ids`, in micro-batches of
-    windows of one shape (every target scored once)."""
+    windows of one shape (every target scored once); with positions, (logits, targets, their indices in ids)."""
     by_shape = {}
     for a, L, skip in windows(n, cfg["block_size"], context):
         by_shape.setdefault((L, skip), []).append(a)
@@ -413,7 +413,10 @@ def score(model, ids, n, cfg, device, autocast, context=0):
             t = torch.from_numpy(np.stack([np.asarray(ids[a:a + L + 1], dtype=np.int64) for a in group])).to(device)
             with autocast():
                 logits = model.logits(t[:, :-1])
-            yield logits[:, skip:], t[:, 1 + skip:]
+            if positions:
+                yield logits[:, skip:], t[:, 1 + skip:], torch.tensor(group)[:, None] + torch.arange(1 + skip, L + 1)
+            else:
+                yield logits[:, skip:], t[:, 1 + skip:]
 
 
 @torch.no_grad()

@@ -526,3 +526,18 @@ def test_tost_and_the_reanalysis_of_a_results_file(tmp_path):
 def test_evaluation_builds_no_autograd_graph(runs):
     res = ev.evaluate(runs["agg"], n_samples=1, gen_len=4, prefix_len=4, device="cpu")
     assert not res["metrics"]["type_stats"]["nll"].requires_grad and not res["weight"].requires_grad
+
+
+def test_articles_are_the_bootstrap_units_of_the_rare_ppl_ratio():
+    eos = 9
+    ids = np.array([1, 2, eos, 3, eos, 4, 5, 6, eos])  # lines: [1 2 E] [3 E] [4 5 6 E]; articles: lines 0-1, line 2
+    art, docs = ev.document_of(ids, eos, [2, 1])
+    assert art.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1] and docs == [2, 1]
+    assert ev.document_of(ids, eos, None) is None
+    # two articles, rare NLL per (article, group); cand gains 2 nats on article 0's 4 rare targets, none on article 1
+    stats = lambda rare0, rare1: dict(nll=[[0, 0, rare0], [0, 0, rare1]], count=[[1, 1, 4], [1, 1, 4]])
+    pairs = [(dict(article_stats=stats(10.0, 8.0)), dict(article_stats=stats(8.0, 8.0)))] * 2
+    res = ev.article_bootstrap(pairs, n_boot=2000)
+    assert res["ratio"] == pytest.approx(math.exp(-4 / 16)) and res["gap_share_per_article"] == [1.0, 0.0]
+    lo, hi = res["ratio_article_boot95"]
+    assert lo == pytest.approx(math.exp(-8 / 16)) and hi == pytest.approx(1.0)  # both articles from 0, both from 1

@@ -69,7 +69,7 @@ def test_train_fraction_is_a_nested_prefix_with_the_whole_splits_tokenizer(corpu
 
 
 def test_train_subset_cuts_whole_documents():
-    corpus = dict(train=["a" * 10, "b" * 10, "c" * 30, "d" * 50], train_documents=[2, 1, 1])
+    corpus = dict(train=["a" * 10, "b" * 10, "c" * 30, "d" * 50], documents=dict(train=[2, 1, 1]))
     assert data_py.train_subset(corpus, 0.25) == ["a" * 10, "b" * 10]  # 20 of 100 characters: the first document
     assert data_py.train_subset(corpus, 0.5) == ["a" * 10, "b" * 10, "c" * 30]
     assert data_py.train_subset(corpus, 0.01) == ["a" * 10, "b" * 10]  # at least one document
