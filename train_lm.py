@@ -8,8 +8,9 @@
 
 Everything a run needs is in its --out folder: config.json (full config and provenance), log.jsonl (one JSON object
 per line: train and valid records), ckpt.pt (written atomically; --resume continues it exactly) and ckpt_best.pt.
-The run plumbing shared with train_nmt.py is in runlib.py; the methods live in agg.py, and this file only feeds
-them (hidden, tied weight, targets). evaluate() below is the test-set evaluation eval.py calls.
+This file is the experiment: model, loss, loop. The corpora are data.py's, the life of a run (resume, checkpoints,
+logs) is runlib.Run, the methods live in agg.py (this file feeds them hidden states, the tied weight and targets),
+and the test split is read by eval.py only.
 """
 import argparse
 import contextlib
@@ -421,7 +422,7 @@ def score(model, ids, n, cfg, device, autocast, context=0, positions=False):
 
 @torch.no_grad()
 def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_rare=None, seen=None, method=None):
-    """Valid PPL (the same scoring as evaluate()), total and per frequency group (30/50/20% by train counts),
+    """Valid PPL (the same scoring as eval.py's test PPL), total and per frequency group (30/50/20% by train counts),
     the embedding geometry per group over the tokens `seen` in training (agg.geometry; AGG Fig. 2: I(W) per group,
     cosine between rare and frequent embeddings), and
     the predicted vs true probability mass of the static rare group (`group_rare_mass_*`) and of the method's own

@@ -10,7 +10,8 @@ Machine translation with AGG and its peers: a Transformer encoder-decoder with t
     python train_nmt.py --out out/nmt-agg-s0 --resume       # continue an interrupted run
 
 The run contract (flags, resume with --out alone, seeding, checkpoints, config.json provenance, log.jsonl) is the
-same as train_lm.py's, through runlib.py. eval.py evaluates NMT checkpoints through evaluate() below.
+same as train_lm.py's, through runlib.Run; the corpora are data.py's; validate() below scores the valid split during
+training and, called by eval.py, the test split (training never reads it).
 """
 import argparse
 import contextlib
