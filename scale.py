@@ -66,6 +66,7 @@ class Study:
     """The runs of the study as far as the finished ones decide them (selections need their sweeps done). `prior`:
     results files of this study (results/lm_scale.json, the corpus file): their runs count as finished and evaluated,
     so the study continues on a machine without their run folders."""
+    eval_args = ["--n-samples", "0"]  # eval.py flags of every run's evaluation
 
     def __init__(self, out, prior=()):
         self.runs = os.path.join(out, "runs")
@@ -171,7 +172,7 @@ def next_job(study, busy):
         if study.finished(name):
             if not study.evaluated(name):
                 return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",
-                              os.path.join(folder, "report"), "--n-samples", "0"]
+                              os.path.join(folder, "report"), *study.eval_args]
             continue
         resume = ["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []
         return name, [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume]

@@ -88,3 +88,20 @@ def test_a_results_file_continues_the_study_without_its_run_folders(tmp_path, mo
     plan, _ = study.plan()
     assert all(study.finished(n) and study.evaluated(n) for n in runs)
     assert scale.next_job(study, {})[0] not in runs  # nothing recorded is trained again
+
+
+def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
+    import rivals
+    study = rivals.Rivals(str(tmp_path))
+    plan, pending = study.plan()
+    names = [n for n, _f, _c in plan]
+    assert pending and len(names) == sum(len(rivals.LRS) * len(k) for _m, _f, k in rivals.RIVALS.values())
+    flags = next(f for n, f, _c in plan if n == rivals.run_name("coupled-adam", 4e-3, "ewd0.01", 0))
+    assert flags[flags.index("--optimizer") + 1] == "coupled-adam" and "--embedding-weight-decay" in flags
+    for i, lr in enumerate(rivals.LRS):  # zloss: lr 4e-3 with z 1e-3 has the lowest valid PPL
+        for j, (knob, _) in enumerate(rivals.RIVALS["zloss"][2]):
+            fake_run(study, rivals.run_name("zloss", lr, knob, 0), 100 + abs(i - 1) + abs(j - 1))
+    assert study.selection("zloss")[0] == (4e-3, "z0.001")
+    plan, _ = study.plan()
+    seeds = sorted(n for n, _f, _c in plan if n.startswith("zloss-lr0.004-z0.001-"))
+    assert seeds == [rivals.run_name("zloss", 4e-3, "z0.001", s) for s in range(3)]

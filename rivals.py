@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""AGG against the fixes that came after it, at the cpu preset, every method tuned as AGG is.
+
+    python rivals.py --jobs 2 --results results/lm_rivals.json      # train, evaluate, select; rerun to continue
+    python rivals.py --no-train --results results/lm_rivals.json    # the study so far: JSON and the Pareto picture
+
+The protocol (this project's choices):
+- the rivals (RIVALS): MLE; AGG; Coupled Adam (the vocabulary matrix's update divided by its mean second moment);
+  embedding centering (mu-centering after every step, or the mu-loss); z-loss; AGG + centering; and the controls
+  an untied output matrix with MLE and with AGG.
+- each rival: LRS x its main knob at seed 0 on the full data, the lowest valid PPL at the last step selected;
+- then seeds 0-2 at the selection (0-4 for MLE, AGG and Coupled Adam), paired with MLE by seed;
+- every run evaluated by eval.py (test PPL total, per group and calibrated, the geometry metrics that favour no
+  method, Uniq, greedy and sampled continuations); selections read validation only.
+The study machinery (restartable runs, results files that continue the study elsewhere) is scale.py's.
+"""
+import argparse
+import json
+import os
+import shlex
+import sys
+
+import numpy as np
+
+import runlib
+import scale
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+LRS = [2e-3, 4e-3, 8e-3]
+SHARES = [("share0.1", ["--rare-share", "0.1"]), ("share0.2", ["--rare-share", "0.2"]), ("share0.4", ["--rare-share", "0.4"])]
+# name: (method, flags, [(knob label, knob flags)]); a rival without a knob sweeps the lr only
+RIVALS = {
+    "mle": ("mle", [], [("", [])]),
+    "agg": ("agg", [], SHARES),
+    "coupled-adam": ("mle", ["--optimizer", "coupled-adam"],
+                     [(f"ewd{w:g}", ["--embedding-weight-decay", f"{w:g}"]) for w in (0.0, 0.01, 0.1)]),
+    "center": ("center", [], [("step", ["--center-mode", "step"])] +
+               [(f"mu{c:g}", ["--center-mode", "loss", "--mu-coef", f"{c:g}"]) for c in (0.1, 1.0, 10.0)]),
+    "zloss": ("zloss", [], [(f"z{c:g}", ["--z-coef", f"{c:g}"]) for c in (1e-4, 1e-3, 1e-2)]),
+    "agg+center": ("agg+center", [], SHARES),
+    "untied-mle": ("mle", ["--untie"], [("", [])]),
+    "untied-agg": ("agg", ["--untie"], SHARES),
+}
+SEEDS = {"mle": 5, "agg": 5, "coupled-adam": 5}  # the others: 3
+
+
+def run_name(rival, lr, knob, seed):
+    return f"{rival}-lr{lr:g}" + (f"-{knob}" if knob else "") + f"-s{seed}"
+
+
+def run_flags(rival, lr, knob, seed):
+    method, flags, knobs = RIVALS[rival]
+    return ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", *flags, *dict(knobs)[knob]]
+
+
+class Rivals(scale.Study):
+    """The rivals' runs as far as the finished sweeps decide them."""
+    eval_args = ["--n-samples", "5"]  # greedy and sampled continuations for seq-rep-4 and distinct-n
+
+    def selection(self, rival):
+        """((lr, knob) of the lowest valid PPL at seed 0, or None before the sweep finished; the sweep's runs)."""
+        knobs = [k for k, _ in RIVALS[rival][2]]
+        return self.select({(lr, k): (run_name(rival, lr, k, 0), run_flags(rival, lr, k, 0))
+                            for lr in LRS for k in knobs})
+
+    def plan(self):
+        runs, pending = {}, False
+        for rival in RIVALS:
+            best, sweep = self.selection(rival)
+            runs.update({name: (flags, 1.0) for name, flags in sweep})
+            if best is None:
+                pending = True
+                continue
+            for seed in range(SEEDS.get(rival, 3)):
+                runs[run_name(rival, *best, seed)] = (run_flags(rival, *best, seed), 1.5)
+        return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
+
+    def selections(self):
+        return {rival: self.selection(rival)[0] for rival in RIVALS}
+
+
+def record(study, name, rival, lr, knob):
+    """One finished, evaluated run: its rival, settings and metrics (eval.py's), and the commands."""
+    folder = study.folder(name)
+    if not os.path.exists(os.path.join(folder, "report")):
+        return study.prior[name]
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(folder, "report", "metrics.json")) as f:
+        m = next(iter(json.load(f).values()))
+    here = os.path.relpath(study.runs, ROOT)
+    keys = ("valid_ppl", "ppl", "ppl_groups", "rare_bias", "isotropy", "isotropy_groups", "isoscore",
+            "isotropy_weighted", "isotropy_centered", "undertrained", "mean_cosine", "uniq", "uniq_groups",
+            "gen_rep4", "gen_rep4_sampled", "gen_distinct", "article_stats", "geometry_rows_rule")
+    return dict(rival=rival, method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),
+                untie=bool(cfg.get("untie")), lr=cfg["lr"], knob=knob, seed=cfg["seed"],
+                method_hparams=cfg["method_hparams"], embedding_weight_decay=cfg.get("embedding_weight_decay"),
+                **{k: m.get(k) for k in keys}, threads=cfg["versions"]["threads"], git_commit=cfg["git_commit"],
+                command=runlib.run_command(cfg, "train_lm.py").replace(here, "out/rivals/runs"),
+                eval_command=f"python eval.py out/rivals/runs/{name} --out out/rivals/runs/{name}/report --n-samples 5")
+
+
+def plot_pareto(runs, selections, path):
+    """Valid PPL against rare I(W) and against IsoScore: every rival's sweep (seed 0, small) and its selection
+    (mean over seeds with the seeds' range, large)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    colours = dict(zip(RIVALS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    for ax, (key, label) in zip(axes, (("rare", "I(W) of the rare 20% (sign-invariant, seen tokens)"),
+                                       ("isoscore", "IsoScore (seen tokens)"))):
+        get = (lambda r: r["isotropy_groups"]["rare"]) if key == "rare" else (lambda r: r["isoscore"])
+        for rival in RIVALS:
+            sweep = [r for r in runs.values() if r["rival"] == rival and r["seed"] == 0]
+            ax.scatter([get(r) for r in sweep], [r["valid_ppl"] for r in sweep], s=12, alpha=0.5,
+                       color=colours[rival])
+            best = selections.get(rival)
+            chosen = [r for r in runs.values() if r["rival"] == rival and best and (r["lr"], r["knob"]) == tuple(best)]
+            if chosen:
+                x, y = np.array([get(r) for r in chosen]), np.array([r["valid_ppl"] for r in chosen])
+                ax.errorbar(x.mean(), y.mean(), xerr=[[x.mean() - x.min()], [x.max() - x.mean()]],
+                            yerr=[[y.mean() - y.min()], [y.max() - y.mean()]], marker="o", ms=7, capsize=3,
+                            color=colours[rival], label=f"{rival} ({len(chosen)} seeds)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("valid PPL")
+        ax.legend(fontsize=7)
+    fig.suptitle("AGG and its rivals at the cpu preset: small points are the sweeps (seed 0), large points the "
+                 "selections (mean and range over seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(study, path, argv):
+    """results/lm_rivals.json: every finished run, the sweeps and selections, each rival paired with MLE by seed."""
+    from eval import compare
+    plan, _ = study.plan()
+    names = {run_name(rival, lr, k, s): (rival, lr, k) for rival, (_m, _f, knobs) in RIVALS.items()
+             for lr in LRS for k, _ in knobs for s in range(max(SEEDS.values()))}
+    runs = {n: record(study, n, *names[n]) for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
+    selections = study.selections()
+    chosen = {n: dict(r, variant=r["rival"]) for n, r in runs.items()
+              if selections.get(r["rival"]) and (r["lr"], r["knob"]) == tuple(selections[r["rival"]])}
+    comparisons = []
+    for rival in RIVALS:
+        if rival != "mle" and {r["seed"] for r in chosen.values() if r["rival"] == rival} & \
+                {r["seed"] for r in chosen.values() if r["rival"] == "mle"}:
+            comparisons.append(compare(chosen, {}, "mle", rival, []))
+    sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
+                     for k, _ in RIVALS[rival][2]} for rival in RIVALS}
+    result = dict(command=shlex.join(["python", "rivals.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
+                  selection=dict(rule="lowest valid PPL at the last step, seed 0", selected=selections,
+                                 sweep_valid_ppl=sweep),
+                  runs=runs, compare=comparisons)
+    runlib.write_json(path, result)
+    if runs:
+        plot_pareto(runs, selections, os.path.splitext(path)[0] + ".png")
+    print(f"wrote {path}: {len(runs)} runs, {len(comparisons)} comparisons with MLE")
+    return result
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "rivals"))
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (2 on a 2-core CPU: one thread each)")
+    p.add_argument("--no-train", action="store_true", help="train nothing: write the results of the finished runs")
+    p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and the Pareto PNG)")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give 1 or more")
+    study = Rivals(args.out, prior=[args.results])
+    results = (lambda: write_results(study, args.results, argv)) if args.results else None
+    if not args.no_train:
+        scale.train(study, args.jobs, results)
+    print(json.dumps({k: v and dict(lr=v[0], knob=v[1]) for k, v in study.selections().items()}))
+    if results:
+        results()
+
+
+if __name__ == "__main__":
+    main()
