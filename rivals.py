@@ -60,7 +60,7 @@ class Rivals(scale.Study):
     def selection(self, rival):
         """((lr, knob) of the lowest valid PPL at seed 0, or None before the sweep finished; the sweep's runs)."""
         knobs = [k for k, _ in RIVALS[rival][2]]
-        return self.select({(lr, k): (run_name(rival, lr, k, 0), run_flags(rival, lr, k, 0))
+        return self.select({(lr, k): [(run_name(rival, lr, k, 0), run_flags(rival, lr, k, 0))]
                             for lr in LRS for k in knobs})
 
     def plan(self):

@@ -24,31 +24,34 @@ def fake_run(study, name, valid_ppl, steps=10):
 
 def test_plan_selects_on_validation_and_brackets_the_lr(tmp_path, monkeypatch):
     monkeypatch.setattr(scale, "SIZES", {"S": scale.SIZES["S"]})
-    monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3, seed=0))
+    monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3))
     study = scale.Study(str(tmp_path))
     plan, pending = study.plan()
     names = [n for n, _f, _c in plan]
-    assert pending and all("-f1-" in n and n.endswith("-s0") for n in names)  # sweeps first, nothing else yet
-    assert sorted(n for n in names if "mle" in n) == sorted(scale.run_name("S", 1.0, "mle", lr, 0)
-                                                            for lr in scale.LRS["S"])
+    assert pending and all("-f1-" in n for n in names)  # sweeps first, on the full data, nothing else yet
+    assert sorted(n for n in names if "mle" in n) == sorted(scale.run_name("S", 1.0, "mle", lr, s)
+                                                            for lr in scale.LRS["S"] for s in scale.SELECTION_SEEDS)
+    seeds = lambda name, ppls: [fake_run(study, name(s), p) for s, p in zip(scale.SELECTION_SEEDS, ppls)]
     for i, share in enumerate(scale.SHARES):  # the smallest share wins: the list is extended downwards
-        fake_run(study, scale.run_name("S", 1.0, "agg", 4e-3, 0, share), 100 + i)
+        seeds(lambda s: scale.run_name("S", 1.0, "agg", 4e-3, s, share), [100 + i] * 3)
     assert study.share()[0] is None
-    fake_run(study, scale.run_name("S", 1.0, "agg", 4e-3, 0, scale.SHARES[0] / 2), 101)
-    for lr, ppl in zip(scale.LRS["S"], (120, 110, 100)):  # the largest lr wins: the list is extended upwards
-        fake_run(study, scale.run_name("S", 1.0, "mle", lr, 0), ppl)
+    seeds(lambda s: scale.run_name("S", 1.0, "agg", 4e-3, s, scale.SHARES[0] / 2), [101] * 3)
     assert study.share()[0] == scale.SHARES[0]  # now bracketed
+    # the mean over seeds decides: the middle lr has the best seed but a bad mode on the others
+    lrs = scale.LRS["S"]
+    seeds(lambda s: scale.run_name("S", 1.0, "mle", lrs[0], s), [110, 110, 110])
+    seeds(lambda s: scale.run_name("S", 1.0, "mle", lrs[1], s), [100, 140, 140])
+    seeds(lambda s: scale.run_name("S", 1.0, "mle", lrs[2], s), [105, 105, 106])
     best, sweep = study.lr("S", "mle", None)
-    assert best is None and scale.run_name("S", 1.0, "mle", 2 * max(scale.LRS["S"]), 0) in [n for n, _ in sweep]
-    fake_run(study, scale.run_name("S", 1.0, "mle", 2 * max(scale.LRS["S"]), 0), 105)
-    assert study.lr("S", "mle", None)[0] == max(scale.LRS["S"])  # now bracketed
+    assert best is None and scale.run_name("S", 1.0, "mle", 2 * lrs[2], 0) in [n for n, _ in sweep]  # extended
+    seeds(lambda s: scale.run_name("S", 1.0, "mle", 2 * lrs[2], s), [120] * 3)
+    assert study.lr("S", "mle", None)[0] == lrs[2]  # bracketed, and not the lr of the best single seed
     plan, _ = study.plan()
     names = {n for n, _f, _c in plan}
-    lr = max(scale.LRS["S"])
-    cells = {scale.run_name("S", f, "mle", lr, s) for f in scale.FRACTIONS for s in scale.SEEDS}
+    cells = {scale.run_name("S", f, "mle", lrs[2], s) for f in scale.FRACTIONS for s in scale.SEEDS}
     assert cells <= names  # every data size and seed at the selected lr
-    flags = dict(plan[[n for n, _f, _c in plan].index(scale.run_name("S", 0.25, "mle", lr, 1))][1][i:i + 2]
-                 for i in range(0, 12, 2))
+    flags = next(f for n, f, _c in plan if n == scale.run_name("S", 0.25, "mle", lrs[2], 1))
+    flags = dict(zip(flags[::2], flags[1::2]))
     assert flags["--max-steps"] == str(scale.FULL_STEPS // 4) and flags["--train-fraction"] == "0.25"
 
 
@@ -78,9 +81,9 @@ def test_train_subset_cuts_whole_documents():
 
 def test_a_results_file_continues_the_study_without_its_run_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(scale, "SIZES", {"S": scale.SIZES["S"]})
-    monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3, seed=0))
-    runs = {scale.run_name("S", 1.0, "agg", 4e-3, 0, sh): dict(valid_ppl=100 + abs(i - 1))
-            for i, sh in enumerate(scale.SHARES)}
+    monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3))
+    runs = {scale.run_name("S", 1.0, "agg", 4e-3, s, sh): dict(valid_ppl=100 + abs(i - 1))
+            for i, sh in enumerate(scale.SHARES) for s in scale.SELECTION_SEEDS}
     path = tmp_path / "lm_scale.json"
     path.write_text(json.dumps(dict(runs=runs)))
     study = scale.Study(str(tmp_path / "elsewhere"), prior=[str(path)])
