@@ -353,8 +353,11 @@ def write_results(study, path, argv, corpus_path=None):
     """results JSON: every finished run, the selections with the valid PPL behind them, the paired cells, the fits."""
     plan, _ = study.plan()
     out_label = "out/scale"
+    # every finished run: those of the current plan, and those an earlier selection asked for (kept as evidence)
+    names = {n for n, _f, _c in plan} | set(study.prior) | \
+        {n for n in (os.listdir(study.runs) if os.path.isdir(study.runs) else ()) if not n.endswith(".log")}
     runs = {n: run_record(study, n, out_label) if os.path.exists(os.path.join(study.folder(n), "report"))
-            else study.prior[n] for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
+            else study.prior[n] for n in sorted(names) if study.finished(n) and study.evaluated(n)}
     sel = study.selections()
     share_runs = {name: study.valid_ppl(name) for name, _f in study.share()[1]}
     lr_runs = {size: {m: {name: study.valid_ppl(name) for name, _f in
