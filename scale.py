@@ -15,8 +15,9 @@ The protocol (this project's choices; RESULTS.md states them with the numbers):
 - AGG's rare share: SHARES at M on the full data, lr 4e-3, the lowest mean valid PPL over seeds 0-2 (bracketed as
   the lr); used at every size.
 - seeds 0 1 2 per (size, data, method) at the selected lr, paired by seed; the sweep's runs at the selection are
-  the full-data cell's.
-- a second corpus: the pair at M with M's selections on the English Bible (--dataset bible-en, 2400 steps), seeds
+  the full-data cell's. AGG runs twice in every cell: at the selected share and at the headline's 0.2 (the share the
+  conclusions under test were measured at), both at the lr selected for the selected share.
+- a second corpus: the pairs at M with M's selections on the English Bible (--dataset bible-en, 2400 steps), seeds
   0 1 2, so that no conclusion rests on one set of articles.
 
 Every run is a train_lm.py run folder under OUT/runs (resumable: stop this script at any time and rerun it), evaluated
@@ -49,6 +50,8 @@ SELECTION_SEEDS = [0, 1, 2]  # every selection is on the mean valid PPL of these
                              # into a good and a bad mode; one seed would select a mode, not a setting)
 SEEDS = [0, 1, 2]
 METHODS = ["mle", "agg"]
+HEADLINE_SHARE = 0.2  # the share of the conclusions under test (README's headline): AGG runs with it in every cell
+                      # too, at the lr selected for the selected share
 SECOND_CORPUS = dict(name="bible", size="M", flags=["--dataset", "bible-en"], cost=1.3)
 FULL_STEPS = 2400
 
@@ -149,21 +152,27 @@ class Study:
                 if lr is None:
                     pending = True
                     continue
-                for fraction in FRACTIONS:
-                    for seed in SEEDS:
-                        runs[run_name(size, fraction, method, lr, seed, sh)] = (
-                            run_flags(size, fraction, method, lr, seed, sh), COST[size] * fraction)
-                if size == SECOND_CORPUS["size"]:  # the same pair on the second corpus
-                    for seed in SEEDS:
-                        runs[f"{SECOND_CORPUS['name']}-" + run_name(size, 1.0, method, lr, seed, sh)] = (
-                            run_flags(size, 1.0, method, lr, seed, sh) + SECOND_CORPUS["flags"],
-                            SECOND_CORPUS["cost"])
+                for sh in (agg_shares(share) if method == "agg" else [None]):
+                    for fraction in FRACTIONS:
+                        for seed in SEEDS:
+                            runs[run_name(size, fraction, method, lr, seed, sh)] = (
+                                run_flags(size, fraction, method, lr, seed, sh), COST[size] * fraction)
+                    if size == SECOND_CORPUS["size"]:  # the same pair on the second corpus
+                        for seed in SEEDS:
+                            runs[f"{SECOND_CORPUS['name']}-" + run_name(size, 1.0, method, lr, seed, sh)] = (
+                                run_flags(size, 1.0, method, lr, seed, sh) + SECOND_CORPUS["flags"],
+                                SECOND_CORPUS["cost"])
         return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
 
     def selections(self):
         share, _ = self.share()
         return dict(share=share, lr={size: {m: self.lr(size, m, share if m == "agg" else None)[0] for m in METHODS}
                                      for size in SIZES})
+
+
+def agg_shares(selected):
+    """AGG's shares in the cells: the one selected on validation and the headline's."""
+    return sorted({selected, HEADLINE_SHARE})
 
 
 def next_job(study, busy):
@@ -311,9 +320,9 @@ def fit_trend(cells, key):
                 paper_regime=dict(PAPER_REGIME, prediction=pred, pi95=[pred - t * pred_se, pred + t * pred_se]))
 
 
-def plot_cells(cells, path):
+def plot_cells(cells, path, share):
     """Each paired quantity against non-embedding parameters (a line per data size) and against training tokens (a
-    line per model size): mean over seeds with the paired 95% t interval."""
+    line per model size): mean over seeds with the paired 95% t interval; AGG at rare share `share`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -342,8 +351,8 @@ def plot_cells(cells, path):
             ax.set_xlabel(x_label, fontsize=8)
             ax.set_title(title, fontsize=9)
             ax.legend(fontsize=6)
-    fig.suptitle("AGG against MLE as the model and the data grow (cpu-preset family; mean over seeds, paired 95% "
-                 "intervals)", fontsize=10)
+    fig.suptitle(f"AGG (rare share {share:g}) against MLE as the model and the data grow (cpu-preset family; mean "
+                 "over seeds, paired 95% intervals)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -365,35 +374,45 @@ def write_results(study, path, argv, corpus_path=None):
                       if m == "mle" or sel["share"] is not None} for size in SIZES}
     corpus = {n: r for n, r in runs.items() if n.startswith(SECOND_CORPUS["name"] + "-")}
     runs = {n: r for n, r in runs.items() if n not in corpus}
+    shares = agg_shares(sel["share"]) if sel["share"] is not None else []
+    at = lambda rs, lrs, share: [r for r in rs if r["lr"] == lrs.get(r["method"]) and
+                                 (r["method"] == "mle" or r["rare_share"] == share)]  # a pair's runs
     cells = []
-    for size in SIZES:
-        for fraction in FRACTIONS:
-            lrs = sel["lr"][size]
-            members = [r for n, r in runs.items() if r["size"] == size and r["train_fraction"] == fraction
-                       and r["lr"] == lrs.get(r["method"]) and (r["method"] == "mle" or r["rare_share"] == sel["share"])]
-            cell = paired_cell(members)
-            if cell is None:
-                continue
-            first = members[0]
-            cells.append(dict(size=size, train_fraction=fraction, train_tokens=first["train_tokens"],
-                              n_params_non_embedding=first["n_params_non_embedding"], d_model=first["d_model"],
-                              n_layer=first["n_layer"], lr=lrs, **cell))
+    for share in shares:
+        for size in SIZES:
+            for fraction in FRACTIONS:
+                lrs = sel["lr"][size]
+                members = at([r for r in runs.values() if r["size"] == size and r["train_fraction"] == fraction],
+                             lrs, share)
+                cell = paired_cell(members)
+                if cell is None:
+                    continue
+                first = members[0]
+                cells.append(dict(agg_share=share, size=size, train_fraction=fraction, train_tokens=first["train_tokens"],
+                                  n_params_non_embedding=first["n_params_non_embedding"], d_model=first["d_model"],
+                                  n_layer=first["n_layer"], lr=lrs, **cell))
+    of = lambda share: [c for c in cells if c["agg_share"] == share]
     result = dict(command=shlex.join(["python", "scale.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
                   selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data", share=sel["share"],
                                  share_valid_ppl=share_runs, lr=sel["lr"],
                                  lr_valid_ppl=lr_runs),
-                  runs=runs, compare=cells,
-                  fits={k: fit_trend(cells, k) for k in FIT_QUANTITIES} if len(cells) >= 3 else {})
+                  runs=runs, compare=cells,  # one cell per (AGG share, size, data size)
+                  fits={f"{share:g}": {k: fit_trend(of(share), k) for k in FIT_QUANTITIES}  # per AGG share
+                        for share in shares if len(of(share)) >= 3})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     runlib.write_json(path, result)
-    if cells:
-        plot_cells(cells, os.path.splitext(path)[0] + ".png")
+    for share in shares:
+        if of(share):
+            suffix = "" if share == sel["share"] else f"_share{share:g}"
+            plot_cells(of(share), os.path.splitext(path)[0] + suffix + ".png", share)
     print(f"wrote {path}: {len(runs)} runs, {len(cells)} paired cells")
     if corpus_path and corpus:
+        lrs = sel["lr"][SECOND_CORPUS["size"]]
+        pairs = [dict(agg_share=share, **cell) for share in shares
+                 if (cell := paired_cell(at(corpus.values(), lrs, share))) is not None]
         runlib.write_json(corpus_path, dict(
-            command=result["command"], corpus=SECOND_CORPUS, selection=dict(share=sel["share"],
-                                                                             lr=sel["lr"][SECOND_CORPUS["size"]]),
-            runs=corpus, compare=paired_cell(list(corpus.values()))))
+            command=result["command"], corpus=SECOND_CORPUS, selection=dict(share=sel["share"], lr=lrs),
+            runs=corpus, compare=pairs))
         print(f"wrote {corpus_path}: {len(corpus)} runs")
     return result
 

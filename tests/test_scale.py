@@ -108,3 +108,41 @@ def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
     plan, _ = study.plan()
     seeds = sorted(n for n, _f, _c in plan if n.startswith("zloss-lr0.004-z0.001-"))
     assert seeds == [rivals.run_name("zloss", 4e-3, "z0.001", s) for s in range(3)]
+
+
+def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "SIZES", {"M": scale.SIZES["M"]})
+    monkeypatch.setattr(scale, "FRACTIONS", [0.5, 1.0])
+    lr, sel_share = 4e-3, scale.SHARES[0]
+    runs = {}
+
+    def record(name, method, fraction, share, seed, ppl, lr=lr):
+        rare = dict(freq=100.0, med=1000.0, rare=ppl * 40)
+        runs[name] = dict(method=method, seed=seed, size="M", train_fraction=fraction, train_tokens=int(7e5 * fraction),
+                          n_params_non_embedding=793_000, d_model=128, n_layer=4, lr=lr, rare_share=share,
+                          valid_ppl=ppl, ppl=ppl, ppl_groups=rare, isotropy=0.1, isotropy_groups=dict(rare=0.05),
+                          uniq=100, rare_bias=dict(ppl=ppl, ppl_groups=dict(rare, rare=ppl * 30)))
+    for s in scale.SELECTION_SEEDS:  # the sweeps: share SHARES[0] bracketed, lr 4e-3 the middle value for both
+        for i, sh in enumerate([sel_share / 2] + scale.SHARES):
+            record(scale.run_name("M", 1.0, "agg", lr, s, sh), "agg", 1.0, sh, s, 101 + abs(i - 1))
+        for i, x in enumerate(scale.LRS["M"]):
+            record(scale.run_name("M", 1.0, "mle", x, s), "mle", 1.0, None, s, 100 + abs(i - 1) + s / 3, x)
+            record(scale.run_name("M", 1.0, "agg", x, s, sel_share), "agg", 1.0, sel_share, s, 101 + abs(i - 1) + s, x)
+    path = tmp_path / "lm_scale.json"
+    path.write_text(json.dumps(dict(runs=runs)))
+    study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    assert study.selections() == dict(share=sel_share, lr={"M": dict(mle=lr, agg=lr)})
+    names = {n for n, _f, _c in study.plan()[0]}
+    for sh in (sel_share, scale.HEADLINE_SHARE):  # both shares in every cell and on the second corpus
+        assert scale.run_name("M", 0.5, "agg", lr, 2, sh) in names and scale.run_name("M", 1.0, "agg", lr, 2, sh) in names
+        assert "bible-" + scale.run_name("M", 1.0, "agg", lr, 0, sh) in names
+    for s in scale.SEEDS:  # finish the cells
+        record(scale.run_name("M", 0.5, "mle", lr, s), "mle", 0.5, None, s, 150)
+        for sh in (sel_share, scale.HEADLINE_SHARE):
+            record(scale.run_name("M", 0.5, "agg", lr, s, sh), "agg", 0.5, sh, s, 150 * (1.01 if sh == sel_share else 1.03))
+    path.write_text(json.dumps(dict(runs=runs)))
+    result = scale.write_results(scale.Study(str(tmp_path / "out"), prior=[str(path)]), str(path), [])
+    cells = {(c["agg_share"], c["train_fraction"]): c for c in result["compare"]}
+    assert set(cells) == {(sh, f) for sh in (sel_share, scale.HEADLINE_SHARE) for f in (0.5, 1.0)}
+    assert np.isclose(np.exp(cells[scale.HEADLINE_SHARE, 0.5]["ppl_log_ratio"]["mean"]), 1.03)
+    assert np.isclose(np.exp(cells[sel_share, 0.5]["ppl_log_ratio"]["mean"]), 1.01)
