@@ -832,9 +832,12 @@ def make_optimizer(model, cfg, vocab_matrices=()):
 
 # ------------------------------------------------------------------------------------------ provenance and logging
 def git_commit():
+    """(HEAD's commit, whether the code differs from it): dirty counts the Python files and requirements only, so a
+    results file or a document written beside the code does not mark a run."""
     try:
         c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
-        d = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        d = subprocess.run(["git", "status", "--porcelain", "--", "*.py", "requirements*.txt"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=5)
         return (c.stdout.strip() or None), (bool(d.stdout.strip()) if c.returncode == 0 else None)
     except Exception:
         return None, None
