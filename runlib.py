@@ -914,7 +914,8 @@ def write_json(path, obj):
 
 
 def write_text(path, text):
-    """Atomic text write: a crash mid-write leaves the old file (or none), never half a file."""
+    """Atomic text write: a crash mid-write leaves the old file (or none), never half a file. Makes the folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)

@@ -399,7 +399,6 @@ def write_results(study, path, argv, corpus_path=None):
                   runs=runs, compare=cells,  # one cell per (AGG share, size, data size)
                   fits={f"{share:g}": {k: fit_trend(of(share), k) for k in FIT_QUANTITIES}  # per AGG share
                         for share in shares if len(of(share)) >= 3})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     runlib.write_json(path, result)
     for share in shares:
         if of(share):

@@ -101,13 +101,20 @@ def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
     assert pending and len(names) == sum(len(rivals.LRS) * len(k) for _m, _f, k in rivals.RIVALS.values())
     flags = next(f for n, f, _c in plan if n == rivals.run_name("coupled-adam", 4e-3, "ewd0.01", 0))
     assert flags[flags.index("--optimizer") + 1] == "coupled-adam" and "--embedding-weight-decay" in flags
-    for i, lr in enumerate(rivals.LRS):  # zloss: lr 4e-3 with z 1e-3 has the lowest valid PPL
+    for i, lr in enumerate(rivals.LRS):  # zloss at seed 0: lr 4e-3 with z 1e-3 best, lr 8e-3 with z 1e-3 next
         for j, (knob, _) in enumerate(rivals.RIVALS["zloss"][2]):
-            fake_run(study, rivals.run_name("zloss", lr, knob, 0), 100 + abs(i - 1) + abs(j - 1))
-    assert study.selection("zloss")[0] == (4e-3, "z0.001")
+            fake_run(study, rivals.run_name("zloss", lr, knob, 0), 100 + abs(i - 1) + abs(j - 1) - 0.5 * (i == 2))
+    best, runs = study.selection("zloss")
+    finalists = [(4e-3, "z0.001"), (8e-3, "z0.001")]
+    assert best is None and study.finalists("zloss") == finalists  # the finalists go on to seeds 1 and 2
+    assert {rivals.run_name("zloss", *v, s) for v in finalists for s in (1, 2)} <= {n for n, _f in runs}
+    for s in (1, 2):  # seed 0's best was a good mode: the mean over seeds 0-2 selects the other finalist
+        fake_run(study, rivals.run_name("zloss", 4e-3, "z0.001", s), 110)
+        fake_run(study, rivals.run_name("zloss", 8e-3, "z0.001", s), 101)
+    assert study.selection("zloss")[0] == (8e-3, "z0.001")
     plan, _ = study.plan()
-    seeds = sorted(n for n, _f, _c in plan if n.startswith("zloss-lr0.004-z0.001-"))
-    assert seeds == [rivals.run_name("zloss", 4e-3, "z0.001", s) for s in range(3)]
+    seeds = sorted(n for n, _f, _c in plan if n.startswith("zloss-lr0.008-z0.001-"))
+    assert seeds == [rivals.run_name("zloss", 8e-3, "z0.001", s) for s in range(3)]
 
 
 def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle(tmp_path, monkeypatch):
