@@ -348,6 +348,9 @@ def plot_cells(cells, path, share):
                             marker="o", capsize=3, label=line_label.format(line))
             ax.axhline(1.0 if ratio else 0.0, color="0.6", lw=0.8)
             ax.set_xscale("log")
+            xs = sorted({c[x_key] for c in cells})  # ticks at the grid's sizes only, e.g. "793k"
+            ax.set_xticks(xs, [f"{x / 1e6:.2g}M" if x >= 1e6 else f"{x / 1e3:.0f}k" for x in xs], minor=False)
+            ax.set_xticks([], minor=True)
             ax.set_xlabel(x_label, fontsize=8)
             ax.set_title(title, fontsize=9)
             ax.legend(fontsize=6)
