@@ -29,8 +29,8 @@ import scale
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LRS = [2e-3, 4e-3, 8e-3]
-# AGG's share: 0.05 is scale.py's selection at this very setting (M, full data, lr 4e-3; 0.025 was worse), 0.2 the
-# headline's
+# AGG's share: 0.05 is scale.py's selection at this very setting (M, full data, lr 4e-3; 0.025 no better on the
+# mean), 0.2 the headline's
 SHARES = [(f"share{s:g}", ["--rare-share", f"{s:g}"]) for s in (0.05, 0.1, 0.2, 0.4)]
 # name: (method, flags, [(knob label, knob flags)]); a rival without a knob sweeps the lr only
 RIVALS = {
