@@ -577,10 +577,11 @@ def summarise(metrics):
 
 # ----------------------------------------------------------------------------------------------- paired comparison
 COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "valid_ppl", "uniq", "uniq_groups.rare",
-                "isotropy", "isotropy_groups.rare", "mean_cosine", "mean_cosine_groups.rare", "isoscore",
+                "isotropy", "isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "mean_cosine",
+                "mean_cosine_groups.rare", "isoscore",
                 "isotropy_centered", "isotropy_weighted", "undertrained.count", "gen_rep4", "gen_rep4_sampled",
                 "rare_bias.ppl", "rare_bias.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
-                "rare_argmax.rare_argmax_recall",
+                "rare_argmax.rare_argmax_recall", "word_similarity.ws353", "word_similarity.simlex999",
                 # NMT: BLEU, test PPL and the target side (train_nmt.validate's "target")
                 "bleu", "test_ppl", "target.ppl_groups.freq", "target.ppl_groups.med", "target.ppl_groups.rare",
                 "target.rare_mass_pred", "target.uniq", "target.uniq_groups.rare", "target.rare_recall",
@@ -1022,7 +1023,7 @@ RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_pp
                "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
                "rare_bias", "output_bias", "gen_rep4", "gen_distinct", "bleu", "bleu_signature", "test_ppl", "target",
                "rare_rule", "checkpoints_averaged", "isoscore", "isotropy_centered", "isotropy_weighted",
-               "undertrained", "article_stats")
+               "undertrained", "article_stats", "word_similarity", "word_similarity_pairs")
 RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams", "optimizer",
             "untie", "weight_decay", "embedding_weight_decay", "dataset", "train_fraction",
             "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")

@@ -304,6 +304,10 @@ def test_compare_pairs_runs_by_seed_and_splits_the_rare_gap_by_type(runs, tmp_pa
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert c["seeds"] == [0] and c["metrics"]["ppl"]["n"] == 1  # mle seed 1 has no agg partner
     assert c["metrics"]["ppl"]["mean"] == pytest.approx(math.log(metrics["agg"]["ppl"] / metrics["mle"]["ppl"]))
+    ws = c["metrics"]["word_similarity.ws353"]  # AGG Table 5: a difference of Spearman's rho, not a log ratio
+    assert not ws["log_ratio"] and ws["mean"] == pytest.approx(metrics["agg"]["word_similarity"]["ws353"]
+                                                               - metrics["mle"]["word_similarity"]["ws353"])
+    assert res["runs"]["mle"]["word_similarity"] == metrics["mle"]["word_similarity"]
     assert "Paired comparison: agg against mle" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit, match="no run of variant 'ul'"):
         ev.main([runs["mle"], runs["agg"], "--out", str(tmp_path), "--n-samples", "0", "--compare", "mle", "ul"])
