@@ -758,7 +758,7 @@ def calibration_and_equivalence(pairs, compared):
     that calibrating both closes (gap_closed_by_calibration: 1 - calibrated gap / gap), and TOST equivalence
     (EQUIVALENCE_MARGINS) of every compared PPL."""
     out = {}
-    if all("rare_bias" in b and "rare_bias" in c for b, c in pairs):
+    if all(b.get("rare_bias") and c.get("rare_bias") for b, c in pairs):
         gap = [math.log(b["ppl_groups"]["rare"] / c["ppl_groups"]["rare"]) or float("nan") for b, c in pairs]
         shares = [(math.log(b["ppl_groups"]["rare"]) - math.log(b["rare_bias"]["ppl_groups"]["rare"])) / g
                   for (b, _), g in zip(pairs, gap)]

@@ -11,7 +11,8 @@ The protocol (this project's choices):
 - each rival: LRS x its main knob at seed 0 on the full data; the FINALISTS settings with the lowest valid PPL at the
   last step then get seeds 1 and 2, and the lowest mean valid PPL over seeds 0-2 is selected (one seed can land in
   a good or a bad mode: scale.py's S runs at lr 8e-3 did, so one seed would select a mode, not a setting);
-- then seeds 0-2 at the selection (0-4 for MLE, AGG and Coupled Adam), paired with MLE by seed;
+- then seeds 0-2 at the selection (0-4 for MLE, AGG and Coupled Adam), paired with MLE by seed, and seeds 0-2 of
+  every other knob value at the selected lr: the knob's trade-off between PPL and geometry with seed intervals;
 - every run evaluated by eval.py (test PPL total, per group and calibrated, the geometry metrics that favour no
   method, Uniq, greedy and sampled continuations); selections read validation only.
 The study machinery (restartable runs, results files that continue the study elsewhere) is scale.py's.
@@ -88,6 +89,9 @@ class Rivals(scale.Study):
                 continue
             for seed in range(SEEDS.get(rival, 3)):
                 runs[run_name(rival, *best, seed)] = (run_flags(rival, *best, seed), 1.5)
+            for knob, _ in RIVALS[rival][2]:  # the knob curve at the selected lr
+                for seed in (0, 1, 2):
+                    runs.setdefault(run_name(rival, best[0], knob, seed), (run_flags(rival, best[0], knob, seed), 2.0))
         return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
 
     def selections(self):
@@ -115,33 +119,56 @@ def record(study, name, rival, lr, knob):
                 eval_command=f"python eval.py out/rivals/runs/{name} --out out/rivals/runs/{name}/report --n-samples 5")
 
 
+def knob_curve(runs, rival, best):
+    """{knob: [run records of seeds 0-2]} at the selected lr, for the knobs whose three seeds are in `runs`."""
+    curve = {}
+    for knob, _ in RIVALS[rival][2]:
+        rs = [r for r in runs.values() if r["rival"] == rival and r["seed"] in (0, 1, 2)
+              and (r["lr"], r["knob"]) == (best[0], knob)]
+        if len(rs) == 3:
+            curve[knob] = rs
+    return curve
+
+
 def plot_pareto(runs, selections, path):
-    """Valid PPL against rare I(W) and against IsoScore: every rival's sweep (seed 0, small) and its selection
-    (mean over seeds with the seeds' range, large)."""
+    """Valid PPL against rare I(W) and against IsoScore: every rival's sweep (seed 0, faint), its knob at the
+    selected lr (mean and range of seeds 0-2, joined by a line) and its selection (large; all its seeds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     colours = dict(zip(RIVALS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    spread = lambda v: [[max(v.mean() - v.min(), 0)], [max(v.max() - v.mean(), 0)]]  # >= 0 despite rounding
     for ax, (key, label) in zip(axes, (("rare", "I(W) of the rare 20% (sign-invariant, seen tokens)"),
                                        ("isoscore", "IsoScore (seen tokens)"))):
         get = (lambda r: r["isotropy_groups"]["rare"]) if key == "rare" else (lambda r: r["isoscore"])
         for rival in RIVALS:
             sweep = [r for r in runs.values() if r["rival"] == rival and r["seed"] == 0]
-            ax.scatter([get(r) for r in sweep], [r["valid_ppl"] for r in sweep], s=12, alpha=0.5,
+            ax.scatter([get(r) for r in sweep], [r["valid_ppl"] for r in sweep], s=10, alpha=0.3,
                        color=colours[rival])
             best = selections.get(rival)
-            chosen = [r for r in runs.values() if r["rival"] == rival and best and (r["lr"], r["knob"]) == tuple(best)]
+            if not best:
+                continue
+            curve = knob_curve(runs, rival, best)
+            xs = [np.mean([get(r) for r in rs]) for rs in curve.values()]
+            ys = [np.mean([r["valid_ppl"] for r in rs]) for rs in curve.values()]
+            if len(curve) > 1:
+                ax.plot(xs, ys, "-", lw=1, color=colours[rival], alpha=0.7)
+                for rs in curve.values():
+                    x, y = np.array([get(r) for r in rs]), np.array([r["valid_ppl"] for r in rs])
+                    ax.errorbar(x.mean(), y.mean(), xerr=spread(x), yerr=spread(y), marker="o", ms=4, capsize=2,
+                                color=colours[rival], alpha=0.7)
+            chosen = [r for r in runs.values() if r["rival"] == rival and (r["lr"], r["knob"]) == tuple(best)]
             if chosen:
                 x, y = np.array([get(r) for r in chosen]), np.array([r["valid_ppl"] for r in chosen])
-                ax.errorbar(x.mean(), y.mean(), xerr=[[x.mean() - x.min()], [x.max() - x.mean()]],
-                            yerr=[[y.mean() - y.min()], [y.max() - y.mean()]], marker="o", ms=7, capsize=3,
-                            color=colours[rival], label=f"{rival} ({len(chosen)} seeds)")
+                ax.errorbar(x.mean(), y.mean(), xerr=spread(x), yerr=spread(y), marker="o", ms=9, capsize=3,
+                            color=colours[rival], label=f"{rival}: lr {best[0]:g}{' ' + best[1] if best[1] else ''} ({len(chosen)} seeds)")
         ax.set_xlabel(label)
         ax.set_ylabel("valid PPL")
         ax.legend(fontsize=7)
-    fig.suptitle("AGG and its rivals at the cpu preset: small points are the sweeps (seed 0), large points the "
-                 "selections (mean and range over seeds)", fontsize=9)
+    fig.suptitle("AGG and its rivals at the cpu preset. Faint: the sweeps (seed 0); lines: each rival's knob at its "
+                 "selected lr (mean and range of seeds 0-2); large: the selections (mean and range over seeds)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -169,7 +196,12 @@ def write_results(study, path, argv):
                                       "on the mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,
                                  finalists_valid_ppl={rival: {f"lr{lr:g} {k}".strip(): [
                                      study.valid_ppl(run_name(rival, lr, k, seed)) for seed in (0, 1, 2)]
-                                     for lr, k in study.finalists(rival) or []} for rival in RIVALS}),
+                                     for lr, k in study.finalists(rival) or []} for rival in RIVALS},
+                                 knob_curve={rival: {k: dict(valid_ppl=[r["valid_ppl"] for r in rs],
+                                                             rare_isotropy=[r["isotropy_groups"]["rare"] for r in rs],
+                                                             isoscore=[r["isoscore"] for r in rs])
+                                                     for k, rs in knob_curve(runs, rival, selections[rival]).items()}
+                                             for rival in RIVALS if selections.get(rival)}),
                   runs=runs, compare=comparisons)
     runlib.write_json(path, result)
     if runs:

@@ -1,5 +1,6 @@
 """scale.py: the study's plan (selections on validation, bracketed learning rates, nested data) and --train-fraction."""
 import json
+import math
 import os
 
 import numpy as np
@@ -115,6 +116,9 @@ def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
     plan, _ = study.plan()
     seeds = sorted(n for n, _f, _c in plan if n.startswith("zloss-lr0.008-z0.001-"))
     assert seeds == [rivals.run_name("zloss", 8e-3, "z0.001", s) for s in range(3)]
+    curve = {n for n, _f, _c in plan if n.startswith("zloss-lr0.008-")}  # every knob at the selected lr: 3 seeds
+    assert curve == {rivals.run_name("zloss", 8e-3, k, s) for k, _ in rivals.RIVALS["zloss"][2] for s in range(3)}
+    assert not any(n.startswith("zloss-lr0.002-") and not n.endswith("-s0") for n, _f, _c in plan)
 
 
 def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle(tmp_path, monkeypatch):
@@ -153,3 +157,42 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
     assert set(cells) == {(sh, f) for sh in (sel_share, scale.HEADLINE_SHARE) for f in (0.5, 1.0)}
     assert np.isclose(np.exp(cells[scale.HEADLINE_SHARE, 0.5]["ppl_log_ratio"]["mean"]), 1.03)
     assert np.isclose(np.exp(cells[sel_share, 0.5]["ppl_log_ratio"]["mean"]), 1.01)
+
+
+def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp_path):
+    import rivals
+
+    def evaluated(name, rival, lr, knob, seed, ppl, rare_iso):
+        fake_run(study, name, ppl)
+        folder = study.folder(name)
+        method, flags, _ = rivals.RIVALS[rival]
+        cfg = dict(max_steps=10, method=method, lr=lr, seed=seed, method_hparams={}, versions=dict(threads=1),
+                   git_commit="abc", argv=rivals.run_flags(rival, lr, knob, seed), optimizer="adamw")
+        json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+        os.makedirs(os.path.join(folder, "report"))
+        m = dict(valid_ppl=ppl, ppl=ppl - 40, ppl_groups=dict(freq=50.0, med=900.0, rare=8000.0 - 1000 * rare_iso),
+                 isotropy=rare_iso + 0.1, isotropy_groups=dict(freq=0.3, med=0.2, rare=rare_iso), isoscore=0.2,
+                 uniq=900 + seed)
+        json.dump({name: m}, open(os.path.join(folder, "report", "metrics.json"), "w"))
+
+    study = rivals.Rivals(str(tmp_path / "out"))
+    for rival, knob_iso in (("mle", {"": 0.03}), ("zloss", {"z0.0001": 0.03, "z0.001": 0.05, "z0.01": 0.2})):
+        for _ in range(3):  # the seed-0 sweep, then the finalists' seeds, then the selection's and the curve's
+            for name, flags, _c in study.plan()[0]:
+                if not name.startswith(rival + "-") or study.finished(name):
+                    continue
+                lr, seed = float(flags[flags.index("--lr") + 1]), int(flags[flags.index("--seed") + 1])
+                knob = next(k for k in knob_iso if k and f"-{k}-" in name) if len(knob_iso) > 1 else ""
+                ppl = 300 + 10 * abs(math.log2(lr / 4e-3)) + 5 * list(knob_iso).index(knob) + seed
+                evaluated(name, rival, lr, knob, seed, ppl, knob_iso[knob] + 0.01 * seed)
+    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), [])
+    res = json.load(open(tmp_path / "lm_rivals.json"))
+    assert res["selection"]["selected"]["zloss"] == [4e-3, "z0.0001"] and res["selection"]["selected"]["mle"] == [4e-3, ""]
+    curve = res["selection"]["knob_curve"]["zloss"]
+    assert list(curve) == ["z0.0001", "z0.001", "z0.01"] and curve["z0.01"]["rare_isotropy"] == pytest.approx([0.2, 0.21, 0.22])
+    assert curve["z0.001"]["valid_ppl"] == [305, 306, 307]
+    (pair,) = res["compare"]
+    assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1, 2]
+    run = res["runs"][rivals.run_name("zloss", 4e-3, "z0.01", 2)]
+    assert run["rival"] == "zloss" and run["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py")
+    assert os.path.getsize(tmp_path / "lm_rivals.png") > 10000
