@@ -864,7 +864,7 @@ def plot_gradient_parts(run_dirs, variants, path):
             by_variant.setdefault(variants[label], []).append(recs)
     if not by_variant:
         return None
-    colours = plt.get_cmap("tab10")
+    colours = plt.get_cmap("tab10" if len(by_variant) <= 10 else "tab20")  # one colour per method
     styles = {"a": ("--", "(a) pull to own features"), "b": ("-", "(b) push, non-rare targets"),
               "c": (":", "(c) push, rare targets")}
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
@@ -874,16 +874,16 @@ def plot_gradient_parts(run_dirs, variants, path):
             for part, (ls, _) in styles.items():
                 key = f"grad_{part}_{group}"
                 mean = np.array([[{r["step"]: r[key] for r in recs}[s] for s in steps] for recs in runs]).mean(0)
-                ax.plot(steps, mean, ls=ls, color=colours(i % 10), lw=1.2,
+                ax.plot(steps, mean, ls=ls, color=colours(i % colours.N), lw=1.2,
                         label=f"{variant} {part}" if group == "rare" else None)
         ax.set_yscale("log")
         ax.set_title(f"{group} rows", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
     axes[0].set_ylabel("mean row norm of the part", fontsize=8)
-    axes[2].legend(fontsize=6, ncol=1)
+    fig.legend(loc="center right", fontsize=6, ncol=1 + len(by_variant) // 6)  # beside the axes: many methods fit
     fig.suptitle("Parts of the embeddings' gradient (AGG Eq. 4): (a) dashed, (b) solid, (c) dotted, as each method "
                  "applies them", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.93 - 0.08 * (len(by_variant) // 6), 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
