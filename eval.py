@@ -773,18 +773,52 @@ def calibration_and_equivalence(pairs, compared):
     return out
 
 
-def reanalyse(path):
+def record_threads(record):
+    """The thread count a results record was trained with: its "threads", else the OMP_NUM_THREADS of its command
+    (run_command writes it from config.json); None when neither says."""
+    if record.get("threads") is not None:
+        return record["threads"]
+    m = re.match(r"OMP_NUM_THREADS=(\d+) ", record.get("command") or "")
+    return int(m.group(1)) if m else None
+
+
+def reanalyse(path, add=()):
     """Recompute the statistics of a results file's comparisons from its per-run records (no checkpoint needed):
-    paired intervals, calibration shares and equivalence; what needs the runs themselves (rare_types, BLEU
-    bootstraps) is kept as it was. Written back in place, atomically."""
+    paired intervals, calibration shares, equivalence, the article bootstrap. `add`: other results files whose runs
+    join this one's (a run of the same name is replaced: a rerun) with their per-seed BLEU bootstraps, so a
+    comparison grows by seeds without the earlier run folders. What needs the runs themselves is kept from the file
+    that computed it: the per-seed BLEU bootstraps (a replaced run's seed takes the added file's, or none) and the
+    rare-type split (dropped once its pairs change). Written back in place, atomically."""
     with open(path) as f:
         res = json.load(f)
-    runs = res["runs"]
+    if not all("base" in e and "cand" in e for e in res.get("compare") or []):
+        raise SystemExit(f"--reanalyse {path}: its comparisons are not eval.py's (a study's file: rerun the study's "
+                         f"script with --no-train to rewrite it)")
+    runs, commands, replaced = res["runs"], [res["command"]] if isinstance(res["command"], str) else res["command"], set()
+    for other in add:
+        with open(other) as f:
+            more = json.load(f)
+        replaced |= {(r.get("variant", r["method"]), r["seed"]) for k, r in more["runs"].items() if k in runs and runs[k] != r}
+        runs.update(more["runs"])
+        commands.append(more["command"])
+        boots = {(e["base"], e["cand"]): e.get("bleu_paired_bootstrap") or [] for e in more.get("compare") or []}
+        for entry in res.get("compare") or []:
+            new = {b["seed"]: b for b in boots.get((entry["base"], entry["cand"]), [])}
+            kept = [b for b in entry.get("bleu_paired_bootstrap") or [] if b["seed"] not in new and
+                    (entry["base"], b["seed"]) not in replaced and (entry["cand"], b["seed"]) not in replaced]
+            if "bleu_paired_bootstrap" in entry or new:
+                entry["bleu_paired_bootstrap"] = sorted(kept + list(new.values()), key=lambda b: b["seed"])
+    configs = {k: dict(seed=r["seed"], versions=dict(threads=record_threads(r))) for k, r in runs.items()}
     for entry in res.get("compare") or []:
         new = compare({k: dict(r, variant=r.get("variant", r["method"])) for k, r in runs.items()}, {},
-                      entry["base"], entry["cand"], [])
+                      entry["base"], entry["cand"], [], configs=configs)
+        if new["seeds"] != entry["seeds"] or any((v, s) in replaced for v in (entry["base"], entry["cand"])
+                                                 for s in new["seeds"]):
+            entry.pop("rare_types", None)
         entry.update({k: v for k, v in new.items() if k not in ("rare_types", "bleu_paired_bootstrap")})
-    res["reanalysis_command"] = f"python eval.py --reanalyse {os.path.relpath(path, train_lm.ROOT)}"
+    rel = lambda p: os.path.relpath(p, train_lm.ROOT)
+    res["command"] = commands[0] if len(commands) == 1 else commands
+    res["reanalysis_command"] = shlex.join(["python", "eval.py", "--reanalyse", rel(path)])
     runlib.write_json(path, res)
     return res
 
@@ -1040,7 +1074,9 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
         saved = os.path.join(folders[label], "config.json")  # with the provenance (argv, threads) of the run
         cfg = json.load(open(saved)) if os.path.exists(saved) else configs[folders[label]]
         script = "train_lm.py" if m.get("task") == "lm" else "train_nmt.py"
+        versions = cfg.get("versions") or {}
         runs[label] = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
+                           threads=versions.get("threads"), cpu_capability=versions.get("cpu_capability"),
                            command=runlib.run_command(cfg, script))
         parts = [{k: v for k, v in r.items() if k == "step" or k.startswith(("grad_", "norm_"))}
                  for r in log_records(folders[label]) if "grad_b_rare" in r]
@@ -1218,6 +1254,9 @@ def build_parser():
     p.add_argument("out_dirs", nargs="*", help="run folders (each with ckpt.pt)")
     p.add_argument("--reanalyse", default=None, metavar="FILE",
                    help="recompute the comparisons of a results file from its per-run records (no run folders)")
+    p.add_argument("--add", nargs="+", default=[], metavar="FILE",
+                   help="with --reanalyse: results files whose runs join FILE's first (more seeds; a rerun replaces "
+                        "the run of its name)")
     p.add_argument("--out", default=os.path.join(train_lm.ROOT, "out", "report"), help="report folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
@@ -1261,7 +1300,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.reanalyse:
-        return reanalyse(args.reanalyse)
+        return reanalyse(args.reanalyse, args.add)
+    if args.add:
+        raise SystemExit("eval.py: --add goes with --reanalyse FILE (the results file the runs join)")
     if not args.out_dirs:
         raise SystemExit("eval.py: give run folders (or --reanalyse RESULTS.json)")
     if args.average_last < 0:

@@ -295,6 +295,7 @@ def test_compare_pairs_runs_by_seed_and_splits_the_rare_gap_by_type(runs, tmp_pa
     cmd = shlex.split(res["command"])  # a shell command: the path with a space stays one argument
     assert cmd[:2] == ["python", "eval.py"] and len(cmd) == 14 and cmd[-1].endswith("my results/r.json")
     assert res["runs"]["agg"]["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py ")
+    assert res["runs"]["agg"]["threads"] == json.load(open(os.path.join(runs["agg"], "config.json")))["versions"]["threads"]
     assert res["runs"]["agg"]["command"].endswith("--alpha 0.5 --snapshot-steps 1,3")
     assert res["runs"]["mle-s1"]["seed"] == 1 and "rare_bias" in res["runs"]["mle"] and "generations" not in res["runs"]["mle"]
     logged = [r for r in ev.log_records(runs["agg"]) if "grad_b_rare" in r]
@@ -525,6 +526,43 @@ def test_tost_and_the_reanalysis_of_a_results_file(tmp_path):
     cal = math.log(b["rare_bias"]["ppl_groups"]["rare"] / c["rare_bias"]["ppl_groups"]["rare"])
     assert closed["per_seed"][0] == pytest.approx(1 - cal / gap)
     assert set(after["equivalence"]) >= {"ppl", "rare_bias.ppl", "rare_bias.ppl_groups.rare"}
+    # a pair whose runs differ in thread count (the record's "threads", else its command's OMP_NUM_THREADS) is refused
+    res = json.load(open(src))
+    res["runs"]["agg-lr0.004-wu240-s0"]["command"] = "OMP_NUM_THREADS=2 " + \
+        res["runs"]["agg-lr0.004-wu240-s0"]["command"].split(" ", 1)[1]
+    path.write_text(json.dumps(res))
+    with pytest.raises(SystemExit, match=r"the runs of seed 0 .* differ in thread count \(1 vs 2\)"):
+        ev.main(["--reanalyse", str(path)])
+    assert ev.record_threads(dict(threads=2, command="OMP_NUM_THREADS=1 python train_lm.py")) == 2
+    assert ev.record_threads(dict(command="python train_lm.py")) is None
+    path.write_text(json.dumps(dict(runs={}, compare=[dict(cells="a study's own comparison")])))
+    with pytest.raises(SystemExit, match="not eval.py's"):
+        ev.main(["--reanalyse", str(path)])
+
+
+def test_a_comparison_grows_by_seeds_from_results_files_alone(tmp_path):
+    """--reanalyse FILE --add MORE: the runs of MORE join FILE's and the comparison is recomputed over every seed, as
+    if evaluated together; a rerun replaces the run of its name and drops that seed's stale BLEU bootstrap."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "nmt_table.json")
+    full = json.load(open(src))
+    part = lambda seeds: dict(full, runs={k: r for k, r in full["runs"].items() if r["seed"] in seeds},
+                              compare=[dict(c, bleu_paired_bootstrap=[b for b in c["bleu_paired_bootstrap"]
+                                                                      if b["seed"] in seeds])
+                                       for c in full["compare"]])
+    (tmp_path / "a.json").write_text(json.dumps(part({0, 1})))
+    (tmp_path / "b.json").write_text(json.dumps(dict(part({2}), command="python eval.py seed-2 runs")))
+    got = ev.main(["--reanalyse", str(tmp_path / "a.json"), "--add", str(tmp_path / "b.json")])
+    (want,), (c,) = full["compare"], got["compare"]
+    assert c["seeds"] == [0, 1, 2] and c["bleu_paired_bootstrap"] == want["bleu_paired_bootstrap"]
+    assert c["metrics"]["bleu"]["t95"] == pytest.approx(want["metrics"]["bleu"]["t95"])
+    assert got["command"] == [full["command"], "python eval.py seed-2 runs"] and len(got["runs"]) == 6
+    rerun = dict(full, runs={"agg-s0": dict(full["runs"]["agg-s0"], bleu=11.0)}, compare=[])
+    (tmp_path / "c.json").write_text(json.dumps(rerun))
+    got = ev.main(["--reanalyse", str(tmp_path / "a.json"), "--add", str(tmp_path / "c.json")])
+    assert [b["seed"] for b in got["compare"][0]["bleu_paired_bootstrap"]] == [1, 2]
+    assert got["runs"]["agg-s0"]["bleu"] == 11.0
+    with pytest.raises(SystemExit, match="--add goes with --reanalyse"):
+        ev.main(["--add", str(tmp_path / "c.json")])
 
 
 def test_evaluation_builds_no_autograd_graph(runs):
