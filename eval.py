@@ -608,11 +608,12 @@ def paired_interval(diffs, n_boot=10000, seed=0):
 
 def pair_difference(a, b):
     """What makes two runs (their configs) unfit to pair, or None: another task, other data (corpus or tokenizer, the
-    data fingerprint), another vocabulary size, another thread count (CPU results depend on it). A value one of the
-    configs does not record is not compared."""
+    data fingerprint), another vocabulary size, another thread count or another host's kernels (CPU results depend
+    on both: runlib.kernel_fingerprint). A value one of the configs does not record is not compared."""
     values = {"task": lambda c: c.get("task"), "data": lambda c: c.get("data_fingerprint"),
               "vocabulary size": lambda c: c.get("vocab_size_actual"),
-              "thread count": lambda c: (c.get("versions") or {}).get("threads")}
+              "thread count": lambda c: (c.get("versions") or {}).get("threads"),
+              "host kernels": lambda c: (c.get("versions") or {}).get("kernels")}
     for what, value in values.items():
         x, y = value(a), value(b)
         same = runlib.same_data(x, y) or runlib.same_data(y, x) if what == "data" else x == y
@@ -630,7 +631,7 @@ def pair_problem(configs, variants, base, cand):
         diff = pair_difference(configs[a], configs[b])
         if diff:
             return (f"the runs of seed {s} ({a}, {b}) differ in {diff}; paired runs must share the task, the data, "
-                    f"the vocabulary and the thread count")
+                    f"the vocabulary, the thread count and the host")
     return None
 
 
@@ -782,6 +783,11 @@ def record_threads(record):
     return int(m.group(1)) if m else None
 
 
+def record_config(record):
+    """The part of a config that pair_difference reads, from a results record."""
+    return dict(seed=record["seed"], versions=dict(threads=record_threads(record), kernels=record.get("kernels")))
+
+
 def reanalyse(path, add=()):
     """Recompute the statistics of a results file's comparisons from its per-run records (no checkpoint needed):
     paired intervals, calibration shares, equivalence, the article bootstrap. `add`: other results files whose runs
@@ -808,7 +814,7 @@ def reanalyse(path, add=()):
                     (entry["base"], b["seed"]) not in replaced and (entry["cand"], b["seed"]) not in replaced]
             if "bleu_paired_bootstrap" in entry or new:
                 entry["bleu_paired_bootstrap"] = sorted(kept + list(new.values()), key=lambda b: b["seed"])
-    configs = {k: dict(seed=r["seed"], versions=dict(threads=record_threads(r))) for k, r in runs.items()}
+    configs = {k: record_config(r) for k, r in runs.items()}
     for entry in res.get("compare") or []:
         new = compare({k: dict(r, variant=r.get("variant", r["method"])) for k, r in runs.items()}, {},
                       entry["base"], entry["cand"], [], configs=configs)
@@ -1077,6 +1083,7 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
         versions = cfg.get("versions") or {}
         runs[label] = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
                            threads=versions.get("threads"), cpu_capability=versions.get("cpu_capability"),
+                           kernels=versions.get("kernels"),
                            command=runlib.run_command(cfg, script))
         parts = [{k: v for k, v in r.items() if k == "step" or k.startswith(("grad_", "norm_"))}
                  for r in log_records(folders[label]) if "grad_b_rare" in r]

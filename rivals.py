@@ -114,9 +114,26 @@ def record(study, name, rival, lr, knob):
     return dict(rival=rival, method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),
                 untie=bool(cfg.get("untie")), lr=cfg["lr"], knob=knob, seed=cfg["seed"],
                 method_hparams=cfg["method_hparams"], embedding_weight_decay=cfg.get("embedding_weight_decay"),
-                **{k: m.get(k) for k in keys}, threads=cfg["versions"]["threads"], git_commit=cfg["git_commit"],
+                **{k: m.get(k) for k in keys}, threads=cfg["versions"]["threads"],
+                kernels=cfg["versions"].get("kernels"), git_commit=cfg["git_commit"],
                 command=runlib.run_command(cfg, "train_lm.py").replace(here, "out/rivals/runs"),
                 eval_command=f"python eval.py out/rivals/runs/{name} --out out/rivals/runs/{name}/report --n-samples 5")
+
+
+def host_pairs(chosen, rival):
+    """The runs of MLE and `rival` whose seeds pair (eval.pair_difference: the same thread count and host kernels),
+    and {seed: why not} for the seeds both have that do not: runs of one seed made on two hosts are not paired."""
+    from eval import pair_difference, record_config
+    by = {v: {r["seed"]: (n, r) for n, r in chosen.items() if r["rival"] == v} for v in ("mle", rival)}
+    pairs, unpaired = {}, {}
+    for seed in sorted(set(by["mle"]) & set(by[rival])):
+        (nb, b), (nc, c) = by["mle"][seed], by[rival][seed]
+        why = pair_difference(record_config(b), record_config(c))
+        if why:
+            unpaired[seed] = why
+        else:
+            pairs.update({nb: b, nc: c})
+    return pairs, unpaired
 
 
 def knob_curve(runs, rival, best):
@@ -186,9 +203,10 @@ def write_results(study, path, argv):
               if selections.get(r["rival"]) and (r["lr"], r["knob"]) == tuple(selections[r["rival"]])}
     comparisons = []
     for rival in RIVALS:
-        if rival != "mle" and {r["seed"] for r in chosen.values() if r["rival"] == rival} & \
-                {r["seed"] for r in chosen.values() if r["rival"] == "mle"}:
-            comparisons.append(compare(chosen, {}, "mle", rival, []))
+        if rival != "mle":
+            pairs, unpaired = host_pairs(chosen, rival)
+            if pairs:
+                comparisons.append(dict(compare(pairs, {}, "mle", rival, []), unpaired=unpaired))
     sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
                      for k, _ in RIVALS[rival][2]} for rival in RIVALS}
     result = dict(command=shlex.join(["python", "rivals.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),

@@ -248,7 +248,8 @@ def run_record(study, name, out_label):
         isotropy=m["isotropy"], isotropy_groups=m["isotropy_groups"], uniq=m["uniq"], uniq_groups=m["uniq_groups"],
         mean_cosine=m["mean_cosine"], rare_bias=m["rare_bias"], rare_argmax=m["rare_argmax"],
         geometry_rows_rule=m["geometry_rows_rule"], threads=cfg["versions"]["threads"],
-        cpu_capability=cfg["versions"].get("cpu_capability"), git_commit=cfg["git_commit"],
+        cpu_capability=cfg["versions"].get("cpu_capability"), kernels=cfg["versions"].get("kernels"),
+        git_commit=cfg["git_commit"],
         command=runlib.run_command(cfg, "train_lm.py").replace(here, f"{out_label}/runs"),
         eval_command=f"python eval.py {out_label}/runs/{name} --out {out_label}/runs/{name}/report --n-samples 0")
 

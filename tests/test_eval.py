@@ -338,6 +338,9 @@ def test_runs_on_other_data_or_thread_counts_are_never_paired(runs, corpus, lm_t
     with pytest.raises(SystemExit, match=r"differ in thread count \(1 vs 2\)"):
         ev.main([runs["mle"], threads, "--out", str(tmp_path / "r3"), "--compare", "mle", "agg"])
     assert ev.pair_difference(dict(task="lm", versions={"threads": 2}), dict(task="lm")) is None  # not recorded
+    assert cfg["versions"]["kernels"] == runlib.kernel_fingerprint()  # the host: the same kernels, the same hash
+    assert ev.pair_difference(dict(versions={"kernels": "a1"}), dict(versions={"kernels": "b2"})) == \
+        "host kernels (a1 vs b2)"
     assert ev.pair_difference(dict(task="lm", vocab_size_actual=300), dict(task="lm", vocab_size_actual=280)) == \
         "vocabulary size (300 vs 280)"
     assert ev.pair_difference(dict(task="lm"), dict(task="nmt")) == "task (lm vs nmt)"

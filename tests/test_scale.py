@@ -166,7 +166,9 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
         fake_run(study, name, ppl)
         folder = study.folder(name)
         method, flags, _ = rivals.RIVALS[rival]
-        cfg = dict(max_steps=10, method=method, lr=lr, seed=seed, method_hparams={}, versions=dict(threads=1),
+        host = "b2" if (rival, seed) == ("zloss", 2) else "a1"  # zloss's seed 2 ran on another host
+        cfg = dict(max_steps=10, method=method, lr=lr, seed=seed, method_hparams={},
+                   versions=dict(threads=1, kernels=host),
                    git_commit="abc", argv=rivals.run_flags(rival, lr, knob, seed), optimizer="adamw")
         json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
         os.makedirs(os.path.join(folder, "report"))
@@ -192,7 +194,8 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert list(curve) == ["z0.0001", "z0.001", "z0.01"] and curve["z0.01"]["rare_isotropy"] == pytest.approx([0.2, 0.21, 0.22])
     assert curve["z0.001"]["valid_ppl"] == [305, 306, 307]
     (pair,) = res["compare"]
-    assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1, 2]
+    assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1]  # never across hosts
+    assert pair["unpaired"] == {"2": "host kernels (a1 vs b2)"}
     run = res["runs"][rivals.run_name("zloss", 4e-3, "z0.01", 2)]
     assert run["rival"] == "zloss" and run["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py")
     assert os.path.getsize(tmp_path / "lm_rivals.png") > 10000
