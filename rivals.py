@@ -13,6 +13,9 @@ The protocol (this project's choices):
   a good or a bad mode: scale.py's S runs at lr 8e-3 did, so one seed would select a mode, not a setting);
 - then seeds 0-2 at the selection (0-4 for MLE, AGG and Coupled Adam), paired with MLE by seed, and seeds 0-2 of
   every other knob value at the selected lr: the knob's trade-off between PPL and geometry with seed intervals;
+- a pair never spans two hosts (config.json's `versions.kernels`): a rival's run of a selection made on a host where
+  MLE's run of that seed was not gets an MLE replica on that host (mle-lrLR-sS-kHOST); the sweeps' selections may mix
+  hosts, which moves a run as another seed would;
 - every run evaluated by eval.py (test PPL total, per group and calibrated, the geometry metrics that favour no
   method, Uniq, greedy and sampled continuations); selections read validation only.
 The study machinery (restartable runs, results files that continue the study elsewhere) is scale.py's.
@@ -20,6 +23,7 @@ The study machinery (restartable runs, results files that continue the study els
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -59,9 +63,43 @@ def run_flags(rival, lr, knob, seed):
     return ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", *flags, *dict(knobs)[knob]]
 
 
+# A host's kernels change a run as much as another seed does (RESULTS, first section), and a pair never spans two
+# hosts: a rival's run of the selection made on a host where MLE's run of that seed was not gets an MLE replica there.
+REPLICA = re.compile(r"^mle-lr(?P<lr>[0-9.e+-]+)-s(?P<seed>\d+)-k(?P<host>[0-9a-f]{8})$")
+
+
+def replica_name(lr, seed, host):
+    return f"{run_name('mle', lr, '', seed)}-k{host[:8]}"
+
+
 class Rivals(scale.Study):
     """The rivals' runs as far as the finished sweeps decide them."""
     eval_args = ["--n-samples", "5"]  # greedy and sampled continuations for seq-rep-4 and distinct-n
+    host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count): replicas are made here
+
+    def kernels(self, name):
+        """The host kernels a run recorded (its config.json, else its record in the results file), or None."""
+        path = os.path.join(self.folder(name), "config.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                return (json.load(f).get("versions") or {}).get("kernels")
+        return (self.prior.get(name) or {}).get("kernels")
+
+    def replicas(self, mle_best):
+        """{name: flags} of the MLE replicas: every one made so far (here or in the results file), and one on this host
+        for each rival run of a selection made here whose MLE seed ran on another host."""
+        made = [n for n in [*self.prior, *(os.listdir(self.runs) if os.path.isdir(self.runs) else [])]
+                if REPLICA.match(n) and self.finished(n)]
+        out = {n: run_flags("mle", float(REPLICA.match(n)["lr"]), "", int(REPLICA.match(n)["seed"])) for n in made}
+        for rival, best in self.selections().items():
+            if rival == "mle" or best is None or mle_best is None or self.host is None:
+                continue
+            for seed in range(SEEDS.get(rival, 3)):
+                mle = run_name("mle", *mle_best, seed)
+                if (self.finished(run_name(rival, *best, seed)) and self.kernels(run_name(rival, *best, seed)) == self.host
+                        and self.finished(mle) and self.kernels(mle) not in (None, self.host)):
+                    out[replica_name(mle_best[0], seed, self.host)] = run_flags("mle", mle_best[0], "", seed)
+        return out
 
     def finalists(self, rival):
         """The FINALISTS (lr, knob) of the lowest seed-0 valid PPL, or None before the seed-0 sweep finished."""
@@ -92,6 +130,7 @@ class Rivals(scale.Study):
             for knob, _ in RIVALS[rival][2]:  # the knob curve at the selected lr
                 for seed in (0, 1, 2):
                     runs.setdefault(run_name(rival, best[0], knob, seed), (run_flags(rival, best[0], knob, seed), 2.0))
+        runs.update({name: (flags, 1.5) for name, flags in self.replicas(self.selection("mle")[0]).items()})
         return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
 
     def selections(self):
@@ -111,7 +150,7 @@ def record(study, name, rival, lr, knob):
     keys = ("valid_ppl", "ppl", "ppl_groups", "rare_bias", "isotropy", "isotropy_groups", "isoscore",
             "isotropy_weighted", "isotropy_centered", "undertrained", "mean_cosine", "uniq", "uniq_groups",
             "gen_rep4", "gen_rep4_sampled", "gen_distinct", "article_stats", "geometry_rows_rule")
-    return dict(rival=rival, method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),
+    return dict(rival=rival, replica=bool(REPLICA.match(name)), method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),
                 untie=bool(cfg.get("untie")), lr=cfg["lr"], knob=knob, seed=cfg["seed"],
                 method_hparams=cfg["method_hparams"], embedding_weight_decay=cfg.get("embedding_weight_decay"),
                 **{k: m.get(k) for k in keys}, threads=cfg["versions"]["threads"],
@@ -124,15 +163,17 @@ def host_pairs(chosen, rival):
     """The runs of MLE and `rival` whose seeds pair (eval.pair_difference: the same thread count and host kernels),
     and {seed: why not} for the seeds both have that do not: runs of one seed made on two hosts are not paired."""
     from eval import pair_difference, record_config
-    by = {v: {r["seed"]: (n, r) for n, r in chosen.items() if r["rival"] == v} for v in ("mle", rival)}
     pairs, unpaired = {}, {}
-    for seed in sorted(set(by["mle"]) & set(by[rival])):
-        (nb, b), (nc, c) = by["mle"][seed], by[rival][seed]
-        why = pair_difference(record_config(b), record_config(c))
-        if why:
-            unpaired[seed] = why
-        else:
-            pairs.update({nb: b, nc: c})
+    for nc, c in sorted(chosen.items()):
+        if c["rival"] != rival:
+            continue
+        mle = sorted((n, r) for n, r in chosen.items() if r["rival"] == "mle" and r["seed"] == c["seed"])
+        whys = [pair_difference(record_config(b), record_config(c)) for _n, b in mle]
+        if None in whys:  # the seed's MLE run on the same host: the run itself or its replica there
+            nb, b = mle[whys.index(None)]
+            pairs.update({nb: dict(b, variant="mle"), nc: c})
+        elif mle:
+            unpaired[c["seed"]] = whys[0]
     return pairs, unpaired
 
 
@@ -140,7 +181,7 @@ def knob_curve(runs, rival, best):
     """{knob: [run records of seeds 0-2]} at the selected lr, for the knobs whose three seeds are in `runs`."""
     curve = {}
     for knob, _ in RIVALS[rival][2]:
-        rs = [r for r in runs.values() if r["rival"] == rival and r["seed"] in (0, 1, 2)
+        rs = [r for r in runs.values() if r["rival"] == rival and r["seed"] in (0, 1, 2) and not r.get("replica")
               and (r["lr"], r["knob"]) == (best[0], knob)]
         if len(rs) == 3:
             curve[knob] = rs
@@ -175,7 +216,8 @@ def plot_pareto(runs, selections, path):
                     x, y = np.array([get(r) for r in rs]), np.array([r["valid_ppl"] for r in rs])
                     ax.errorbar(x.mean(), y.mean(), xerr=spread(x), yerr=spread(y), marker="o", ms=4, capsize=2,
                                 color=colours[rival], alpha=0.7)
-            chosen = [r for r in runs.values() if r["rival"] == rival and (r["lr"], r["knob"]) == tuple(best)]
+            chosen = [r for r in runs.values() if r["rival"] == rival and (r["lr"], r["knob"]) == tuple(best)
+                      and not r.get("replica")]
             if chosen:
                 x, y = np.array([get(r) for r in chosen]), np.array([r["valid_ppl"] for r in chosen])
                 ax.errorbar(x.mean(), y.mean(), xerr=spread(x), yerr=spread(y), marker="o", ms=9, capsize=3,
@@ -197,6 +239,7 @@ def write_results(study, path, argv):
     plan, _ = study.plan()
     names = {run_name(rival, lr, k, s): (rival, lr, k) for rival, (_m, _f, knobs) in RIVALS.items()
              for lr in LRS for k, _ in knobs for s in range(max(SEEDS.values()))}
+    names.update({n: ("mle", float(REPLICA.match(n)["lr"]), "") for n, _f, _c in plan if REPLICA.match(n)})
     runs = {n: record(study, n, *names[n]) for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
     selections = study.selections()
     chosen = {n: dict(r, variant=r["rival"]) for n, r in runs.items()
@@ -239,6 +282,7 @@ def main(argv=None):
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more")
     study = Rivals(args.out, prior=[args.results])
+    study.host = runlib.kernel_fingerprint(max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None)
     results = (lambda: write_results(study, args.results, argv)) if args.results else None
     if not args.no_train:
         scale.train(study, args.jobs, results)

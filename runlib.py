@@ -843,11 +843,19 @@ def git_commit():
         return None, None
 
 
-def kernel_fingerprint():
+def kernel_fingerprint(threads=None):
     """A hash of one fixed float32 step through the kernels training leans on (the tied head's matmul at the cpu
     preset's shapes, layer norm, GELU, cross-entropy and their backward), at this process's thread count. Two hosts
     whose kernels round differently (another instruction set, another BLAS path) get different hashes, and a run
-    then ends elsewhere (RESULTS: the same command, valid PPL 294.46 on one host and 286.42 on another)."""
+    then ends elsewhere (RESULTS: the same command, valid PPL 294.46 on one host and 286.42 on another). `threads`:
+    the thread count to hash at (default: this process's)."""
+    if threads is not None and threads != torch.get_num_threads():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return kernel_fingerprint()
+        finally:
+            torch.set_num_threads(before)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1024, 128, generator=g, requires_grad=True)
     w = (torch.randn(8192, 128, generator=g) / 128 ** 0.5).requires_grad_()

@@ -162,11 +162,13 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
 def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp_path):
     import rivals
 
-    def evaluated(name, rival, lr, knob, seed, ppl, rare_iso):
+    a1, b2 = "a1" * 8, "b2" * 8  # two hosts' kernels
+
+    def evaluated(name, rival, lr, knob, seed, ppl, rare_iso, host=None):
         fake_run(study, name, ppl)
         folder = study.folder(name)
         method, flags, _ = rivals.RIVALS[rival]
-        host = "b2" if (rival, seed) == ("zloss", 2) else "a1"  # zloss's seed 2 ran on another host
+        host = host or (b2 if (rival, seed) == ("zloss", 2) else a1)  # zloss's seed 2 ran on another host
         cfg = dict(max_steps=10, method=method, lr=lr, seed=seed, method_hparams={},
                    versions=dict(threads=1, kernels=host),
                    git_commit="abc", argv=rivals.run_flags(rival, lr, knob, seed), optimizer="adamw")
@@ -195,7 +197,20 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert curve["z0.001"]["valid_ppl"] == [305, 306, 307]
     (pair,) = res["compare"]
     assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1]  # never across hosts
-    assert pair["unpaired"] == {"2": "host kernels (a1 vs b2)"}
+    assert pair["unpaired"] == {"2": f"host kernels ({a1} vs {b2})"}
+    # on host b2 the study plans MLE's seed 2 again (a replica), and then pairs all three seeds, each on one host
+    study.host = b2
+    replica = rivals.replica_name(4e-3, 2, b2)
+    planned = {n for n, _f, _c in study.plan()[0]}
+    assert replica in planned and not any(n.endswith("-k" + a1[:8]) for n in planned)
+    evaluated(replica, "mle", 4e-3, "", 2, 302, 0.05, host=b2)
+    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), [])
+    res = json.load(open(tmp_path / "lm_rivals.json"))
+    (pair,) = res["compare"]
+    assert pair["seeds"] == [0, 1, 2] and pair["unpaired"] == {} and res["runs"][replica]["replica"] is True
+    assert rivals.Rivals(str(tmp_path / "elsewhere"), prior=[str(tmp_path / "lm_rivals.json")]).replicas((4e-3, "")) \
+        == {replica: rivals.run_flags("mle", 4e-3, "", 2)}  # the results file carries it to another machine
+    assert res["selection"]["knob_curve"]["mle"][""]["valid_ppl"] == [300, 301, 302]  # the replica is no fourth seed
     run = res["runs"][rivals.run_name("zloss", 4e-3, "z0.01", 2)]
     assert run["rival"] == "zloss" and run["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py")
     assert os.path.getsize(tmp_path / "lm_rivals.png") > 10000
