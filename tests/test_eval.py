@@ -552,17 +552,19 @@ def test_a_comparison_grows_by_seeds_from_results_files_alone(tmp_path):
                               compare=[dict(c, bleu_paired_bootstrap=[b for b in c["bleu_paired_bootstrap"]
                                                                       if b["seed"] in seeds])
                                        for c in full["compare"]])
-    (tmp_path / "a.json").write_text(json.dumps(part({0, 1})))
-    (tmp_path / "b.json").write_text(json.dumps(dict(part({2}), command="python eval.py seed-2 runs")))
+    seeds = full["compare"][0]["seeds"]
+    (tmp_path / "a.json").write_text(json.dumps(dict(part(set(seeds[:2])), command="python eval.py two seeds")))
+    (tmp_path / "b.json").write_text(json.dumps(dict(part(set(seeds[2:])), command="python eval.py the others")))
     got = ev.main(["--reanalyse", str(tmp_path / "a.json"), "--add", str(tmp_path / "b.json")])
     (want,), (c,) = full["compare"], got["compare"]
-    assert c["seeds"] == [0, 1, 2] and c["bleu_paired_bootstrap"] == want["bleu_paired_bootstrap"]
+    assert c["seeds"] == seeds and c["bleu_paired_bootstrap"] == want["bleu_paired_bootstrap"]
     assert c["metrics"]["bleu"]["t95"] == pytest.approx(want["metrics"]["bleu"]["t95"])
-    assert got["command"] == [full["command"], "python eval.py seed-2 runs"] and len(got["runs"]) == 6
+    assert got["command"] == ["python eval.py two seeds", "python eval.py the others"]
+    assert len(got["runs"]) == len(full["runs"])
     rerun = dict(full, runs={"agg-s0": dict(full["runs"]["agg-s0"], bleu=11.0)}, compare=[])
     (tmp_path / "c.json").write_text(json.dumps(rerun))
     got = ev.main(["--reanalyse", str(tmp_path / "a.json"), "--add", str(tmp_path / "c.json")])
-    assert [b["seed"] for b in got["compare"][0]["bleu_paired_bootstrap"]] == [1, 2]
+    assert [b["seed"] for b in got["compare"][0]["bleu_paired_bootstrap"]] == seeds[1:]
     assert got["runs"]["agg-s0"]["bleu"] == 11.0
     with pytest.raises(SystemExit, match="--add goes with --reanalyse"):
         ev.main(["--add", str(tmp_path / "c.json")])
