@@ -800,7 +800,8 @@ def reanalyse(path, add=()):
     if not all("base" in e and "cand" in e for e in res.get("compare") or []):
         raise SystemExit(f"--reanalyse {path}: its comparisons are not eval.py's (a study's file: rerun the study's "
                          f"script with --no-train to rewrite it)")
-    runs, commands, replaced = res["runs"], [res["command"]] if isinstance(res["command"], str) else res["command"], set()
+    runs, replaced = res["runs"], set()
+    commands = [res["command"]] if isinstance(res["command"], str) else list(res["command"])
     for other in add:
         with open(other) as f:
             more = json.load(f)
@@ -822,9 +823,8 @@ def reanalyse(path, add=()):
                                                  for s in new["seeds"]):
             entry.pop("rare_types", None)
         entry.update({k: v for k, v in new.items() if k not in ("rare_types", "bleu_paired_bootstrap")})
-    rel = lambda p: os.path.relpath(p, train_lm.ROOT)
     res["command"] = commands[0] if len(commands) == 1 else commands
-    res["reanalysis_command"] = shlex.join(["python", "eval.py", "--reanalyse", rel(path)])
+    res["reanalysis_command"] = shlex.join(["python", "eval.py", "--reanalyse", os.path.relpath(path, train_lm.ROOT)])
     runlib.write_json(path, res)
     return res
 
