@@ -788,10 +788,28 @@ def record_config(record):
     return dict(seed=record["seed"], versions=dict(threads=record_threads(record), kernels=record.get("kernels")))
 
 
+def variant_of(record, variants):
+    """The variant among `variants` (a results file's names, e.g. 'agg rare_rule=target-only') an added run belongs
+    to: its own when the file knows it, else the one whose method and settings the record has (a run evaluated alone
+    is named by its method only). Its own when none or several match."""
+    own = record.get("variant", record["method"])
+    if own in variants:
+        return own
+    hparams = record.get("method_hparams") or {}
+
+    def holds(setting):
+        key, _, value = setting.partition("=")
+        return str(record[key] if key in record else hparams.get(key)) == value
+
+    fits = [v for v in variants if v.split()[0] == record["method"] and all(holds(x) for x in v.split()[1:])]
+    return fits[0] if len(fits) == 1 else own
+
+
 def reanalyse(path, add=()):
     """Recompute the statistics of a results file's comparisons from its per-run records (no checkpoint needed):
     paired intervals, calibration shares, equivalence, the article bootstrap. `add`: other results files whose runs
-    join this one's (a run of the same name is replaced: a rerun) with their per-seed BLEU bootstraps, so a
+    join this one's (a run of the same name is replaced: a rerun, which keeps the replaced run's variant; a new run
+    takes the file's variant its settings match, variant_of) with their per-seed BLEU bootstraps, so a
     comparison grows by seeds without the earlier run folders. What needs the runs themselves is kept from the file
     that computed it: the per-seed BLEU bootstraps (a replaced run's seed takes the added file's, or none) and the
     rare-type split (dropped once its pairs change). Written back in place, atomically."""
@@ -805,7 +823,10 @@ def reanalyse(path, add=()):
     for other in add:
         with open(other) as f:
             more = json.load(f)
-        replaced |= {(r.get("variant", r["method"]), r["seed"]) for k, r in more["runs"].items() if k in runs and runs[k] != r}
+        variants = {r.get("variant", r["method"]) for r in runs.values()}
+        more["runs"] = {k: dict(r, variant=runs[k].get("variant", runs[k]["method"]) if k in runs  # a rerun
+                                else variant_of(r, variants)) for k, r in more["runs"].items()}
+        replaced |= {(r["variant"], r["seed"]) for k, r in more["runs"].items() if k in runs and runs[k] != r}
         runs.update(more["runs"])
         commands.append(more["command"])
         boots = {(e["base"], e["cand"]): e.get("bleu_paired_bootstrap") or [] for e in more.get("compare") or []}

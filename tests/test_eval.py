@@ -570,6 +570,28 @@ def test_a_comparison_grows_by_seeds_from_results_files_alone(tmp_path):
         ev.main(["--add", str(tmp_path / "c.json")])
 
 
+def test_a_run_evaluated_alone_joins_the_variant_its_settings_match(tmp_path):
+    """A run evaluated on its own is named by its method ('agg'); added to a file whose variants say more
+    ('agg rare_rule=target-only'), a rerun keeps the replaced run's variant and a new seed takes the variant its
+    settings match, so both land in the comparison."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "nmt_rare_rule.json")
+    full = json.load(open(src))
+    (entry,) = full["compare"]
+    (tmp_path / "a.json").write_text(json.dumps(full))
+    runs = full["runs"]
+    alone = lambda name, seed, **kw: dict(runs[name], variant="agg", seed=seed, **kw)
+    more = {"agg-target-only-s0": alone("agg-target-only-s0", 0, bleu=20.0),
+            "agg-s7": alone("agg-s0", 7), "agg-target-only-s7": alone("agg-target-only-s0", 7)}
+    (tmp_path / "b.json").write_text(json.dumps(dict(full, runs=more, compare=[], command="python eval.py alone")))
+    got = ev.main(["--reanalyse", str(tmp_path / "a.json"), "--add", str(tmp_path / "b.json")])
+    assert got["runs"]["agg-target-only-s0"]["variant"] == entry["cand"]
+    assert got["runs"]["agg-s7"]["variant"] == entry["base"] and got["runs"]["agg-target-only-s7"]["variant"] == entry["cand"]
+    (c,) = got["compare"]
+    assert c["seeds"] == sorted(entry["seeds"] + [7])
+    assert c["metrics"]["bleu"]["cand"][0] == 20.0
+    assert 0 not in [b["seed"] for b in c.get("bleu_paired_bootstrap", [])]  # the rerun's seed: its bootstrap is stale
+
+
 def test_evaluation_builds_no_autograd_graph(runs):
     res = ev.evaluate(runs["agg"], n_samples=1, gen_len=4, prefix_len=4, device="cpu")
     assert not res["metrics"]["type_stats"]["nll"].requires_grad and not res["weight"].requires_grad
