@@ -224,7 +224,8 @@ def plot_pareto(runs, selections, path):
                             color=colours[rival], label=f"{rival}: lr {best[0]:g}{' ' + best[1] if best[1] else ''} ({len(chosen)} seeds)")
         ax.set_xlabel(label)
         ax.set_ylabel("valid PPL")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # the selections, once there are any
+            ax.legend(fontsize=7)
     fig.suptitle("AGG and its rivals at the cpu preset. Faint: the sweeps (seed 0); lines: each rival's knob at its "
                  "selected lr (mean and range of seeds 0-2); large: the selections (mean and range over seeds)",
                  fontsize=9)
