@@ -178,17 +178,17 @@ def agg_shares(selected):
 def next_job(study, busy):
     """The next command to run: an evaluation of a finished run first, then the cheapest unfinished run."""
     plan, pending = study.plan()
-    for name, flags, _cost in plan:
-        folder = study.folder(name)
-        if name in busy:
-            continue
-        if study.finished(name):
-            if not study.evaluated(name):
-                return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",
-                              os.path.join(folder, "report"), *study.eval_args]
-            continue
-        resume = ["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []
-        return name, [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume]
+    plan = [(name, flags) for name, flags, _cost in plan if name not in busy]
+    for name, _flags in plan:
+        if study.finished(name) and not study.evaluated(name):
+            folder = study.folder(name)
+            return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",
+                          os.path.join(folder, "report"), *study.eval_args]
+    for name, flags in plan:
+        if not study.finished(name):
+            folder = study.folder(name)
+            resume = ["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []
+            return name, [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume]
     return None, pending
 
 

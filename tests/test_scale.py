@@ -119,6 +119,16 @@ def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
     curve = {n for n, _f, _c in plan if n.startswith("zloss-lr0.008-")}  # every knob at the selected lr: 3 seeds
     assert curve == {rivals.run_name("zloss", 8e-3, k, s) for k, _ in rivals.RIVALS["zloss"][2] for s in range(3)}
     assert not any(n.startswith("zloss-lr0.002-") and not n.endswith("-s0") for n, _f, _c in plan)
+    for n, _f, _c in plan:  # the finished runs evaluated; then one more run late in the plan finishes
+        if study.finished(n):
+            os.makedirs(os.path.join(study.folder(n), "report"))
+            open(os.path.join(study.folder(n), "report", "metrics.json"), "w").close()
+    last = max(curve)  # it is evaluated before an unfinished earlier run trains
+    fake_run(study, last, 105)
+    name, cmd = scale.next_job(study, {})
+    assert name == last and cmd[1].endswith("eval.py") and cmd[-2:] == ["--n-samples", "5"]
+    name, cmd = scale.next_job(study, {last: None})
+    assert cmd[1].endswith("train_lm.py") and not study.finished(name)
 
 
 def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle(tmp_path, monkeypatch):
