@@ -113,7 +113,8 @@ def geometry(weight, counts, include_unseen=False):
     """agg.geometry per frequency group, over the tokens seen in training unless include_unseen, and the metrics that
     favour no method: IsoScore (Rudman et al. 2022; not dominated by rare rows as I(W)'s min/max is), I(W) with rows
     weighted by their training frequency (Yokoi et al. 2024), I(W) after removing the mean row (does a method do more
-    than remove the common drift?), and the under-trained rows of Land & Bartolo 2024 (undertrained_count)."""
+    than remove the common drift?) and the weighted view of it (minus the frequency-weighted mean row), and the
+    under-trained rows of Land & Bartolo 2024 (undertrained_count)."""
     _, groups = group_index(counts)
     counts = torch.as_tensor(counts)
     seen = None if include_unseen else counts > 0
@@ -121,8 +122,10 @@ def geometry(weight, counts, include_unseen=False):
     geo["geometry_rows_rule"] = "all" if include_unseen else "seen in training"
     W = weight.detach().double().cpu()
     rows = W if seen is None else W[seen]
+    seen_rows, freq = W[counts > 0], counts[counts > 0].double()
     geo.update(isoscore=agg.isoscore(rows), isotropy_centered=agg.isotropy(rows, center=True),
-               isotropy_weighted=agg.isotropy(W[counts > 0], weights=counts[counts > 0].double()),
+               isotropy_weighted=agg.isotropy(seen_rows, weights=freq),
+               isotropy_weighted_centered=agg.isotropy(seen_rows, weights=freq, center=True),
                undertrained=undertrained_count(W, counts))
     return geo
 
@@ -578,7 +581,8 @@ def summarise(metrics):
 # ----------------------------------------------------------------------------------------------- paired comparison
 COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "valid_ppl", "uniq", "uniq_groups.rare",
                 "isotropy", "isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "mean_cosine",
-                "mean_cosine_groups.rare", "isoscore", "isotropy_centered", "isotropy_weighted", "undertrained.count",
+                "mean_cosine_groups.rare", "isoscore", "isotropy_centered", "isotropy_weighted", "isotropy_weighted_centered",
+                "undertrained.count",
                 "gen_rep4", "gen_rep4_sampled",
                 "rare_bias.ppl", "rare_bias.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
                 "rare_argmax.rare_argmax_recall", "word_similarity.ws353", "word_similarity.simlex999",
@@ -1084,6 +1088,7 @@ RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_pp
                "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
                "rare_bias", "output_bias", "gen_rep4", "gen_distinct", "bleu", "bleu_signature", "test_ppl", "target",
                "rare_rule", "checkpoints_averaged", "isoscore", "isotropy_centered", "isotropy_weighted",
+               "isotropy_weighted_centered",
                "undertrained", "article_stats", "word_similarity", "word_similarity_pairs")
 RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams", "optimizer",
             "untie", "weight_decay", "embedding_weight_decay", "dataset", "train_fraction",

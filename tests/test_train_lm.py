@@ -510,6 +510,6 @@ def test_coupled_adam_untie_and_embedding_decay_are_run_settings(lm_run, tmp_pat
     assert ck["model"]["tok_emb.weight"].mean(0).abs().max() > 1e-4
     assert [g["weight_decay"] for g in ck["optimizer"]["param_groups"]][-1] == 0.0
     m = eval_mod.evaluate(str(tmp_path / "untied"), n_samples=1, gen_len=8, prefix_len=4)["metrics"]
-    for key in ("isoscore", "isotropy_centered", "isotropy_weighted"):
+    for key in ("isoscore", "isotropy_centered", "isotropy_weighted", "isotropy_weighted_centered"):
         assert 0 <= m[key] <= 1, key
     assert set(m["gen_distinct"]) == {"greedy", "sampled"} and 0 <= m["gen_rep4_sampled"] <= 1
