@@ -159,19 +159,19 @@ def record(study, name, rival, lr, knob):
                 eval_command=f"python eval.py out/rivals/runs/{name} --out out/rivals/runs/{name}/report --n-samples 5")
 
 
-def host_pairs(chosen, rival):
-    """The runs of MLE and `rival` whose seeds pair (eval.pair_difference: the same thread count and host kernels),
+def host_pairs(chosen, rival, base="mle"):
+    """The runs of `base` and `rival` whose seeds pair (eval.pair_difference: the same thread count and host kernels),
     and {seed: why not} for the seeds both have that do not: runs of one seed made on two hosts are not paired."""
     from eval import pair_difference, record_config
     pairs, unpaired = {}, {}
     for nc, c in sorted(chosen.items()):
         if c["rival"] != rival:
             continue
-        mle = sorted((n, r) for n, r in chosen.items() if r["rival"] == "mle" and r["seed"] == c["seed"])
+        mle = sorted((n, r) for n, r in chosen.items() if r["rival"] == base and r["seed"] == c["seed"])
         whys = [pair_difference(record_config(b), record_config(c)) for _n, b in mle]
-        if None in whys:  # the seed's MLE run on the same host: the run itself or its replica there
+        if None in whys:  # the seed's base run on the same host: the run itself or (MLE's) its replica there
             nb, b = mle[whys.index(None)]
-            pairs.update({nb: dict(b, variant="mle"), nc: c})
+            pairs.update({nb: dict(b, variant=base), nc: c})
         elif mle:
             unpaired[c["seed"]] = whys[0]
     return pairs, unpaired
@@ -246,11 +246,11 @@ def write_results(study, path, argv):
     chosen = {n: dict(r, variant=r["rival"]) for n, r in runs.items()
               if selections.get(r["rival"]) and (r["lr"], r["knob"]) == tuple(selections[r["rival"]])}
     comparisons = []
-    for rival in RIVALS:
-        if rival != "mle":
-            pairs, unpaired = host_pairs(chosen, rival)
-            if pairs:
-                comparisons.append(dict(compare(pairs, {}, "mle", rival, []), unpaired=unpaired))
+    # every rival against MLE; untied AGG against untied MLE too (does AGG act on an output matrix alone?)
+    for base, rival in [("mle", r) for r in RIVALS if r != "mle"] + [("untied-mle", "untied-agg")]:
+        pairs, unpaired = host_pairs(chosen, rival, base)
+        if pairs:
+            comparisons.append(dict(compare(pairs, {}, base, rival, []), unpaired=unpaired))
     sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
                      for k, _ in RIVALS[rival][2]} for rival in RIVALS}
     result = dict(command=shlex.join(["python", "rivals.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),

@@ -221,6 +221,20 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert rivals.Rivals(str(tmp_path / "elsewhere"), prior=[str(tmp_path / "lm_rivals.json")]).replicas((4e-3, "")) \
         == {replica: rivals.run_flags("mle", 4e-3, "", 2)}  # the results file carries it to another machine
     assert res["selection"]["knob_curve"]["mle"][""]["valid_ppl"] == [300, 301, 302]  # the replica is no fourth seed
+    # untied AGG is paired with MLE and with untied MLE, its own control
+    for rival, knob_iso in (("untied-mle", {"": 0.03}), ("untied-agg", {"share0.05": 0.1, "share0.2": 0.7, "share0.4": 0.5})):
+        for _ in range(3):
+            for name, flags, _c in study.plan()[0]:
+                if not name.startswith(rival + "-") or study.finished(name):
+                    continue
+                lr, seed = float(flags[flags.index("--lr") + 1]), int(flags[flags.index("--seed") + 1])
+                knob = next(k for k in knob_iso if k and f"-{k}-" in name) if len(knob_iso) > 1 else ""
+                evaluated(name, rival, lr, knob, seed, 300 + 10 * abs(math.log2(lr / 4e-3)) + seed, knob_iso[knob])
+    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), [])
+    pairs = {(c["base"], c["cand"]): c for c in json.load(open(tmp_path / "lm_rivals.json"))["compare"]}
+    assert set(pairs) == {("mle", "zloss"), ("mle", "untied-mle"), ("mle", "untied-agg"), ("untied-mle", "untied-agg")}
+    assert pairs["untied-mle", "untied-agg"]["seeds"] == [0, 1, 2]
+    assert pairs["untied-mle", "untied-agg"]["metrics"]["isotropy_groups.rare"]["diffs"] == pytest.approx([0.07] * 3)
     run = res["runs"][rivals.run_name("zloss", 4e-3, "z0.01", 2)]
     assert run["rival"] == "zloss" and run["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py")
     assert os.path.getsize(tmp_path / "lm_rivals.png") > 10000
