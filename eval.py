@@ -582,8 +582,7 @@ def summarise(metrics):
 COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "valid_ppl", "uniq", "uniq_groups.rare",
                 "isotropy", "isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "mean_cosine",
                 "mean_cosine_groups.rare", "isoscore", "isotropy_centered", "isotropy_weighted", "isotropy_weighted_centered",
-                "undertrained.count",
-                "gen_rep4", "gen_rep4_sampled",
+                "undertrained.count", "gen_rep4", "gen_rep4_sampled",
                 "rare_bias.ppl", "rare_bias.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
                 "rare_argmax.rare_argmax_recall", "word_similarity.ws353", "word_similarity.simlex999",
                 # NMT: BLEU, test PPL and the target side (train_nmt.validate's "target")

@@ -148,8 +148,8 @@ def record(study, name, rival, lr, knob):
         m = next(iter(json.load(f).values()))
     here = os.path.relpath(study.runs, ROOT)
     keys = ("valid_ppl", "ppl", "ppl_groups", "rare_bias", "isotropy", "isotropy_groups", "isoscore",
-            "isotropy_weighted", "isotropy_weighted_centered", "isotropy_centered", "undertrained", "mean_cosine", "uniq", "uniq_groups",
-            "gen_rep4", "gen_rep4_sampled", "gen_distinct", "article_stats", "geometry_rows_rule")
+            "isotropy_weighted", "isotropy_weighted_centered", "isotropy_centered", "undertrained", "mean_cosine",
+            "uniq", "uniq_groups", "gen_rep4", "gen_rep4_sampled", "gen_distinct", "article_stats", "geometry_rows_rule")
     return dict(rival=rival, replica=bool(REPLICA.match(name)), method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),
                 untie=bool(cfg.get("untie")), lr=cfg["lr"], knob=knob, seed=cfg["seed"],
                 method_hparams=cfg["method_hparams"], embedding_weight_decay=cfg.get("embedding_weight_decay"),
@@ -167,12 +167,12 @@ def host_pairs(chosen, rival, base="mle"):
     for nc, c in sorted(chosen.items()):
         if c["rival"] != rival:
             continue
-        mle = sorted((n, r) for n, r in chosen.items() if r["rival"] == base and r["seed"] == c["seed"])
-        whys = [pair_difference(record_config(b), record_config(c)) for _n, b in mle]
+        bases = sorted((n, r) for n, r in chosen.items() if r["rival"] == base and r["seed"] == c["seed"])
+        whys = [pair_difference(record_config(b), record_config(c)) for _n, b in bases]
         if None in whys:  # the seed's base run on the same host: the run itself or (MLE's) its replica there
-            nb, b = mle[whys.index(None)]
+            nb, b = bases[whys.index(None)]
             pairs.update({nb: dict(b, variant=base), nc: c})
-        elif mle:
+        elif bases:
             unpaired[c["seed"]] = whys[0]
     return pairs, unpaired
 
