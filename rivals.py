@@ -45,7 +45,7 @@ RIVALS = {
                      [(f"ewd{w:g}", ["--embedding-weight-decay", f"{w:g}"]) for w in (0.0, 0.01, 0.1)]),
     "center": ("center", [], [("step", ["--center-mode", "step"])] +
                [(f"mu{c:g}", ["--center-mode", "loss", "--mu-coef", f"{c:g}"]) for c in (0.1, 1.0, 10.0)]),
-    "zloss": ("zloss", [], [(f"z{c:g}", ["--z-coef", f"{c:g}"]) for c in (1e-4, 1e-3, 1e-2)]),
+    "zloss": ("zloss", [], [(f"z{c:g}", ["--z-coef", f"{c:g}"]) for c in (1e-4, 1e-3, 1e-2, 1e-1)]),  # 1e-4: OLMo 2's
     "agg+center": ("agg+center", [], SHARES),
     "untied-mle": ("mle", ["--untie"], [("", [])]),
     "untied-agg": ("agg", ["--untie"], SHARES),

@@ -190,7 +190,7 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
         json.dump({name: m}, open(os.path.join(folder, "report", "metrics.json"), "w"))
 
     study = rivals.Rivals(str(tmp_path / "out"))
-    for rival, knob_iso in (("mle", {"": 0.03}), ("zloss", {"z0.0001": 0.03, "z0.001": 0.05, "z0.01": 0.2})):
+    for rival, knob_iso in (("mle", {"": 0.03}), ("zloss", {"z0.0001": 0.03, "z0.001": 0.05, "z0.01": 0.2, "z0.1": 0.3})):
         for _ in range(3):  # the seed-0 sweep, then the finalists' seeds, then the selection's and the curve's
             for name, flags, _c in study.plan()[0]:
                 if not name.startswith(rival + "-") or study.finished(name):
@@ -203,7 +203,7 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     res = json.load(open(tmp_path / "lm_rivals.json"))
     assert res["selection"]["selected"]["zloss"] == [4e-3, "z0.0001"] and res["selection"]["selected"]["mle"] == [4e-3, ""]
     curve = res["selection"]["knob_curve"]["zloss"]
-    assert list(curve) == ["z0.0001", "z0.001", "z0.01"] and curve["z0.01"]["rare_isotropy"] == pytest.approx([0.2, 0.21, 0.22])
+    assert list(curve) == ["z0.0001", "z0.001", "z0.01", "z0.1"] and curve["z0.01"]["rare_isotropy"] == pytest.approx([0.2, 0.21, 0.22])
     assert curve["z0.001"]["valid_ppl"] == [305, 306, 307]
     (pair,) = res["compare"]
     assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1]  # never across hosts
