@@ -12,7 +12,8 @@ The protocol (this project's choices):
   last step then get seeds 1 and 2, and the lowest mean valid PPL over seeds 0-2 is selected (one seed can land in
   a good or a bad mode: scale.py's S runs at lr 8e-3 did, so one seed would select a mode, not a setting);
 - then seeds 0-2 at the selection (0-4 for MLE, AGG and Coupled Adam), paired with MLE by seed, and seeds 0-2 of
-  every other knob value at the selected lr: the knob's trade-off between PPL and geometry with seed intervals;
+  every other knob value at the selected lr, each paired with MLE too: the knob's trade-off between PPL and geometry
+  with seed intervals;
 - a pair never spans two hosts (config.json's `versions.kernels`): a rival's run of a selection made on a host where
   MLE's run of that seed was not gets an MLE replica on that host (mle-lrLR-sS-kHOST); the sweeps' selections may mix
   hosts, which moves a run as another seed would;
@@ -251,6 +252,20 @@ def write_results(study, path, argv):
         pairs, unpaired = host_pairs(chosen, rival, base)
         if pairs:
             comparisons.append(dict(compare(pairs, {}, base, rival, []), unpaired=unpaired))
+    # every other knob value at a rival's selected lr against MLE too: the knob's PPL cost with a seed interval
+    knob_pairs = []
+    for rival in RIVALS:
+        best = selections.get(rival)
+        if rival == "mle" or not best:
+            continue
+        for knob, rs in knob_curve(runs, rival, best).items():
+            if (best[0], knob) == tuple(best):
+                continue
+            label = f"{rival} {knob}"
+            curve = {n: dict(r, variant=label) for n, r in runs.items() if r in rs}
+            pairs, unpaired = host_pairs({**curve, **{n: r for n, r in chosen.items() if r["rival"] == "mle"}}, rival)
+            if pairs:
+                knob_pairs.append(dict(compare(pairs, {}, "mle", label, []), unpaired=unpaired))
     sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
                      for k, _ in RIVALS[rival][2]} for rival in RIVALS}
     result = dict(command=shlex.join(["python", "rivals.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
@@ -264,7 +279,7 @@ def write_results(study, path, argv):
                                                              isoscore=[r["isoscore"] for r in rs])
                                                      for k, rs in knob_curve(runs, rival, selections[rival]).items()}
                                              for rival in RIVALS if selections.get(rival)}),
-                  runs=runs, compare=comparisons)
+                  runs=runs, compare=comparisons, compare_knobs=knob_pairs)
     runlib.write_json(path, result)
     if runs:
         plot_pareto(runs, selections, os.path.splitext(path)[0] + ".png")

@@ -205,6 +205,9 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     curve = res["selection"]["knob_curve"]["zloss"]
     assert list(curve) == ["z0.0001", "z0.001", "z0.01", "z0.1"] and curve["z0.01"]["rare_isotropy"] == pytest.approx([0.2, 0.21, 0.22])
     assert curve["z0.001"]["valid_ppl"] == [305, 306, 307]
+    knobs = {c["cand"]: c for c in res["compare_knobs"]}  # every other knob value against MLE, on one host too
+    assert set(knobs) == {"zloss z0.001", "zloss z0.01", "zloss z0.1"} and knobs["zloss z0.01"]["seeds"] == [0, 1]
+    assert knobs["zloss z0.01"]["metrics"]["isotropy_groups.rare"]["diffs"] == pytest.approx([0.17, 0.17])
     (pair,) = res["compare"]
     assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1]  # never across hosts
     assert pair["unpaired"] == {"2": f"host kernels ({a1} vs {b2})"}
