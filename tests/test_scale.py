@@ -115,9 +115,9 @@ def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
     assert study.selection("zloss")[0] == (8e-3, "z0.001")
     plan, _ = study.plan()
     seeds = sorted(n for n, _f, _c in plan if n.startswith("zloss-lr0.008-z0.001-"))
-    assert seeds == [rivals.run_name("zloss", 8e-3, "z0.001", s) for s in range(3)]
+    assert seeds == [rivals.run_name("zloss", 8e-3, "z0.001", s) for s in range(rivals.SEEDS["zloss"])]
     curve = {n for n, _f, _c in plan if n.startswith("zloss-lr0.008-")}  # every knob at the selected lr: 3 seeds
-    assert curve == {rivals.run_name("zloss", 8e-3, k, s) for k, _ in rivals.RIVALS["zloss"][2] for s in range(3)}
+    assert curve == {rivals.run_name("zloss", 8e-3, k, s) for k, _ in rivals.RIVALS["zloss"][2] for s in range(3)} | set(seeds)
     assert not any(n.startswith("zloss-lr0.002-") and not n.endswith("-s0") for n, _f, _c in plan)
     for n, _f, _c in plan:  # the finished runs evaluated; then one more run late in the plan finishes
         if study.finished(n):
@@ -209,7 +209,7 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert set(knobs) == {"zloss z0.001", "zloss z0.01", "zloss z0.1"} and knobs["zloss z0.01"]["seeds"] == [0, 1]
     assert knobs["zloss z0.01"]["metrics"]["isotropy_groups.rare"]["diffs"] == pytest.approx([0.17, 0.17])
     (pair,) = res["compare"]
-    assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1]  # never across hosts
+    assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1, 3, 4]  # never across hosts
     assert pair["unpaired"] == {"2": f"host kernels ({a1} vs {b2})"}
     # on host b2 the study plans MLE's seed 2 again (a replica), and then pairs all three seeds, each on one host
     study.host = b2
@@ -220,7 +220,7 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     rivals.write_results(study, str(tmp_path / "lm_rivals.json"), [])
     res = json.load(open(tmp_path / "lm_rivals.json"))
     (pair,) = res["compare"]
-    assert pair["seeds"] == [0, 1, 2] and pair["unpaired"] == {} and res["runs"][replica]["replica"] is True
+    assert pair["seeds"] == [0, 1, 2, 3, 4] and pair["unpaired"] == {} and res["runs"][replica]["replica"] is True
     assert rivals.Rivals(str(tmp_path / "elsewhere"), prior=[str(tmp_path / "lm_rivals.json")]).replicas((4e-3, "")) \
         == {replica: rivals.run_flags("mle", 4e-3, "", 2)}  # the results file carries it to another machine
     assert res["selection"]["knob_curve"]["mle"][""]["valid_ppl"] == [300, 301, 302]  # the replica is no fourth seed
