@@ -262,7 +262,7 @@ def write_results(study, path, argv):
             if (best[0], knob) == tuple(best):
                 continue
             label = f"{rival} {knob}"
-            curve = {n: dict(r, variant=label) for n, r in runs.items() if r in rs}
+            curve = {run_name(rival, best[0], knob, r["seed"]): dict(r, variant=label) for r in rs}
             pairs, unpaired = host_pairs({**curve, **{n: r for n, r in chosen.items() if r["rival"] == "mle"}}, rival)
             if pairs:
                 knob_pairs.append(dict(compare(pairs, {}, "mle", label, []), unpaired=unpaired))
