@@ -169,8 +169,9 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
     assert np.isclose(np.exp(cells[sel_share, 0.5]["ppl_log_ratio"]["mean"]), 1.01)
 
 
-def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp_path):
+def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp_path, monkeypatch):
     import rivals
+    monkeypatch.setattr(rivals, "KNOB_SEEDS", {("zloss", "z0.01"): 5})  # one knob value off the selection gets 5 seeds
 
     a1, b2 = "a1" * 8, "b2" * 8  # two hosts' kernels
 
@@ -199,15 +200,17 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
                 knob = next(k for k in knob_iso if k and f"-{k}-" in name) if len(knob_iso) > 1 else ""
                 ppl = 300 + 10 * abs(math.log2(lr / 4e-3)) + 5 * list(knob_iso).index(knob) + seed
                 evaluated(name, rival, lr, knob, seed, ppl, knob_iso[knob] + 0.01 * seed)
-    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), [])
+    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), ["--out", "/elsewhere", "--results", str(tmp_path / "lm_rivals.json")])
     res = json.load(open(tmp_path / "lm_rivals.json"))
+    assert res["command"] == f"python rivals.py --results {tmp_path.name}/lm_rivals.json"  # the runs' folder: out/rivals
     assert res["selection"]["selected"]["zloss"] == [4e-3, "z0.0001"] and res["selection"]["selected"]["mle"] == [4e-3, ""]
     curve = res["selection"]["knob_curve"]["zloss"]
     assert list(curve) == ["z0.0001", "z0.001", "z0.01", "z0.1"] and curve["z0.01"]["rare_isotropy"] == pytest.approx([0.2, 0.21, 0.22])
     assert curve["z0.001"]["valid_ppl"] == [305, 306, 307]
     knobs = {c["cand"]: c for c in res["compare_knobs"]}  # every other knob value against MLE, on one host too
-    assert set(knobs) == {"zloss z0.001", "zloss z0.01", "zloss z0.1"} and knobs["zloss z0.01"]["seeds"] == [0, 1]
-    assert knobs["zloss z0.01"]["metrics"]["isotropy_groups.rare"]["diffs"] == pytest.approx([0.17, 0.17])
+    assert set(knobs) == {"zloss z0.001", "zloss z0.01", "zloss z0.1"} and knobs["zloss z0.001"]["seeds"] == [0, 1]
+    assert knobs["zloss z0.01"]["seeds"] == [0, 1, 3, 4]  # its KNOB_SEEDS; the curve keeps seeds 0-2 like the others
+    assert knobs["zloss z0.01"]["metrics"]["isotropy_groups.rare"]["diffs"] == pytest.approx([0.17] * 4)
     (pair,) = res["compare"]
     assert pair["base"] == "mle" and pair["cand"] == "zloss" and pair["seeds"] == [0, 1, 3, 4]  # never across hosts
     assert pair["unpaired"] == {"2": f"host kernels ({a1} vs {b2})"}
