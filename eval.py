@@ -230,6 +230,26 @@ def fit_rare_bias(st):
     return b
 
 
+def fit_temperature(batches, tol=1e-6):
+    """The inverse temperature beta that minimises the mean NLL of softmax(beta * logits) over the positions that
+    batches() yields as (logits, targets), a fresh pass per call. The NLL is convex in beta, with derivative
+    E_p[z] - z_y and second derivative Var_p[z] per position: Newton's method from beta = 1, one pass per step."""
+    beta = 1.0
+    for _ in range(30):
+        grad = curv = 0.0
+        for logits, y in batches():
+            z = logits.float().reshape(-1, logits.shape[-1])
+            p = torch.softmax(beta * z, -1)
+            mean = (p * z).sum(-1, keepdim=True)
+            grad += float((mean.squeeze(1) - z.gather(1, y.reshape(-1, 1)).squeeze(1)).double().sum())
+            curv += float((p * (z - mean) ** 2).sum(-1).double().sum())
+        step = max(-0.5, min(0.5, grad / max(curv, 1e-12)))
+        beta -= step
+        if abs(step) < tol:
+            break
+    return beta
+
+
 def rare_bias_metrics(st, b, gid):
     """PPL total and per group, rare-group mass (predicted / true), Uniq and the precision and recall of rare argmax
     predictions of the positions `st` with b added to the rare group's logits (b = 0: the model as it is)."""
@@ -290,7 +310,8 @@ def document_of(ids, eos_id, documents):
 def evaluate_lm(out_dir, model, ck, args, device):
     """A train_lm.py run on its test split (or --split valid): PPL total and per frequency group, Uniq (distinct argmax
     next-token predictions; AGG Table 3) total and per group with the human reference, the free re-weighting baseline
-    (one bias on the rare group's logits fitted on valid), greedy continuations of test prefixes (AGG Table 14) and
+    (one bias on the rare group's logits fitted on valid), the free calibration baseline (one temperature on all
+    logits fitted on valid), greedy continuations of test prefixes (AGG Table 14) and
     word similarity of the tied embedding (AGG Table 5). Returns (metrics, weight, train counts, None, tokens)."""
     cfg = dict(ck["config"], device=str(device), out=out_dir)
     if args.cache_dir:
@@ -307,7 +328,10 @@ def evaluate_lm(out_dir, model, ck, args, device):
     gid_d, rare_d = gid.to(device), gid.to(device) == 2
     ids = data["ids"][args.split]
     n = len(ids) - 1 if not args.max_tokens else min(len(ids) - 1, args.max_tokens)
-    acc = agg.GroupNLL()
+    # The free calibration baseline: one temperature on all logits, fitted on the valid split (minimum NLL)
+    beta = fit_temperature(lambda: train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg,
+                                                  device, autocast, args.context_window))
+    acc, acc_t = agg.GroupNLL(), agg.GroupNLL()
     type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
     preds, targets, stats = [], [], []
     doc = document_of(ids, data["eos_id"], data["meta"].get("documents", {}).get(args.split))
@@ -316,6 +340,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
                                desc=f"{os.path.basename(os.path.normpath(cfg['out']))} {args.split}", leave=False):
         nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
         acc.add(nll, gid_d[y])
+        acc_t.add(-torch.log_softmax(beta * logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double(), gid_d[y])
         if articles is not None:
             articles.add(nll.cpu(), 3 * doc[0][pos] + gid[y.cpu()])
         type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
@@ -336,6 +361,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
              uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
              uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
              rare_argmax=rare_bias_metrics(stats, 0.0, gid), rare_bias=rare_bias_metrics(stats, bias, gid),
+             temperature=dict(t=1 / beta, ppl=acc_t.ppl(), ppl_groups=acc_t.ppl_groups()),
              type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)),  # for --compare, not saved
              article_stats=None if articles is None else dict(  # per held-out article and group: the bootstrap units
                  nll=articles.nll.view(-1, 3).tolist(), count=articles.count.view(-1, 3).tolist()))
@@ -583,7 +609,8 @@ COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "
                 "isotropy", "isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "mean_cosine",
                 "mean_cosine_groups.rare", "isoscore", "isotropy_centered", "isotropy_weighted", "isotropy_weighted_centered",
                 "undertrained.count", "gen_rep4", "gen_rep4_sampled",
-                "rare_bias.ppl", "rare_bias.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
+                "rare_bias.ppl", "rare_bias.ppl_groups.rare", "temperature.t", "temperature.ppl",
+                "temperature.ppl_groups.rare", "rare_argmax.rare_argmax_precision",
                 "rare_argmax.rare_argmax_recall", "word_similarity.ws353", "word_similarity.simlex999",
                 # NMT: BLEU, test PPL and the target side (train_nmt.validate's "target")
                 "bleu", "test_ppl", "target.ppl_groups.freq", "target.ppl_groups.med", "target.ppl_groups.rare",
@@ -738,6 +765,7 @@ def article_bootstrap(pairs, n_boot=10000, seed=0):
 # Equivalence margins (this project's): "equal" or "matches" in the docs means the 90% interval of the paired mean
 # log ratio lies within these (TOST at 5%): 2% for a total PPL, 10% for a frequency group's PPL.
 EQUIVALENCE_MARGINS = {"ppl": math.log(1.02), "valid_ppl": math.log(1.02), "rare_bias.ppl": math.log(1.02),
+                       "temperature.ppl": math.log(1.02),
                        "ppl_groups.rare": math.log(1.10), "rare_bias.ppl_groups.rare": math.log(1.10),
                        "test_ppl": math.log(1.02)}
 
@@ -1085,7 +1113,7 @@ def last_valid_ppl(out_dir, step):
 RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_ppl", "ppl", "ppl_groups", "uniq",
                "uniq_groups", "uniq_human", "uniq_human_groups", "isotropy", "isotropy_groups", "mean_cosine",
                "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
-               "rare_bias", "output_bias", "gen_rep4", "gen_distinct", "bleu", "bleu_signature", "test_ppl", "target",
+               "rare_bias", "temperature", "output_bias", "gen_rep4", "gen_distinct", "bleu", "bleu_signature", "test_ppl", "target",
                "rare_rule", "checkpoints_averaged", "isoscore", "isotropy_centered", "isotropy_weighted",
                "isotropy_weighted_centered",
                "undertrained", "article_stats", "word_similarity", "word_similarity_pairs")

@@ -151,7 +151,7 @@ def record(study, name, rival, lr, knob):
     with open(os.path.join(folder, "report", "metrics.json")) as f:
         m = next(iter(json.load(f).values()))
     here = os.path.relpath(study.runs, ROOT)
-    keys = ("valid_ppl", "ppl", "ppl_groups", "rare_bias", "isotropy", "isotropy_groups", "isoscore",
+    keys = ("valid_ppl", "ppl", "ppl_groups", "rare_bias", "temperature", "isotropy", "isotropy_groups", "isoscore",
             "isotropy_weighted", "isotropy_weighted_centered", "isotropy_centered", "undertrained", "mean_cosine",
             "uniq", "uniq_groups", "gen_rep4", "gen_rep4_sampled", "gen_distinct", "article_stats", "geometry_rows_rule")
     return dict(rival=rival, replica=bool(REPLICA.match(name)), method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),

@@ -610,3 +610,20 @@ def test_articles_are_the_bootstrap_units_of_the_rare_ppl_ratio():
     assert res["ratio"] == pytest.approx(math.exp(-4 / 16)) and res["gap_share_per_article"] == [1.0, 0.0]
     lo, hi = res["ratio_article_boot95"]
     assert lo == pytest.approx(math.exp(-8 / 16)) and hi == pytest.approx(1.0)  # both articles from 0, both from 1
+
+
+def test_temperature_is_the_nll_optimum_over_a_fresh_pass_per_step():
+    g = torch.Generator().manual_seed(1)
+    V, N = 40, 600
+    logits = torch.randn(N, V, generator=g) * 3  # over-confident: the fit cools it (t > 1)
+    y = torch.where(torch.rand(N, generator=g) < 0.5, logits.argmax(-1), torch.randint(0, V, (N,), generator=g))
+    passes = []
+
+    def batches():  # three micro-batches of shape (batch, positions, V), as train_lm.score yields them
+        passes.append(1)
+        for i in range(0, N, 200):
+            yield logits[i:i + 200].view(4, 50, V), y[i:i + 200].view(4, 50)
+    beta = ev.fit_temperature(batches)
+    nll = lambda b: F.cross_entropy(b * logits.double(), y).item()
+    assert nll(beta) <= min(nll(float(b)) for b in torch.linspace(beta - 0.2, beta + 0.2, 81)) + 1e-9
+    assert beta < 1 and nll(beta) < nll(1.0) and 2 <= len(passes) < 30
