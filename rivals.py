@@ -204,10 +204,16 @@ def plot_pareto(runs, selections, path):
     for ax, (key, label) in zip(axes, (("rare", "I(W) of the rare 20% (sign-invariant, seen tokens)"),
                                        ("isoscore", "IsoScore (seen tokens)"))):
         get = (lambda r: r["isotropy_groups"]["rare"]) if key == "rare" else (lambda r: r["isoscore"])
+        # the frame holds the knob curves and the selections; sweep runs above it sit on its top edge as triangles
+        shown = [r["valid_ppl"] for rival, best in selections.items() if best for r in runs.values()
+                 if r["rival"] == rival and r["lr"] == best[0]]
+        top = max(shown) + 8 if shown else max([r["valid_ppl"] for r in runs.values()], default=1.0)
         for rival in RIVALS:
             sweep = [r for r in runs.values() if r["rival"] == rival and r["seed"] == 0]
-            ax.scatter([get(r) for r in sweep], [r["valid_ppl"] for r in sweep], s=10, alpha=0.3,
-                       color=colours[rival])
+            for over, marker in ((False, "o"), (True, "^")):
+                rs = [r for r in sweep if (r["valid_ppl"] > top) == over]
+                ax.scatter([get(r) for r in rs], [min(r["valid_ppl"], top - 1) for r in rs], s=10 if not over else 25,
+                           alpha=0.3 if not over else 0.6, marker=marker, color=colours[rival])
             best = selections.get(rival)
             if not best:
                 continue
@@ -228,12 +234,14 @@ def plot_pareto(runs, selections, path):
                             color=colours[rival], label=f"{rival}: lr {best[0]:g}{' ' + best[1] if best[1] else ''} ({len(chosen)} seeds)")
         ax.set_xlabel(label)
         ax.set_ylabel("valid PPL")
-        if ax.get_legend_handles_labels()[0]:  # the selections, once there are any
-            ax.legend(fontsize=7)
-    fig.suptitle("AGG and its rivals at the cpu preset. Faint: the sweeps (seed 0); lines: each rival's knob at its "
-                 "selected lr (mean and range of seeds 0-2); large: the selections (mean and range over seeds)",
-                 fontsize=9)
-    fig.tight_layout()
+        ax.set_ylim(top=top)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:  # the selections, once there are any, in one legend below both panels
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("AGG and its rivals at the cpu preset. Faint: the sweeps (seed 0; triangles: above the frame);\n"
+                 "lines: each rival's knob at its selected lr (mean and range of seeds 0-2); large: the selections (mean "
+                 "and range over seeds)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.1 if handles else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
