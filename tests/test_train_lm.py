@@ -264,6 +264,8 @@ def test_validation_and_evaluation_score_alike(lm_run, tmp_path, read_log):
     res = eval_mod.evaluate(str(tmp_path / "r"), split="valid", n_samples=0)
     assert res["metrics"]["ppl"] == pytest.approx(valid["ppl"], rel=1e-9)
     assert res["metrics"]["tokens"] == valid["tokens"]
+    t = res["metrics"]["temperature"]  # fitted on valid: scored on valid it can only lower the PPL
+    assert t["t"] > 0 and t["ppl"] <= res["metrics"]["ppl"] * (1 + 1e-9) and set(t["ppl_groups"]) == set(agg.GROUPS)
     ctx = eval_mod.evaluate(str(tmp_path / "r"), split="valid", n_samples=0, context_window=8)
     assert ctx["metrics"]["tokens"] == valid["tokens"] and ctx["metrics"]["context_window"] == 8
 
