@@ -1220,7 +1220,8 @@ def group_of(groups, vocab_size, missing=-1):
 def geometry(weight, groups, seen=None):
     """The geometry of the embedding matrix, total and per frequency group, as one dict:
     isotropy (I(W), AGG Eq. 3), mean_cosine (S(w), AGPS Eq. 9), norm (mean row norm), each also as *_groups
-    {group: value}, cosine_rare_freq (mean cosine between rare and frequent rows, AGG Fig. 2) and rows / rows_groups
+    {group: value}, mean_row_share (the mean row's norm over the mean row norm: the rows' common drift, Bis et al.
+    2021), cosine_rare_freq (mean cosine between rare and frequent rows, AGG Fig. 2) and rows / rows_groups
     (rows counted). groups: {name: index tensor}, e.g. dict(zip(GROUPS, frequency_groups(counts))); seen: bool (V,) of
     the rows to count, e.g. counts > 0, since a token never seen in training has no data to shape its embedding (the
     gated methods leave it at its initialisation, MLE pushes it away with the rest) and the papers' vocabularies
@@ -1232,6 +1233,7 @@ def geometry(weight, groups, seen=None):
     out = dict(isotropy=isotropy(Wk), isotropy_groups={g: isotropy(W[i]) for g, i in rows.items()},
                mean_cosine=mean_cosine(Wk), mean_cosine_groups={g: mean_cosine(W[i]) for g, i in rows.items()},
                norm=float(Wk.norm(dim=1).mean()), norm_groups={g: float(W[i].norm(dim=1).mean()) for g, i in rows.items()},
+               mean_row_share=float(Wk.mean(0).norm() / Wk.norm(dim=1).mean()),
                rows=int(keep.sum()), rows_groups={g: len(i) for g, i in rows.items()})
     if "rare" in rows and "freq" in rows:
         out["cosine_rare_freq"] = mean_cosine_between(W[rows["rare"]], W[rows["freq"]])

@@ -606,7 +606,7 @@ def summarise(metrics):
 
 # ----------------------------------------------------------------------------------------------- paired comparison
 COMPARE_KEYS = ("ppl", "ppl_groups.freq", "ppl_groups.med", "ppl_groups.rare", "valid_ppl", "uniq", "uniq_groups.rare",
-                "isotropy", "isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "mean_cosine",
+                "isotropy", "isotropy_groups.freq", "isotropy_groups.med", "isotropy_groups.rare", "mean_cosine", "mean_row_share",
                 "mean_cosine_groups.rare", "isoscore", "isotropy_centered", "isotropy_weighted", "isotropy_weighted_centered",
                 "undertrained.count", "gen_rep4", "gen_rep4_sampled",
                 "rare_bias.ppl", "rare_bias.ppl_groups.rare", "temperature.t", "temperature.ppl",
@@ -1112,7 +1112,7 @@ def last_valid_ppl(out_dir, step):
 
 RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_ppl", "ppl", "ppl_groups", "uniq",
                "uniq_groups", "uniq_human", "uniq_human_groups", "isotropy", "isotropy_groups", "mean_cosine",
-               "mean_cosine_groups", "norm_groups", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
+               "mean_cosine_groups", "norm_groups", "mean_row_share", "cosine_rare_freq", "rows", "geometry_rows_rule", "rare_argmax",
                "rare_bias", "temperature", "output_bias", "gen_rep4", "gen_distinct", "bleu", "bleu_signature", "test_ppl", "target",
                "rare_rule", "checkpoints_averaged", "isoscore", "isotropy_centered", "isotropy_weighted",
                "isotropy_weighted_centered",

@@ -152,7 +152,7 @@ def record(study, name, rival, lr, knob):
         m = next(iter(json.load(f).values()))
     here = os.path.relpath(study.runs, ROOT)
     keys = ("valid_ppl", "ppl", "ppl_groups", "rare_bias", "temperature", "isotropy", "isotropy_groups", "isoscore",
-            "isotropy_weighted", "isotropy_weighted_centered", "isotropy_centered", "undertrained", "mean_cosine",
+            "isotropy_weighted", "isotropy_weighted_centered", "isotropy_centered", "undertrained", "mean_cosine", "mean_row_share",
             "uniq", "uniq_groups", "gen_rep4", "gen_rep4_sampled", "gen_distinct", "article_stats", "geometry_rows_rule")
     return dict(rival=rival, replica=bool(REPLICA.match(name)), method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),
                 untie=bool(cfg.get("untie")), lr=cfg["lr"], knob=knob, seed=cfg["seed"],

@@ -453,6 +453,9 @@ def test_geometry_counts_the_seen_tokens_per_group():
     assert seen["norm_groups"]["rare"] == pytest.approx(float(W[48:55].norm(dim=1).mean()))
     assert seen["cosine_rare_freq"] == pytest.approx(agg.mean_cosine_between(W[48:55], W[:18]))
     assert everything["rows"] == 60 and everything["mean_cosine_groups"]["rare"] > seen["mean_cosine_groups"]["rare"]
+    assert seen["mean_row_share"] == pytest.approx(float(W[:55].mean(0).norm() / W[:55].norm(dim=1).mean()))
+    assert everything["mean_row_share"] > 1.5 * seen["mean_row_share"]  # the far cluster is a common drift
+    assert agg.geometry(torch.eye(2), dict(rare=[0, 1]))["mean_row_share"] == pytest.approx(0.5 ** 0.5)
 
 
 def test_agg_prefill_starts_with_the_expected_rare_group_and_becomes_agg():
