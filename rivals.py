@@ -247,11 +247,14 @@ def plot_pareto(runs, selections, path):
 
 
 def portable(argv):
-    """The study's command as a user would run it: the runs in the default out/rivals, the results file relative."""
+    """The study's command as a user would run it: the runs in the default out/rivals, the results file relative, and
+    training on (--no-train writes the same file from the finished runs)."""
     out, skip = [], False
     for i, a in enumerate(argv):
         if skip:
             skip = False
+        elif a == "--no-train":
+            continue
         elif a == "--out" or a.startswith("--out="):
             skip = a == "--out"
         elif a == "--results" and i + 1 < len(argv):

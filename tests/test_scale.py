@@ -200,7 +200,7 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
                 knob = next(k for k in knob_iso if k and f"-{k}-" in name) if len(knob_iso) > 1 else ""
                 ppl = 300 + 10 * abs(math.log2(lr / 4e-3)) + 5 * list(knob_iso).index(knob) + seed
                 evaluated(name, rival, lr, knob, seed, ppl, knob_iso[knob] + 0.01 * seed)
-    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), ["--out", "/elsewhere", "--results", str(tmp_path / "lm_rivals.json")])
+    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), ["--no-train", "--out", "/elsewhere", "--results", str(tmp_path / "lm_rivals.json")])
     res = json.load(open(tmp_path / "lm_rivals.json"))
     assert res["command"] == f"python rivals.py --results {tmp_path.name}/lm_rivals.json"  # the runs' folder: out/rivals
     assert res["selection"]["selected"]["zloss"] == [4e-3, "z0.0001"] and res["selection"]["selected"]["mle"] == [4e-3, ""]
