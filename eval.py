@@ -6,7 +6,8 @@
 Each run folder holds ckpt.pt; its config's "task" picks the evaluation:
   lm  (train_lm.py): test PPL total and per frequency group, Uniq (distinct argmax next-token predictions) total and
       per group with the human reference (distinct targets), greedy continuations of test prefixes with Uniq per
-      sample (AGG Table 14), word similarity (Spearman of cosine vs human scores; AGG Table 5);
+      sample (AGG Table 14), word similarity (Spearman of cosine vs human scores; AGG Table 5), and two free
+      calibrations fitted on valid (one bias on the rare group's logits, one temperature on all logits);
   nmt (train_nmt.py): BLEU with its sacrebleu signature (train_nmt.evaluate).
 Both: I(W) total and per group (AGG Eq. 3), mean cosine S(w) (AGPS Eq. 9), normalised singular values (plot),
 2-D SVD projection coloured by group (plot, AGG Fig. 1/3), top-5 cosine neighbours of rare tokens (AGG Tables 12-13).
