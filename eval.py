@@ -32,6 +32,7 @@ from tqdm import tqdm
 import agg
 import runlib
 import train_lm
+import train_nmt
 from data import prepare_lm, prepare_nmt
 
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}  # as AGG Fig. 1
@@ -372,7 +373,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
         for j in range(args.n_samples):
             s = j * (len(ids) - span) // max(1, args.n_samples)
             prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
-            cont = train_lm.generate(model, prefix, args.gen_len, autocast)[0].tolist()
+            cont = model.generate(prefix, args.gen_len, autocast=autocast)[0, prefix.shape[1]:].tolist()
             greedy.append(cont)
             human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
             gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
@@ -383,12 +384,11 @@ def evaluate_lm(out_dir, model, ck, args, device):
         m[f"gen_{key}"] = float(np.mean([g[key] for g in gens])) if gens else float("nan")
     # the same prefixes continued by sampling (temperature 1, seeded): diversity where greedy decoding hides it
     if gens:
-        import sample
         torch.manual_seed(0)
         sampled = []
         for g in gens:
             prefix = torch.from_numpy(np.asarray(ids[g["position"]:g["position"] + args.prefix_len], dtype=np.int64))
-            out = sample.generate(model, prefix[None].to(device), args.gen_len, temperature=1.0)
+            out = model.generate(prefix[None].to(device), args.gen_len, temperature=1.0)
             sampled.append(out[0, args.prefix_len:].tolist())
         m["gen_rep4_sampled"] = float(np.mean([repeated_4grams(c) for c in sampled]))
         m["gen_distinct"] = {kind: {str(n): distinct_n(conts, n) for n in (1, 2, 3, 4)}
@@ -476,7 +476,8 @@ def evaluate(run_dir, args=None, device=None, **flags):
             raise TypeError(f"unknown eval.py flags {sorted(unknown)}")
         vars(args).update(flags)
     device = torch.device(device or args.device)
-    model, ck = runlib.load_run(run_dir, args.checkpoint, device)
+    ck = runlib.load_checkpoint(runlib.checkpoint_file(run_dir, args.checkpoint))
+    model = {"lm": train_lm, "nmt": train_nmt}[ck["task"]].load_model(ck, device)
     task = ck.get("task") or ck["config"].get("task")
     m, W, c, src_c, tokens = (evaluate_lm if task == "lm" else evaluate_nmt)(run_dir, model, ck, args, device)
     m.update(geometry(W, c, args.include_unseen))

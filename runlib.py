@@ -634,33 +634,27 @@ def load_checkpoint(path, task=None):
     if "checksum" in ck and tensor_checksum(ck) != ck["checksum"]:
         raise SystemExit(f"{path}: its tensors do not match the checksum written with them (the file was damaged "
                          f"after it was written). Restore a good copy, or resume from an earlier checkpoint.")
-    found = ck.get("task") or ck["config"].get("task")
+    found = ck["task"] = ck.get("task") or ck["config"].get("task")
     if task is not None and found != task:
         raise SystemExit(f"{path} is a checkpoint of task {found!r}, not {task!r}: use the script of that task, or "
                          f"give a different --out.")
     return ck
 
 
-def load_run(path, checkpoint="last", device="cpu"):
-    """The one way from a run to its trained model: (model in eval mode on `device`, checkpoint), for eval.py,
-    sample.py and --init-from. path: a run folder (checkpoint: last = ckpt.pt, best = ckpt_best.pt, the lowest
+def checkpoint_file(path, checkpoint="last"):
+    """The checkpoint of a run: `path` a run folder (checkpoint: last = ckpt.pt, best = ckpt_best.pt, the lowest
     validation PPL) or a checkpoint file."""
-    import importlib
-    if os.path.isdir(path):
-        path = os.path.join(path, {"last": "ckpt.pt", "best": "ckpt_best.pt"}[checkpoint])
-    ck = load_checkpoint(path)
-    task = ck.get("task") or ck["config"].get("task")
-    if task not in ("lm", "nmt"):
-        raise SystemExit(f"{path}: unknown task {task!r} (expected 'lm' or 'nmt')")
-    script = importlib.import_module("train_lm" if task == "lm" else "train_nmt")
-    vocab_size = ck["model"]["tok_emb.weight" if task == "lm" else "embed"].shape[0]
-    model = script.build_model(ck["config"], vocab_size)
+    return os.path.join(path, {"last": "ckpt.pt", "best": "ckpt_best.pt"}[checkpoint]) if os.path.isdir(path) else path
+
+
+def load_state(model, ck, path):
+    """Load a checkpoint's weights into the model its own config builds, with a clear error when they do not fit."""
     try:
         model.load_state_dict(ck["model"])
     except RuntimeError as e:
         raise SystemExit(f"{path} does not fit the model of its own config ({str(e)[:200]}): the checkpoint is "
                          f"inconsistent; retrain the run") from None
-    return model.to(device).eval(), ck
+    return model
 
 
 # -------------------------------------------------------------------------------------------------- seeding and RNG

@@ -15,6 +15,8 @@ import sys
 import torch
 
 import runlib
+import train_lm
+import train_nmt
 
 EOT = "<|endoftext|>"  # data.LM_EOS: the end of each paragraph in an LM's training stream
 
@@ -22,7 +24,8 @@ EOT = "<|endoftext|>"  # data.LM_EOS: the end of each paragraph in an LM's train
 def load(run, checkpoint, device):
     """(model, tokenizer, config) of a run: runlib.load_run, and the run's tokenizer.json (or its data cache's)."""
     from tokenizers import Tokenizer
-    model, ck = runlib.load_run(run, checkpoint, device)
+    ck = runlib.load_checkpoint(runlib.checkpoint_file(run, checkpoint))
+    model = (train_lm if ck["task"] == "lm" else train_nmt).load_model(ck, device)
     cfg = dict(ck["config"], device=device)
     tok_path = os.path.join(run, "tokenizer.json")
     if os.path.exists(tok_path):
@@ -33,30 +36,13 @@ def load(run, checkpoint, device):
                    data.prepare_nmt(cfg, quiet).tokenizer), cfg
 
 
-@torch.no_grad()
-def generate(model, x, max_new_tokens, temperature=1.0, top_k=None):
-    """nanoGPT's sampling loop: temperature 0 is greedy; top_k keeps the k most likely tokens."""
-    for _ in range(max_new_tokens):
-        logits = model.logits(x[:, -model.block_size:])[:, -1].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1)
-        x = torch.cat([x, nxt], dim=1)
-    return x
-
-
 def sample_lm(args, model, tok, cfg):
     ids = tok.encode(args.prompt).ids if args.prompt else [tok.token_to_id(EOT) or 0]
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     torch.manual_seed(args.seed)
     out = []
     for _ in range(args.num_samples):
-        y = generate(model, x, args.max_new_tokens, args.temperature, args.top_k)
+        y = model.generate(x, args.max_new_tokens, args.temperature, args.top_k)
         out.append(tok.decode(y[0].tolist()))
         print(out[-1])
         print("---------------")

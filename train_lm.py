@@ -278,33 +278,48 @@ class GPT(nn.Module):
     def logits(self, x):
         return self.head(self.features(x))
 
+    @torch.no_grad()
+    def generate(self, x, n_new, temperature=0.0, top_k=None, autocast=contextlib.nullcontext):
+        """Continue the (B, T) token ids x by n_new tokens, the context cropped to block_size (nanoGPT's sampling
+        loop, the head applied at the last position only): temperature 0 is greedy; top_k keeps the k most likely."""
+        for _ in range(n_new):
+            with autocast():
+                logits = self.head(self.features(x[:, -self.block_size:])[:, -1])
+            logits = logits.float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1)
+            x = torch.cat([x, nxt], dim=1)
+        return x
+
 
 def build_model(cfg, vocab_size):
     return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")),
                untie=bool(cfg.get("untie")))
 
 
+def load_model(ck, device="cpu"):
+    """The trained model of a loaded LM checkpoint (runlib.load_checkpoint), in eval mode on `device`."""
+    model = build_model(ck["config"], ck["model"]["tok_emb.weight"].shape[0])
+    return runlib.load_state(model, ck, ck["config"].get("out")).to(device).eval()
+
+
 def init_from(model, cfg):
     """Load the model weights of the run (folder or checkpoint file) named by --init-from, after checking that it was
     trained on the same data with the same tokenizer and model shape."""
-    src, ck = runlib.load_run(cfg["init_from"])
+    ck = runlib.load_checkpoint(runlib.checkpoint_file(cfg["init_from"]), "lm")
+    src = load_model(ck)
     for key in ("dataset", "data_dir", "tokenizer", "vocab_size", *[k for k in MODEL_FIELDS if k != "dropout"]):
         if ck["config"].get(key) != cfg.get(key):
             raise SystemExit(f"--init-from {cfg['init_from']} was trained with {key}={ck['config'].get(key)!r}, this "
                              f"run has {key}={cfg.get(key)!r}: pass the same --preset, data and model flags")
     model.load_state_dict(src.state_dict())
     return ck["step"]
-
-
-@torch.no_grad()
-def generate(model, prefix, n_new, autocast=contextlib.nullcontext):
-    """Greedy continuation of a (B, T) prefix, cropping the context to block_size."""
-    x = prefix
-    for _ in range(n_new):
-        with autocast():
-            logits = model.head(model.features(x[:, -model.block_size:])[:, -1])
-        x = torch.cat([x, logits.float().argmax(-1, keepdim=True)], dim=1)
-    return x[:, prefix.shape[1]:]
 
 
 # --------------------------------------------------------------------------------------------------------- training
@@ -341,7 +356,7 @@ def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n
     cont_len = min(cont_len, raw.block_size - prefix_len)
     prefix = x_all[:, :prefix_len]
     raw.eval()
-    cont = generate(raw, prefix, cont_len, autocast)
+    cont = raw.generate(prefix, cont_len, autocast=autocast)[:, prefix_len:]
     raw.train()
     full = torch.cat([prefix, cont], dim=1)
     with autocast():

@@ -515,6 +515,12 @@ def build_model(cfg, vocab_size):
                        **{k: cfg[k] for k in ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")})
 
 
+def load_model(ck, device="cpu"):
+    """The trained model of a loaded NMT checkpoint (runlib.load_checkpoint), in eval mode on `device`."""
+    model = build_model(ck["config"], ck["model"]["embed"].shape[0])
+    return runlib.load_state(model, ck, ck["config"].get("out")).to(device).eval()
+
+
 
 
 def rare_rule(cfg):

@@ -134,7 +134,7 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
         return m, weight, torch.arange(V).flip(0), torch.arange(V), tokens
 
     monkeypatch.setattr(ev, "evaluate_nmt", evaluate_nmt)
-    monkeypatch.setattr(ev.runlib, "load_run", lambda path, which, device: (None, {"config": {"task": "nmt"}}))
+    monkeypatch.setattr(ev.train_nmt, "load_model", lambda ck, device: None)
     run = tmp_path / "nmt-run"
     run.mkdir()
     torch.save({"config": {"task": "nmt"}, "task": "nmt", "model": {}, "step": 5}, run / "ckpt.pt")
