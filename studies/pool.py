@@ -1,0 +1,60 @@
+"""The one job pool of the studies: commands run `jobs` at a time (one thread each on a 2-core machine), each in a
+thread of a concurrent.futures pool that waits on its subprocess. SIGTERM / SIGINT send SIGTERM to every running
+command (a training run checkpoints at its next step and exits 1) and stop the study: rerun it to continue."""
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import time
+
+
+def run(next_job, jobs, after=None):
+    """Keep `jobs` commands running until next_job has no more. next_job(busy) returns (name, argv, log path or None)
+    for a job whose name is not in `busy`, or None when nothing more can start now; after(name) is called when a job
+    ends. A failed job stops the others (each checkpoints) and the pool, with one line naming its output."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // jobs))) if jobs > 1 else None
+    procs, logs = {}, {}
+
+    def start(name, argv, log):
+        out = open(log, "a") if log else None
+        procs[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        if out:
+            out.close()  # the child holds its own handle
+        return procs[name].wait()
+
+    def stop_all():
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.wait()
+
+    def on_signal(signum, frame):
+        stop_all()
+        raise SystemExit(f"{signal.Signals(signum).name}: the running jobs checkpointed and stopped; rerun the same "
+                         f"command to continue (finished runs are kept)")
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with cf.ThreadPoolExecutor(jobs) as pool:
+            running = {}  # future -> job name
+            while True:
+                while len(running) < jobs and (job := next_job(set(running.values()))) is not None:
+                    name, argv, logs[name] = job
+                    print(f"{time.strftime('%H:%M:%S')} {name}" + (f" (output: {logs[name]})" if logs[name] else ""),
+                          flush=True)
+                    running[pool.submit(start, *job)] = name
+                if not running:
+                    return
+                done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                for future in done:
+                    name = running.pop(future)
+                    if future.result():
+                        stop_all()
+                        raise SystemExit(f"{name} failed (exit {future.result()}"
+                                         + (f"; its output: {logs[name]}" if logs[name] else "")
+                                         + "): fix it and rerun the same command (finished runs are kept)")
+                    if after is not None:
+                        after(name)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
