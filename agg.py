@@ -18,11 +18,9 @@ Papers (equations are cited by paper and number):
   AGPS   Yu et al. 2021, "Rare Words Degenerate All Words" (Eq. 13-15, Algorithm 1)
   CosReg Gao et al. 2019, "Representation Degeneration Problem in Training NLG Models" (Eq. 6)
   FRAGE  Gong et al. 2018, "FRAGE: Frequency-Agnostic Word Representation" (Eq. 2-5)
-  UL     Welleck et al. 2020, "Neural Text Generation with Unlikelihood Training" (token-level UL; sequence-level
-         UL of Sec. 5.2 for fine-tuning: sequence_unlikelihood)
-  Center Bis et al. 2021, "Too Much in Common: Shifting of Embeddings in Transformer Language Models" (the cone is a
-         common drift of all rows); Stollenwerk et al. 2026, "Output Embedding Centering for Stable LLM Pretraining"
-         (arXiv 2601.02031: mu-centering and mu-loss)
+  UL     Welleck et al. 2020, "Neural Text Generation with Unlikelihood Training" (token-level; Sec. 5.2 sequence-level)
+  Center Bis et al. 2021, "Too Much in Common: Shifting of Embeddings in Transformer Language Models"; Stollenwerk
+         et al. 2026, "Output Embedding Centering for Stable LLM Pretraining" (arXiv 2601.02031: mu-centering, mu-loss)
   z-loss Chowdhery et al. 2022, "PaLM" (Sec. 5, z_loss = 1e-4 log^2 Z); Team OLMo 2024, "2 OLMo 2 Furious"
   CoupledAdamW  Stollenwerk & Stollenwerk 2025, "Better Embeddings with Coupled Adam" (arXiv 2502.08441)
 Metrics beyond AGG's: IsoScore (Rudman et al. 2022, "IsoScore: Measuring the Uniformity of Embedding Space
@@ -41,26 +39,20 @@ import torch.nn.functional as F
 
 class GatedSoftmaxCE(torch.autograd.Function):
     """Mean softmax cross-entropy of logits = h @ weight.T (+ bias) whose gradient wrt `weight` is gated.
-
     With G = softmax(logits) - onehot(y) (label-smoothed if asked), dL/dh = G @ W exactly as in MLE, and
     dL/dW = (G * gate)^T h with one gate per (row type, column):
         gate[i, k] = col_gate[k]     if row i is not a group row
                      group_gate[k]   if row i is a group row and k != y_i
                      1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
-    A gate of None means all ones. The gate is applied to G in place, so no T x V gate tensor exists. An output
-    bias (V,), if given, gets the plain gradient sum_i G_i: the gates act on the weight only.
-    z_coef > 0 adds the z-loss z_coef * (log Z_i)^2 per position (log Z_i = logsumexp of row i's logits, bias
-    included): G gains 2 z_coef log Z_i softmax_i per row. Returns the means of (loss, nll, rare-set probability,
-    (log Z)^2).
-    Gradients are computed during forward, `chunk_size` rows at a time: peak memory holds one chunk x V
-    buffer (not the ~3 T x V buffers of F.cross_entropy), and backward only scales them by the incoming grad.
-    """
+    A gate of None means all ones; the gate scales G in place (no T x V gate tensor). An output bias (V,) gets the
+    plain gradient sum_i G_i. z_coef > 0 adds the z-loss z_coef (log Z_i)^2 per position. Returns the means of
+    (loss, nll, rare-set probability, (log Z)^2). Gradients are computed during forward, `chunk_size` rows at a time
+    (peak memory: one chunk x V buffer, not the ~3 T x V of F.cross_entropy); backward only scales them."""
 
     @staticmethod
     def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad,
                 center=False, bias=None, z_coef=0.0):
-        n = h.shape[0]
-        device = h.device.type
+        n, device = h.shape[0], h.device.type
         # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
         mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
@@ -68,18 +60,15 @@ class GatedSoftmaxCE(torch.autograd.Function):
             h_mm, w_mm = h.to(mm_dtype), weight.to(mm_dtype)
             grad_h = torch.empty_like(h) if need_grad else None
             grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device) if need_grad else None
-            grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=h.device) if need_grad and bias is not None \
-                else None
+            grad_b = None if bias is None or not need_grad else torch.zeros(len(bias), dtype=acc_dtype, device=h.device)
             b_acc = None if bias is None else bias.detach().to(acc_dtype)
             sums = torch.zeros(4, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability, (log Z)^2
             mean_h = h_mm.to(acc_dtype).mean(0) if center and n else None
-            step = chunk_size or max(n, 1)
+            step, cut = chunk_size or max(n, 1), lambda t, rows: None if t is None else t[rows]
             for s in range(0, n, step):
                 rows = slice(s, s + step)
-                sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols,
-                                    None if grad_h is None else grad_h[rows], grad_w,
-                                    col_gate, None if group_rows is None else group_rows[rows], group_gate, mean_h,
-                                    b_acc, grad_b, z_coef)
+                sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols, cut(grad_h, rows),
+                                    grad_w, col_gate, cut(group_rows, rows), group_gate, mean_h, b_acc, grad_b, z_coef)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         loss, nll, rare_mass, log_z2 = (sums / max(n, 1)).unbind()
@@ -89,24 +78,19 @@ class GatedSoftmaxCE(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_nll, _grad_mass, _grad_log_z2):
-        if ctx.grads is None:
-            raise RuntimeError("GatedSoftmaxCE: a second backward through the same loss. The head computes its "
-                               "gradients in forward and frees them after the first backward; call method.loss() "
-                               "again for another backward (retain_graph=True does not keep them)")
-        grad_h, grad_w, grad_b = ctx.grads
-        if grad_h is None:
-            raise RuntimeError("GatedSoftmaxCE: forward ran without need_grad=True, so there is nothing to backpropagate")
-        ctx.grads = None  # free the buffers
+        _check(ctx.grads is not None, "GatedSoftmaxCE: a second backward through the same loss. The head computes its "
+               "gradients in forward and frees them after the first backward; call method.loss() again for another "
+               "backward (retain_graph=True does not keep them)", RuntimeError)
+        (grad_h, grad_w, grad_b), ctx.grads = ctx.grads, None  # free the buffers
         return (grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None, None,
                 None if grad_b is None else grad_b.mul_(grad_loss), None)
 
 
 def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate,
                 mean_h=None, bias=None, grad_b=None, z_coef=0.0):
-    """One chunk of GatedSoftmaxCE: returns the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows,
-    writes grad_h (its rows) and adds its part to grad_w. Its chunk x V buffer is freed when it returns.
-    mean_h (d,): gate only the part of the push along the mean feature (agg-centered): for row i, column k the
-    weight gradient is G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
+    """One chunk of GatedSoftmaxCE: the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows; writes
+    its rows of grad_h, adds to grad_w. mean_h (d,): gate only the push along the mean feature (agg-centered): row i,
+    column k gives G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
     V = w_mm.shape[0]
     logits = (hs @ w_mm.T).to(acc_dtype)
     if bias is not None:
@@ -172,31 +156,36 @@ def _gate_(grad, ys, col_gate, group_rows, group_gate):
         grad[idx, tgt] = tgt_grad
 
 
+def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.float64):
+    """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it (for analysis and the UL term):
+    col_gate on the rows of non-group targets, group_gate on group rows, 1 at each row's target."""
+    gate = torch.ones(len(y), vocab_size, dtype=dtype, device=y.device)
+    if col_gate is not None:
+        gate[:] = col_gate
+    if group_rows is not None:
+        gate[group_rows] = group_gate.to(dtype) if group_gate is not None else 1.0
+    gate[torch.arange(len(y), device=y.device), y] = 1.0
+    return gate
+
+
 # -----------------------------------------------------------------------------
-# Methods. Each one: observe(targets) once per optimizer step, loss(hidden, weight, targets), stats, state_dict.
+# AGG's alpha and the static rare groups, from training counts
 
 
-def _all_reduce_(t):
-    """Sum t over ranks under torch.distributed, so every rank sees the same counts."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t)
-    return t
+def _check(ok, message, error=ValueError):
+    """The one guard of every user input: raise error(message) unless ok."""
+    if not ok:
+        raise error(message)
 
 
 def alpha_for_rare_share(counts, rare_share, tokens_per_step, special_ids=()):
-    """The AGG alpha (Eq. 5: token k is rare iff a_k / K < alpha) whose rare group, at the training split's average
-    rates, is the `rare_share` least frequent share of the vocabulary (special ids excluded).
-
-    alpha counts appearances per optimizer step, so the paper's alpha 0.03 (set at ~32k tokens per step on
-    WikiText-103) marks a different rare group at any other batch size or corpus; a share of the vocabulary means
-    the same everywhere. counts: training-split token counts (V,); tokens_per_step: target tokens per optimizer step
-    over all ranks. Tokens with equal counts fall on the same side, so the returned alpha is the midpoint between
-    two neighbouring per-step rates whose share of rare tokens is closest to `rare_share` (see
-    `rare_share_of_alpha` for the share reached)."""
-    if not 0 < rare_share < 1:
-        raise ValueError(f"rare_share must be in (0, 1), got {rare_share}")
-    rate = _per_step_rate(counts, tokens_per_step, special_ids).unique()  # sorted distinct rates
+    """The AGG alpha (Eq. 5: rare iff a_k / K < alpha) whose rare group, at the training split's average rates, is the
+    `rare_share` least frequent share of the vocabulary (special ids excluded). alpha counts per optimizer step, so
+    the paper's 0.03 (~32k tokens per step) marks another group at any other batch size; a share means the same
+    everywhere. tokens_per_step: over all ranks. Equal counts fall on the same side (rare_share_of_alpha: the share)."""
+    _check(0 < rare_share < 1, f"rare_share must be in (0, 1), got {rare_share}")
     rate_all = _per_step_rate(counts, tokens_per_step, special_ids)
+    rate = rate_all.unique()  # sorted distinct rates
     cuts = torch.cat([(rate[:-1] + rate[1:]) / 2, rate[-1:] + 1.0])  # between each rate and the next
     shares = (rate_all[None, :] < cuts[:, None]).double().mean(1)
     return float(cuts[(shares - rare_share).abs().argmin()])
@@ -205,8 +194,7 @@ def alpha_for_rare_share(counts, rare_share, tokens_per_step, special_ids=()):
 def alpha_for_frequency(rel_freq, tokens_per_step):
     """The AGG alpha that marks as rare every token whose relative frequency (share of all target tokens) is below
     `rel_freq`: a_k / K is the token's appearances per step, so alpha = rel_freq * tokens_per_step."""
-    if rel_freq <= 0:
-        raise ValueError(f"rel_freq must be > 0, got {rel_freq}")
+    _check(rel_freq > 0, f"rel_freq must be > 0, got {rel_freq}")
     return float(rel_freq * tokens_per_step)
 
 
@@ -226,54 +214,56 @@ def least_frequent_mask(counts, fraction, special_ids=()):
     """Bool mask (V,) of the `fraction` least frequent tokens by `counts` (ties by id); special ids never included."""
     counts = torch.as_tensor(counts).double().clone()
     counts[list(special_ids)] = float("inf")
-    n_rare = round(fraction * len(counts))
     mask = torch.zeros(len(counts), dtype=torch.bool)
-    mask[torch.argsort(counts, stable=True)[:n_rare]] = True
+    mask[torch.argsort(counts, stable=True)[:round(fraction * len(counts))]] = True
     mask[list(special_ids)] = False
     return mask
 
 
+# -----------------------------------------------------------------------------
+# Methods. Each one: observe(targets) once per optimizer step, loss(hidden, weight, targets), stats, state_dict.
+# Each declares its hyper-parameters once: spec = {name: (default, type, meaning)}. From it come the class's
+# `defaults` {name: default} and the module's HPARAMS {name: (type, meaning)}, the training scripts' flags.
+
+_NON_NEGATIVE = ("alpha", "rare_fraction", "popular_fraction", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef")
+
+
 class MLE:
-    """Plain maximum likelihood: softmax cross-entropy of hidden @ weight.T."""
+    """Plain maximum likelihood, softmax cross-entropy of hidden @ weight.T; the base of every method."""
     name = "mle"
-    defaults = {}
+    spec = defaults = {}
+
+    def __init_subclass__(cls):
+        cls.defaults = {key: default for key, (default, _type, _meaning) in cls.spec.items()}
 
     def __init__(self, vocab_size, counts=None, special_ids=(), **hparams):
         unknown = sorted(set(hparams) - set(self.defaults))
-        if unknown:
-            raise ValueError(f"method {self.name!r}: unknown hyper-parameter(s) {unknown}; "
-                             f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
+        _check(not unknown, f"method {self.name!r}: unknown hyper-parameter(s) {unknown}; "
+               f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
         self.hparams = {**self.defaults, **hparams}
-        for key in ("alpha", "rare_fraction", "popular_fraction", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef"):
-            value = self.hparams.get(key)
-            if value is not None and not (value >= 0 and value != float("inf")):  # nan fails value >= 0
-                raise ValueError(f"method {self.name!r}: {key} must be a finite number >= 0, got {value}")
-        for key in ("rare_fraction", "popular_fraction"):  # shares of the vocabulary
-            if self.hparams.get(key) is not None and not 0 <= self.hparams[key] <= 1:
-                raise ValueError(f"method {self.name!r}: {key} must be a share of the vocabulary in [0, 1], "
-                                 f"got {self.hparams[key]}")
-        if "window" in self.hparams:  # K divides the window's counts (Eq. 5): a fractional K gives rates no step has
-            window = self.hparams["window"]
-            if isinstance(window, bool) or not (window >= 1 and float(window).is_integer()):
-                raise ValueError(f"method {self.name!r}: window must be >= 1 optimizer step, a whole number, "
-                                 f"got {window}")
-        self.vocab_size = vocab_size
+        for key, value in self.hparams.items():
+            if key in _NON_NEGATIVE and value is not None:  # nan fails value >= 0; the *_fraction are shares
+                _check(value >= 0 and value != math.inf,
+                       f"method {self.name!r}: {key} must be a finite number >= 0, got {value}")
+                _check(not key.endswith("_fraction") or value <= 1,
+                       f"method {self.name!r}: {key} must be a share of the vocabulary in [0, 1], got {value}")
+        window = self.hparams.get("window", 1)  # K divides a_k (Eq. 5): a fractional K gives rates no step has
+        _check(not isinstance(window, bool) and window >= 1 and float(window).is_integer(),
+               f"method {self.name!r}: window must be >= 1 optimizer step, a whole number, got {window}")
+        self.vocab_size, self.counts = vocab_size, None
         if counts is not None:  # a NaN or negative count would turn into a wrong rare group without an error
             c = torch.as_tensor(counts).reshape(-1)
             bad = ~torch.isfinite(c) | (c < 0) if c.is_floating_point() else c < 0
             if bool(bad.any()):
                 raise ValueError(f"counts must be finite numbers >= 0; entry {int(bad.nonzero()[0])} is "
                                  f"{c[bad][0].item()}")
-        self.counts = None if counts is None else torch.as_tensor(counts).reshape(-1).long().cpu()
-        if self.counts is not None and len(self.counts) != vocab_size:
-            raise ValueError(f"counts has {len(self.counts)} entries but vocab_size is {vocab_size}")
+            self.counts = c.long().cpu()
+            _check(len(c) == vocab_size, f"counts has {len(c)} entries but vocab_size is {vocab_size}")
         self.special_ids = sorted({int(i) for i in special_ids})
-        bad = [i for i in self.special_ids if not 0 <= i < vocab_size]
-        if bad:  # -1 would silently mean the last token
-            raise ValueError(f"special_ids {bad} are outside [0, vocab_size={vocab_size})")
+        bad = [i for i in self.special_ids if not 0 <= i < vocab_size]  # -1 would silently mean the last token
+        _check(not bad, f"special_ids {bad} are outside [0, vocab_size={vocab_size})")
         self.steps = 0  # optimizer steps observed
-        self._stats = {}
-        self._pass = {}  # token-weighted sums of the stats since reset_pass() (see pass_stats)
+        self._stats = {}  # the last loss() call's stats
 
     def observe(self, targets, ignore_index=-100):
         """Call once per optimizer step with all target ids of that step (never with validation batches)."""
@@ -288,7 +278,7 @@ class MLE:
                              f"and is not ignore_index={ignore_index}")
 
     def after_step(self, weight):
-        """Call after each optimizer.step(): lets freeze-rare undo what the optimizer did to frozen rows."""
+        """Call after each optimizer.step(): freeze-rare restores its frozen rows, center subtracts the mean row."""
 
     def to(self, device):
         """Move the state the method keeps updating (counters, a discriminator) to `device`; returns self."""
@@ -307,24 +297,19 @@ class MLE:
         return None
 
     def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None, bias=None):
-        """Mean (label-smoothed) NLL over non-ignored positions + the method's regulariser.
-
-        hidden (..., d) is the input of the tied softmax layer, weight (V, d) the tied embedding, targets (...) long;
-        logits = hidden @ weight.T + bias. bias (V,), optional: a learned output bias (a unigram prior that can encode
-        frequency without moving the embeddings); it gets the plain gradient, the method's gates act on the weight.
-        chunk_size: rows per chunk of the head (peak memory ~ chunk_size x V instead of T x V; same gradients).
-        A batch whose targets are all ignore_index gives 0.0 with zero gradients (F.cross_entropy gives nan), so an
-        all-padding micro-batch cannot poison an accumulated step.
-        """
+        """Mean (label-smoothed) NLL over non-ignored positions + the method's regulariser. hidden (..., d): the input
+        of the tied softmax layer; weight (V, d): the tied embedding; targets (...) long; logits = hidden @ weight.T +
+        bias, bias (V,) optional (a learned unigram prior; plain gradient, the gates act on the weight). chunk_size:
+        rows per chunk of the head (peak memory ~ chunk_size x V, same gradients). All targets ignored gives 0.0 with
+        zero gradients (F.cross_entropy: nan), so an all-padding micro-batch cannot poison an accumulated step."""
         d = hidden.shape[-1]
-        if weight.dim() != 2 or weight.shape != (self.vocab_size, d):
-            raise ValueError(f"weight must be (vocab_size={self.vocab_size}, d={d}), got {tuple(weight.shape)}")
-        if targets.shape != hidden.shape[:-1]:
-            raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without its last dim")
-        if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
-            raise ValueError(f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
-        if not 0 <= label_smoothing < 1:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        _check(weight.shape == (self.vocab_size, d),
+               f"weight must be (vocab_size={self.vocab_size}, d={d}), got {tuple(weight.shape)}")
+        _check(targets.shape == hidden.shape[:-1],
+               f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without its last dim")
+        _check(chunk_size is None or isinstance(chunk_size, int) and chunk_size > 0,
+               f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
+        _check(0 <= label_smoothing < 1, f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if bias is not None and tuple(bias.shape) != (self.vocab_size,):
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
         h, y = hidden.reshape(-1, d), targets.reshape(-1)
@@ -361,30 +346,13 @@ class MLE:
         if reg is not None:
             self._stats["regulariser"] = reg.detach()
             loss = loss + reg
-        n = len(y)
-        self._pass["tokens"] = self._pass.get("tokens", 0) + n
-        for k, v in self._stats.items():
-            if k not in ("rare_count", "rare_fraction"):
-                self._pass[k] = self._pass.get(k, 0) + v.detach().double() * n
         return loss
-
-    def reset_pass(self):
-        """Start a new pass for pass_stats (e.g. before a validation loop)."""
-        self._pass = {}
-
-    @property
-    def pass_stats(self):
-        """Token-weighted means of the stats over every loss() call since reset_pass() (e.g. a whole validation
-        pass: rare_mass_pred vs rare_mass_true of the method's rare set), plus the number of tokens."""
-        n = self._pass.get("tokens", 0)
-        return {"tokens": n, **{k: float(v) / max(1, n) for k, v in self._pass.items() if k != "tokens"}}
 
     @property
     def stats(self):
-        """Floats from the last loss() call: nll; for methods with a rare group also rare_count, rare_fraction (of the
-        vocabulary), rare_mass_true (share of targets that are rare) and, on no-grad calls, rare_mass_pred (mean
-        predicted probability of the rare set); regulariser where one is added; zloss (z_coef * mean (log Z)^2, the
-        z-loss term of the loss) for zloss. Converted lazily: reading them syncs the GPU, computing them does not."""
+        """Floats from the last loss() call: nll; with a rare group rare_count, rare_fraction (of the vocabulary),
+        rare_mass_true (share of rare targets) and, on no-grad calls, rare_mass_pred (mean predicted probability of the
+        rare set); regulariser; zloss. Converted lazily: reading them syncs the GPU, computing them does not."""
         return {k: float(v) for k, v in self._stats.items()}
 
     def state_dict(self):
@@ -392,36 +360,31 @@ class MLE:
 
     def load_state_dict(self, state):
         """Restore a state_dict(); refuses one made for another method, vocabulary size or hyper-parameters."""
-        if state.get("name") != self.name:
-            raise ValueError(f"state_dict is for method {state.get('name')!r}, not {self.name!r}")
-        if "vocab_size" in state and state["vocab_size"] != self.vocab_size:
-            raise ValueError(f"state_dict is for vocab_size {state['vocab_size']}, this method has {self.vocab_size}")
+        _check(state.get("name") == self.name, f"state_dict is for method {state.get('name')!r}, not {self.name!r}")
+        _check(state.get("vocab_size", self.vocab_size) == self.vocab_size,
+               f"state_dict is for vocab_size {state.get('vocab_size')}, this method has {self.vocab_size}")
         for key, value in state.get("hparams", {}).items():
-            if self.hparams.get(key) != value:
-                raise ValueError(f"state_dict is for {key}={value!r}, this method has {key}={self.hparams.get(key)!r}:"
-                                 f" build the method with the hyper-parameters of the run it comes from")
+            _check(self.hparams.get(key) == value, f"state_dict is for {key}={value!r}, this method has {key}="
+                   f"{self.hparams.get(key)!r}: build the method with the hyper-parameters of the run it comes from")
         self.steps = state["steps"]
 
 
 class AGG(MLE):
-    """Adaptive Gradient Gating (AGG Sec. 4): dynamic rare group (Eq. 5), gates g1/g2 (Eq. 7-8) on the weight gradient.
-
-    The result equals the three-logit construction of Eq. 9-10 (gradient wrt hidden: MLE's; wrt weight: Eq. 23)
-    computed with one logit matrix.
-
-    Beyond the paper, `continuous_g1=True` (method "agg-continuous") uses g1 = min(a_k / (alpha K), 1): the gate is
-    1 at the rarity threshold instead of alpha, so a token's push does not jump when it crosses the threshold, and
-    rare tokens near it are pushed more (their predicted mass is over-estimated less). `center_gate=True` (method
-    "agg-centered") gates only the push along the batch's mean feature (the direction shared by all pushes, along
-    which rare embeddings collapse into a cone); the push from each feature's deviation from the mean stays whole.
-    Also beyond the paper, `prefill=True` (method "agg-prefill") starts the window full: the K - t steps not yet seen
-    count at the training split's expected rates (`counts`, scaled to the first step's number of targets), so the
-    first steps do not divide a few steps' counts by t and mark most of the vocabulary rare (AGG Eq. 5 during
-    warm-up); from step K on it equals AGG.
-    """
+    """Adaptive Gradient Gating (AGG Sec. 4): dynamic rare group (Eq. 5), gates g1/g2 (Eq. 7-8) on the weight gradient,
+    equal to the three-logit construction of Eq. 9-10 (gradient wrt hidden: MLE's; wrt weight: Eq. 23) with one logit
+    matrix. Beyond the paper: agg-continuous (no jump in a token's push at the threshold), agg-centered (the cone is
+    along the mean feature) and agg-prefill (the K - t steps not yet seen count at the training split's rates,
+    `counts` scaled to the first step's targets, so early steps do not mark most of the vocabulary rare)."""
     name = "agg"
-    defaults = dict(alpha=0.03, window=1000, use_g1=True, use_g2=True, static_after=None, continuous_g1=False,
-                    center_gate=False, prefill=False)
+    spec = dict(
+        alpha=(0.03, float, "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)"),
+        window=(1000, int, "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)"),
+        use_g1=(True, bool, "AGG: apply gate g1 (Eq. 7)"), use_g2=(True, bool, "AGG: apply gate g2 (Eq. 8)"),
+        static_after=(None, int, "freeze AGG's rare group after N steps (agg-static default: steps per epoch, "
+                                 "AGG Appendix D)"),
+        continuous_g1=(False, bool, "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold"),
+        center_gate=(False, bool, "agg-centered: gate only the push along the batch's mean feature"),
+        prefill=(False, bool, "agg-prefill: start AGG's window full, at the training split's expected counts"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -429,14 +392,16 @@ class AGG(MLE):
         self.appearances = torch.zeros(vocab_size, dtype=torch.long)  # a = sum_t m_t (Eq. 5)
         self.static_rare = None  # rare group frozen after `static_after` steps ("static AGG", AGG Table 10)
         self.prefill_rate = None  # expected appearances per step of each token (prefill), set by the first observe()
-        if self.hparams["prefill"] and self.counts is None:
-            raise ValueError(f"method {self.name!r}: prefill needs counts (the training split's token counts)")
+        _check(not self.hparams["prefill"] or self.counts is not None,
+               f"method {self.name!r}: prefill needs counts (the training split's token counts)")
 
     def observe(self, targets, ignore_index=-100):
         t = targets.reshape(-1)
         t = t[t != ignore_index]
         self._check_ids(t, ignore_index)
-        step_counts = _all_reduce_(torch.bincount(t, minlength=self.vocab_size)[:self.vocab_size].long())
+        step_counts = torch.bincount(t, minlength=self.vocab_size)[:self.vocab_size].long()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(step_counts)  # summed over ranks: every rank sees the same counts
         self.appearances = self.appearances.to(step_counts.device) + step_counts
         if self.hparams["prefill"] and self.prefill_rate is None:
             self.prefill_rate = self.counts.double() / self.counts.sum().clamp(min=1) * step_counts.sum().item()
@@ -464,8 +429,8 @@ class AGG(MLE):
 
     def mean_counts(self):
         """a_k / K: appearances per step over the window (K = min(steps seen, window); with prefill K = window)."""
-        if self.steps == 0:
-            raise RuntimeError(f"method {self.name!r}: call observe(targets) once per optimizer step before loss()")
+        _check(self.steps > 0, f"method {self.name!r}: call observe(targets) once per optimizer step before loss()",
+               RuntimeError)
         k = self.hparams["window"] if self.prefill_rate is not None else min(self.steps, self.hparams["window"])
         return self.window_appearances() / k
 
@@ -507,19 +472,19 @@ class AGG(MLE):
 
 def _variant(base, name, **overrides):
     """A registered alias of `base` with other default hyper-parameters (e.g. the AGG ablations)."""
+    spec = {key: (overrides.get(key, default), typ, meaning) for key, (default, typ, meaning) in base.spec.items()}
     return type(base.__name__ + "_" + name.replace("-", "_"), (base,),
-                {"name": name, "defaults": {**base.defaults, **overrides}, "__doc__": f"{base.__doc__}\n{overrides}"})
+                {"name": name, "spec": spec, "__doc__": f"{base.__doc__}\n{overrides}"})
 
 
 class StaticGroupMethod(MLE):
     """Base of the methods whose rare group is static: the `rare_fraction` least frequent tokens by training counts."""
-    defaults = dict(rare_fraction=0.2)
+    spec = dict(rare_fraction=(0.2, float, "share of the vocabulary in the static rare group (by train counts)"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
-        if self.counts is None:
-            raise ValueError(f"method {self.name!r} needs counts=<token counts of the training split, shape (V,)> "
-                             "to define its static rare group")
+        _check(self.counts is not None, f"method {self.name!r} needs counts=<token counts of the training split, "
+               "shape (V,)> to define its static rare group")
         self.rare = least_frequent_mask(self.counts, self.hparams["rare_fraction"], self.special_ids)
 
     def rare_mask(self):
@@ -529,13 +494,13 @@ class StaticGroupMethod(MLE):
 class AGPS(StaticGroupMethod):
     """Adaptive Gradient Partial Scaling (AGPS Eq. 13-15, Algorithm 1): rare words absent from the batch get the
     push from non-rare features scaled by f1 = c/mu1 and an extra push from rare features scaled by f2 = min(c/mu2, 1).
-
-    Follows Algorithm 1 literally: the rare-target rows get f1 + f2 (its L1 and L2 terms both reach them).
-    Defaults when mu1/mu2 are None: mu1 = the largest rare count, mu2 = the mean rare count. rare_rank (the paper's
-    i_r) marks the words from that frequency rank on as rare, instead of the rare_fraction least frequent.
-    """
+    Follows Algorithm 1 literally: the rare-target rows get f1 + f2 (its L1 and L2 terms both reach them)."""
     name = "agps"
-    defaults = dict(rare_fraction=0.2, mu1=None, mu2=None, rare_rank=None)
+    spec = dict(StaticGroupMethod.spec,
+                mu1=(None, float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)"),
+                mu2=(None, float, "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)"),
+                rare_rank=(None, int, "AGPS i_r: words from this frequency rank on are rare (instead of "
+                                      "rare_fraction)"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -563,14 +528,12 @@ class AGPS(StaticGroupMethod):
 
 
 class FreezeRare(StaticGroupMethod):
-    """Rare embeddings frozen (AGG Table 1 / Fig. 2, AGPS Table 1): the rare rows of weight's gradient are zeroed
-    until step `until` (None: never). Each loss() call puts a one-shot gradient hook on `weight` that zeroes the
-    whole gradient of those rows in the next backward (the input-embedding use is frozen too) and then removes
-    itself, so the weight trains normally under any other method. Decoupled weight decay would still shrink the
-    rows: after_step(weight) puts them back to the values they had at the first loss() call ("in their initial
-    states", AGG Table 1)."""
+    """Rare embeddings frozen (AGG Table 1 / Fig. 2, AGPS Table 1) until step `until` (None: never): each loss() puts
+    a one-shot hook on `weight` that zeroes those rows' whole gradient in the next backward (the input-embedding use
+    too). Decoupled weight decay would still shrink them: after_step(weight) puts them back to their values at the
+    first loss() call ("in their initial states", AGG Table 1)."""
     name = "freeze-rare"
-    defaults = dict(rare_fraction=0.2, until=None)
+    spec = dict(StaticGroupMethod.spec, until=(None, int, "freeze-rare: release the rare embeddings after this step"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -589,7 +552,6 @@ class FreezeRare(StaticGroupMethod):
             if self._initial_rows is None:
                 self._initial_rows = weight.detach()[self.rare.to(weight.device)].clone()
             keep = (~self.rare).to(weight.device)[:, None]
-            handle = None
 
             def mask_once(grad):
                 handle.remove()
@@ -602,7 +564,7 @@ class FreezeParts(StaticGroupMethod):
     """Gradient-part freezing (AGG Sec. 3.2, Table 2): drop part (b) and/or (c) of Eq. 4 for rare embeddings.
     (b) pushes rare embeddings from features whose target is not rare; (c) from features whose target is rare."""
     name = "freeze-bc"
-    defaults = dict(rare_fraction=0.2, parts="bc")
+    spec = dict(StaticGroupMethod.spec, parts=("bc", str, "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)"))
 
     def gates(self, y):
         rare = self.rare.to(y.device)
@@ -624,7 +586,7 @@ def _pairwise_cosine(weight):
 class CosReg(MLE):
     """MLE-CosReg (CosReg Eq. 6): L_MLE + gamma * mean pairwise cosine of the embeddings."""
     name = "cosreg"
-    defaults = dict(gamma=1.0)
+    spec = dict(gamma=(1.0, float, "CosReg weight (CosReg Eq. 6)"))
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         return self.hparams["gamma"] * _pairwise_cosine(weight.float())
@@ -632,30 +594,28 @@ class CosReg(MLE):
 
 class FRAGE(MLE):
     """FRAGE (Eq. 2-5): a logistic-regression discriminator tells popular (top `popular_fraction` by counts) from rare
-    embeddings; the model adds -lambda * L_D (fooling it) and the discriminator takes `disc_steps` class-balanced
-    full-batch steps per optimizer step on detached embeddings (Algorithm 1: one; k > 1 as in GAN training), with its
-    own optimizer over its own parameters."""
+    embeddings; the model adds -lambda * L_D (fooling it); the discriminator, with its own Adam, takes `disc_steps`
+    class-balanced full-batch steps per optimizer step on detached embeddings (Algorithm 1: one; k > 1 as in GANs)."""
     name = "frage"
-    defaults = dict(popular_fraction=0.2, lambda_=0.1, disc_lr=1e-2, disc_steps=1)
+    spec = dict(popular_fraction=(0.2, float, "FRAGE: share of popular tokens"),
+                lambda_=(0.1, float, "FRAGE adversarial weight (FRAGE Eq. 5)"),
+                disc_lr=(1e-2, float, "FRAGE discriminator learning rate"),
+                disc_steps=(1, int, "FRAGE discriminator updates per step"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
-        if self.counts is None:
-            raise ValueError("method 'frage' needs counts=<token counts of the training split, shape (V,)> "
-                             "to define its popular/rare groups")
+        _check(self.counts is not None, "method 'frage' needs counts=<token counts of the training split, shape (V,)> "
+               "to define its popular/rare groups")
         self.rare = least_frequent_mask(self.counts, 1 - self.hparams["popular_fraction"], self.special_ids)
         self.popular = ~self.rare
         self.popular[self.special_ids] = False
-        self.disc, self.disc_opt, self._disc_pending = None, None, False
-        self._saved_disc = None  # a loaded discriminator state, restored on the device of the first loss() call
+        self.disc = self.disc_opt = self._saved_disc = None  # _saved_disc: a loaded state, for the first loss() call
+        self._disc_pending = False
 
     def to(self, device):
         if self.disc is not None:
             self.disc.to(device)
-            for state in self.disc_opt.state.values():
-                for k, v in state.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        state[k] = v.to(device)
+            self.disc_opt.load_state_dict(self.disc_opt.state_dict())  # moves Adam's state to the parameters' device
         return self
 
     def _build_disc(self, d, device):
@@ -677,12 +637,12 @@ class FRAGE(MLE):
         pop, rare = self.popular.to(weight.device), self.rare.to(weight.device)
         return -(F.logsigmoid(score[pop]).mean() + F.logsigmoid(-score[rare]).mean())
 
+    @torch.no_grad()
     def disc_accuracy(self, weight):
         """Class-balanced accuracy of the discriminator (score > 0 means popular)."""
-        with torch.no_grad():
-            score = self.disc(weight.float()).squeeze(1)
-            pop, rare = self.popular.to(weight.device), self.rare.to(weight.device)
-            return 0.5 * float((score[pop] > 0).float().mean() + (score[rare] < 0).float().mean())
+        score = self.disc(weight.float()).squeeze(1)
+        pop, rare = self.popular.to(weight.device), self.rare.to(weight.device)
+        return 0.5 * float((score[pop] > 0).float().mean() + (score[rare] < 0).float().mean())
 
     def observe(self, targets, ignore_index=-100):
         super().observe(targets, ignore_index)
@@ -717,8 +677,7 @@ def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None, b
     averaged over non-ignored positions. Candidates of position t: the distinct targets before t in the same sequence
     (not across sequences), minus the current target. weight_gate (B, T, V), optional: scales the gradient of the
     logits wrt `weight` elementwise (the gradient wrt `hidden` stays whole), as AGG gates the NLL's."""
-    if targets.dim() != 2:
-        raise ValueError(f"unlikelihood needs targets shaped (B, T), got {tuple(targets.shape)}")
+    _check(targets.dim() == 2, f"unlikelihood needs targets shaped (B, T), got {tuple(targets.shape)}")
     B, T = targets.shape
     valid = targets != ignore_index
     same = targets[:, :, None] == targets[:, None, :]  # [b, t, j]: y_t == y_j
@@ -742,7 +701,7 @@ def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None, b
 class UL(MLE):
     """MLE + token-level unlikelihood (alpha_ul weights the UL term)."""
     name = "ul"
-    defaults = dict(alpha_ul=1.0)
+    spec = dict(alpha_ul=(1.0, float, "unlikelihood weight"))
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, bias=bias)
@@ -750,57 +709,46 @@ class UL(MLE):
 
 class ULAGG(AGG):
     """AGG's gated NLL + token-level unlikelihood (AGG Table 4; the paper does not say how the two combine, so the
-    three ways are this project's): gate_ul=True (default) also gates the UL term's gradient wrt the weight with
-    AGG's gates (the UL term's softmax otherwise pulls every rare embedding towards the features, ungated);
-    gate_ul=False adds the UL term as it is; ul_features_only=True (ul+agg-features) lets the UL term reach the
-    features only, none of its gradient reaching the weight."""
+    three ways are this project's: gate_ul, not gated, ul_features_only). Ungated, the UL term's softmax pulls every
+    rare embedding towards the features."""
     name = "ul+agg"
-    defaults = dict(AGG.defaults, alpha_ul=1.0, gate_ul=True, ul_features_only=False)
+    spec = dict(AGG.spec, alpha_ul=UL.spec["alpha_ul"],
+                gate_ul=(True, bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (this project's "
+                                     "choice)"),
+                ul_features_only=(False, bool, "ul+agg-features: the UL term's gradient reaches the features only, "
+                                               "not the weight"))
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         if self.hparams["ul_features_only"]:
             return self.hparams["alpha_ul"] * unlikelihood(hidden, weight.detach(), targets, ignore_index,
                                                            bias=None if bias is None else bias.detach())
-        gated = self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled()
-        gate = self.ul_gate(targets) if gated else None
+        gate = None
+        if self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled():
+            y = targets.clamp(min=0).reshape(-1)
+            col_gate, group_rows, group_gate = self.gates(y)  # AGG's gates, as the head applies them to the NLL's
+            if group_rows is not None:  # something is rare: the (B, T, V) gate of the UL term's weight gradient
+                gate = gate_matrix(y, self.vocab_size, col_gate, group_rows, group_gate).view(*targets.shape, -1)
         return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate, bias)
-
-    def ul_gate(self, targets):
-        """(B, T, V) gate of the UL term's weight gradient: AGG's gate per row type, as GatedSoftmaxCE applies it to
-        the NLL's; None when nothing is rare."""
-        y = targets.clamp(min=0).reshape(-1)
-        col_gate, group_rows, group_gate = self.gates(y)
-        if group_rows is None:
-            return None
-        return gate_matrix(y, self.vocab_size, col_gate, group_rows, group_gate).view(*targets.shape, self.vocab_size)
-
-
-@torch.no_grad()
-def subtract_mean_row_(weight):
-    """weight -= its mean row, in place: afterwards the rows sum to zero (mu-centering, Stollenwerk et al. 2026)."""
-    weight.sub_(weight.mean(0))
-    return weight
 
 
 class Center(MLE):
     """Embedding centering (Bis et al. 2021: degenerate rows share a common drift, the mean row, which carries the
-    frequency information; Stollenwerk et al. 2026, output embedding centering). The mean is over all V rows, special
-    ids and never-seen tokens included (the softmax sums over all of them).
-    center_mode="step" (mu-centering): after_step(weight) subtracts the mean row after every optimizer step, so from
-    the first step on every loss sees a centered weight; the loss is MLE's.
-    center_mode="loss" (mu-loss): adds mu_coef * ||mean row||^2 to the loss and leaves the weight alone."""
+    frequency information; Stollenwerk et al. 2026, output embedding centering) over all V rows (the softmax sums over
+    all): center_mode "step" subtracts the mean row after every optimizer step, "loss" adds mu_coef ||mean row||^2."""
     name = "center"
-    defaults = dict(center_mode="step", mu_coef=1.0)
+    spec = dict(center_mode=("step", str, "center: 'step' subtracts the mean embedding row after each step "
+                                          "(mu-centering), 'loss' adds mu_coef * ||mean row||^2 (mu-loss)"),
+                mu_coef=(1.0, float, "center with center_mode 'loss': weight of the mu-loss ||mean row||^2"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
-        if self.hparams["center_mode"] not in ("step", "loss"):
-            raise ValueError(f"method {self.name!r}: center_mode must be 'step' or 'loss', "
-                             f"got {self.hparams['center_mode']!r}")
+        _check(self.hparams["center_mode"] in ("step", "loss"),
+               f"method {self.name!r}: center_mode must be 'step' or 'loss', got {self.hparams['center_mode']!r}")
 
+    @torch.no_grad()
     def after_step(self, weight):
         if self.hparams["center_mode"] == "step":
-            subtract_mean_row_(weight)
+            weight.sub_(weight.mean(0))  # mu-centering: the rows sum to zero
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
         if self.hparams["center_mode"] != "loss":
@@ -810,34 +758,21 @@ class Center(MLE):
 
 
 class ZLoss(MLE):
-    """MLE + z-loss: loss = mean NLL + z_coef * mean (log Z)^2 over the non-ignored positions, log Z = logsumexp of
-    the logits (bias included). Keeps log Z near 0, so logits cannot drift together (PaLM Sec. 5, z_coef 1e-4; OLMo 2).
-    Computed inside the fused head: no extra pass over the logits."""
+    """MLE + z-loss (PaLM Sec. 5; OLMo 2): mean NLL + z_coef * mean (log Z)^2, log Z = logsumexp of the logits (bias
+    included), inside the fused head. Keeps log Z near 0, so logits cannot drift together."""
     name = "zloss"
-    defaults = dict(z_coef=1e-4)
+    spec = dict(z_coef=(1e-4, float, "zloss: weight of the z-loss mean (log Z)^2 (PaLM, OLMo 2: 1e-4)"))
 
 
 class AGGCenter(AGG):
     """AGG's gates (Eq. 5-8) plus mu-centering of the weight after every optimizer step (see Center): AGG slows the
     push of rare rows, centering removes the drift all rows share."""
     name = "agg+center"
-    defaults = dict(AGG.defaults)
+    spec = AGG.spec
 
+    @torch.no_grad()
     def after_step(self, weight):
-        subtract_mean_row_(weight)
-
-
-def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.float64):
-    """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it: col_gate on the rows of
-    non-group targets, group_gate on group rows, 1 at each row's target (the pull is never gated). For analysis
-    and the UL term, not for the loss head."""
-    gate = torch.ones(len(y), vocab_size, dtype=dtype, device=y.device)
-    if col_gate is not None:
-        gate[:] = col_gate
-    if group_rows is not None:
-        gate[group_rows] = group_gate.to(dtype) if group_gate is not None else 1.0
-    gate[torch.arange(len(y), device=y.device), y] = 1.0
-    return gate
+        weight.sub_(weight.mean(0))
 
 
 @torch.no_grad()
@@ -892,6 +827,7 @@ def sequence_unlikelihood(logits, tokens, n=4):
     return (penalty * mask).sum() / tokens.numel(), mask.float().mean()
 
 
+
 METHODS = {cls.name: cls for cls in [
     MLE, AGG,
     _variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False),
@@ -904,58 +840,22 @@ METHODS = {cls.name: cls for cls in [
     CosReg, FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True),
     Center, ZLoss, AGGCenter,
 ]}
-
-
-# Every method hyper-parameter (a key of some method's defaults): (type, meaning). The training scripts make each a
-# flag; tests check that the table covers every method.
-HPARAMS = {
-    "alpha": (float, "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)"),
-    "window": (int, "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)"),
-    "use_g1": (bool, "AGG: apply gate g1 (Eq. 7)"),
-    "use_g2": (bool, "AGG: apply gate g2 (Eq. 8)"),
-    "static_after": (int, "freeze AGG's rare group after N steps (agg-static default: steps per epoch, AGG Appendix D)"),
-    "continuous_g1": (bool, "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold"),
-    "center_gate": (bool, "agg-centered: gate only the push along the batch's mean feature"),
-    "prefill": (bool, "agg-prefill: start AGG's window full, at the training split's expected counts"),
-    "rare_fraction": (float, "share of the vocabulary in the static rare group (by train counts)"),
-    "mu1": (float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)"),
-    "mu2": (float, "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)"),
-    "rare_rank": (int, "AGPS i_r: words from this frequency rank on are rare (instead of rare_fraction)"),
-    "until": (int, "freeze-rare: release the rare embeddings after this step"),
-    "parts": (str, "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)"),
-    "gamma": (float, "CosReg weight (CosReg Eq. 6)"),
-    "popular_fraction": (float, "FRAGE: share of popular tokens"),
-    "lambda_": (float, "FRAGE adversarial weight (FRAGE Eq. 5)"),
-    "disc_lr": (float, "FRAGE discriminator learning rate"),
-    "disc_steps": (int, "FRAGE discriminator updates per step"),
-    "alpha_ul": (float, "unlikelihood weight"),
-    "gate_ul": (bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (this project's choice)"),
-    "ul_features_only": (bool, "ul+agg-features: the UL term's gradient reaches the features only, not the weight"),
-    "center_mode": (str, "center: 'step' subtracts the mean embedding row after each step (mu-centering), 'loss' adds "
-                         "mu_coef * ||mean row||^2 (mu-loss)"),
-    "mu_coef": (float, "center with center_mode 'loss': weight of the mu-loss ||mean row||^2"),
-    "z_coef": (float, "zloss: weight of the z-loss mean (log Z)^2 (PaLM, OLMo 2: 1e-4)"),
-}
+# Every method hyper-parameter: (type, meaning), from the methods' specs. The training scripts make each a flag.
+HPARAMS = {key: (typ, meaning) for cls in METHODS.values() for key, (_default, typ, meaning) in cls.spec.items()}
 
 
 def agg_family(name):
     """True for AGG and its variants (the methods with AGG's dynamic rare group and alpha)."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    _check(name in METHODS, f"unknown method {name!r}; valid: {', '.join(METHODS)}")
     return issubclass(METHODS[name], AGG)
 
 
 def build_method(name, vocab_size, steps_per_epoch=None, tokens_per_step=None, rare_share=None, **hparams):
-    """Make the method `name` (a key of METHODS) for a vocabulary of `vocab_size` tokens.
-
-    Common keywords: counts (training-split token counts, needed by static-group methods), special_ids (never rare).
-    The paper's defaults, applied where the method takes them and they are not given:
-      steps_per_epoch: AGG's window K and agg-static's static_after (AGG Sec. 4.1, Appendix D: one epoch);
-      rare_share (with counts and tokens_per_step): alpha = alpha_for_rare_share(...), the alpha whose rare group is
-      that share of the vocabulary at the training split's average rates (instead of an alpha tied to one batch size).
-    The hyper-parameters in force are method.hparams."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    """Make the method `name` (a key of METHODS) for `vocab_size` tokens (hyper-parameters in force: method.hparams).
+    Common keywords: counts (training-split token counts), special_ids (never rare). Where not given, steps_per_epoch
+    sets AGG's window K and agg-static's static_after (AGG Sec. 4.1, Appendix D: one epoch), and rare_share (with
+    counts and tokens_per_step) alpha = alpha_for_rare_share(...)."""
+    _check(name in METHODS, f"unknown method {name!r}; valid: {', '.join(METHODS)}")
     accepted = METHODS[name].defaults
     if steps_per_epoch is not None:
         epoch = max(1, int(round(steps_per_epoch)))
@@ -963,12 +863,10 @@ def build_method(name, vocab_size, steps_per_epoch=None, tokens_per_step=None, r
             if key in accepted and hparams.get(key) is None and (key == "window" or accepted[key] is not None):
                 hparams[key] = epoch
     if rare_share is not None:
-        if not agg_family(name):
-            raise ValueError(f"rare_share sets AGG's alpha; method {name!r} has none")
-        if hparams.get("alpha") is not None:
-            raise ValueError("give alpha or rare_share, not both: each sets AGG's rarity threshold")
-        if hparams.get("counts") is None or tokens_per_step is None:
-            raise ValueError("rare_share needs counts (training-split token counts) and tokens_per_step")
+        _check(agg_family(name), f"rare_share sets AGG's alpha; method {name!r} has none")
+        _check(hparams.get("alpha") is None, "give alpha or rare_share, not both: each sets AGG's rarity threshold")
+        _check(hparams.get("counts") is not None and tokens_per_step is not None,
+               "rare_share needs counts (training-split token counts) and tokens_per_step")
         hparams["alpha"] = alpha_for_rare_share(hparams["counts"], rare_share, tokens_per_step,
                                                 hparams.get("special_ids", ()))
     return METHODS[name](vocab_size, **hparams)
@@ -980,35 +878,20 @@ def build_method(name, vocab_size, steps_per_epoch=None, tokens_per_step=None, r
 
 class CoupledAdamW(torch.optim.Optimizer):
     """AdamW whose second moment is shared by the rows of each coupled parameter (Coupled Adam, Stollenwerk &
-    Stollenwerk 2025). Adam divides each embedding row's update by its own sqrt(v), so rare rows (small v) take large
-    steps in the direction all rows share; Coupled Adam divides every row by the vocabulary's mean second moment.
-
-    Arguments as torch.optim.AdamW (params, lr, betas, eps, weight_decay); amsgrad, maximize, foreach, capturable,
-    differentiable and fused are refused. Each parameter group may set "coupled" (default: the `coupled` argument,
-    True). For a coupled parameter (rows = vocabulary, e.g. the tied embedding (V, d)) the state is AdamW's (exp_avg,
-    exp_avg_sq per element, step) and the update is
-        p <- p (1 - lr wd);  m, v <- AdamW's moments;  p <- p - lr (m / bc1) / (sqrt(mean_rows(v) / bc2) + eps)
-    with mean_rows(v) = v.mean(dim 0) broadcast to every row, bc1 = 1 - beta1^t, bc2 = 1 - beta2^t. Any parameter
-    with ndim >= 1 is averaged over its dim 0 (a 1-D output bias (V,) shares one second moment); a 0-dim one is its own
-    mean. Pass only the embedding as coupled: e.g. [{"params": [emb], "coupled": True}, {"params": rest,
-    "coupled": False}]. A group with coupled=False is torch.optim.AdamW, same arithmetic (bit-identical on CPU)."""
+    Stollenwerk 2025): Adam divides each embedding row's update by its own sqrt(v), so rare rows (small v) take large
+    steps in the direction all rows share. Arguments and state as torch.optim.AdamW's (amsgrad and its other flags
+    refused); a parameter group may set "coupled". Couple only the embedding: [{"params": [emb]}, {"params": rest,
+    "coupled": False}]; a group with coupled=False is torch.optim.AdamW, same arithmetic (bit-identical on CPU)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, coupled=True):
-        unsupported = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
-                           differentiable=differentiable, fused=fused)
-        given = sorted(k for k, v in unsupported.items() if v)
-        if given:
-            raise ValueError(f"CoupledAdamW: {', '.join(given)} not supported; it takes lr, betas, eps, weight_decay "
-                             "and a per-group 'coupled'")
-        if not 0.0 <= lr:
-            raise ValueError(f"CoupledAdamW: lr must be >= 0, got {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"CoupledAdamW: eps must be >= 0, got {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"CoupledAdamW: betas must be in [0, 1), got {betas}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"CoupledAdamW: weight_decay must be >= 0, got {weight_decay}")
+        given = [k for k, v in dict(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable,
+                                    foreach=foreach, fused=fused, maximize=maximize).items() if v]
+        _check(not given, f"CoupledAdamW: {', '.join(given)} not supported; it takes lr, betas, eps, weight_decay "
+               "and a per-group 'coupled'")
+        for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check(0.0 <= value, f"CoupledAdamW: {key} must be >= 0, got {value}")
+        _check(0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0, f"CoupledAdamW: betas must be in [0, 1), got {betas}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, coupled=coupled))
 
     @torch.no_grad()
@@ -1022,13 +905,12 @@ class CoupledAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CoupledAdamW does not support sparse gradients")
+                _check(not p.grad.is_sparse, "CoupledAdamW does not support sparse gradients", RuntimeError)
                 state = self.state[p]
                 if not state:  # AdamW's state, so state_dict() has AdamW's layout
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state.update(step=torch.tensor(0.0, dtype=torch.float32),
+                                 exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
                 t = state["step"].item()
@@ -1053,31 +935,22 @@ class CoupledAdamW(torch.optim.Optimizer):
 def isotropy(weight, weights=None, center=False):
     """I(W) = min_a Z(a) / max_a Z(a), Z(a) = sum_i exp(w_i . a) (AGG Eq. 3), a over the eigenvectors of W^T W AND
     their negatives: an eigenvector's sign is arbitrary (eigh may return either) and Z(a) != Z(-a) whenever the rows
-    share a direction, so taking both makes I(W) depend on W alone (isotropy(W) == isotropy(-W)).
-    float64, log Z by log-sum-exp: finite for any norm.
-
-    weights (V,), optional: non-negative row weights, e.g. token frequencies (the frequency-weighted view of Zipfian
-    whitening, Yokoi et al. 2024), normalised to p_i summing to 1: Z(a) = sum_i p_i exp(w_i . a), a over the
-    eigenvectors of the weighted second moment W^T diag(p) W. Uniform weights give I(W). Rows of weight 0 drop out.
-    center=True: I of W minus its mean row (with weights, the p-weighted mean sum_i p_i w_i)."""
+    share a direction, so taking both makes I(W) depend on W alone. float64, log Z by log-sum-exp. weights (V,),
+    optional: row weights, e.g. token frequencies (Zipfian whitening, Yokoi et al. 2024), normalised to p summing to
+    1: Z(a) = sum_i p_i exp(w_i . a), a over the eigenvectors of W^T diag(p) W. center: I of W minus its p-mean row."""
     w = weight.detach().double()
     if weights is None:
-        if center:
-            w = w - w.mean(0)
-        _, eigvecs = torch.linalg.eigh(w.T @ w)
-        proj = w @ eigvecs
-        log_z = torch.cat([torch.logsumexp(proj, dim=0), torch.logsumexp(-proj, dim=0)])
-        return float(torch.exp(log_z.min() - log_z.max()))
-    p = torch.as_tensor(weights).detach().to(w.device, torch.float64).reshape(-1)
-    if len(p) != len(w) or not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or not float(p.sum()) > 0:
-        raise ValueError(f"weights must be {len(w)} finite non-negative numbers with a positive sum "
-                         f"(one per row of weight), got shape {tuple(p.shape)}")
-    p = p / p.sum()
-    if center:
-        w = w - p @ w
-    _, eigvecs = torch.linalg.eigh(w.T @ (p[:, None] * w))
-    proj = w @ eigvecs
-    log_p = p.log()[:, None]  # log 0 = -inf: a row of weight 0 adds nothing to Z
+        w = w - w.mean(0) if center else w
+        second_moment, log_p = w.T @ w, 0.0
+    else:
+        p = torch.as_tensor(weights).detach().to(w.device, torch.float64).reshape(-1)
+        _check(len(p) == len(w) and bool(torch.isfinite(p).all()) and not bool((p < 0).any()) and float(p.sum()) > 0,
+               f"weights must be {len(w)} finite non-negative numbers with a positive sum (one per row of weight), "
+               f"got shape {tuple(p.shape)}")
+        p = p / p.sum()
+        w = w - p @ w if center else w
+        second_moment, log_p = w.T @ (p[:, None] * w), p.log()[:, None]  # log 0 = -inf: a row of weight 0 adds nothing
+    proj = w @ torch.linalg.eigh(second_moment)[1]
     log_z = torch.cat([torch.logsumexp(proj + log_p, dim=0), torch.logsumexp(-proj + log_p, dim=0)])
     return float(torch.exp(log_z.min() - log_z.max()))
 
@@ -1086,33 +959,26 @@ def isotropy(weight, weights=None, center=False):
 def isoscore(weight):
     """IsoScore (Rudman et al. 2022) of the rows of `weight` as points in R^n, n = weight.shape[1]: 1 when
     the points spread their variance equally over all n dimensions, 0 when they use one dimension. As the `isoscore`
-    package: (1) reorient the centered points along their principal components, (2) their variance vector, the
-    eigenvalues of the covariance, (3) scaled to norm sqrt(n), (4) its distance delta from the all-ones vector,
-    normalised by sqrt(2 (n - sqrt(n))), (5) phi = (n - delta^2 (n - sqrt(n)))^2 / n^2, the share of dimensions used,
-    (6) IsoScore = (n phi - 1) / (n - 1). float64; nan when all rows are equal (no variance)."""
+    package, from the variances along the principal components; float64; nan when all rows are equal."""
     x = weight.detach().double()
     n = x.shape[1]
-    if n < 2 or len(x) < 2:
-        raise ValueError(f"isoscore needs >= 2 rows in >= 2 dimensions, got {tuple(x.shape)}")
+    _check(n >= 2 and len(x) >= 2, f"isoscore needs >= 2 rows in >= 2 dimensions, got {tuple(x.shape)}")
     x = x - x.mean(0)
     var = torch.linalg.eigvalsh(x.T @ x / (len(x) - 1)).clamp(min=0)  # variances along the principal components
-    var = var * math.sqrt(n) / var.norm()
-    delta = (var - 1).norm() / math.sqrt(2 * (n - math.sqrt(n)))
-    phi = (n - delta ** 2 * (n - math.sqrt(n))) ** 2 / n ** 2
+    var = var * math.sqrt(n) / var.norm()  # scaled to norm sqrt(n)
+    delta = (var - 1).norm() / math.sqrt(2 * (n - math.sqrt(n)))  # normalised distance from the all-ones vector
+    phi = (n - delta ** 2 * (n - math.sqrt(n))) ** 2 / n ** 2  # the share of dimensions used
     return float((n * phi - 1) / (n - 1))
 
 
 @torch.no_grad()
 def undertrained_rows(weight, unused_ids):
-    """The under-trained-token indicator of Land & Bartolo 2024 (magikarp's "cosine distance w/o 1st PC", here as a
-    similarity): remove the first principal component of the (un)embedding matrix (the paper's constant component;
-    fitted on the centered rows, removed from the rows as they are, as magikarp does), average the rows of the known
-    unused tokens `unused_ids` (e.g. tokens never seen in training), and return each row's cosine similarity to that
-    mean, (V,) float64. High = like the unused rows = under-trained. See undertrained_candidates for the threshold."""
+    """The under-trained-token indicator of Land & Bartolo 2024 (magikarp's "cosine distance w/o 1st PC"): each row's
+    cosine (V,) to the mean of the known unused rows `unused_ids` (e.g. never seen in training), the first principal
+    component (fitted on the centered rows, as magikarp does) removed from every row. High = under-trained."""
     w = weight.detach().double()
     ids = torch.as_tensor(unused_ids, dtype=torch.long, device=w.device).reshape(-1)
-    if len(ids) == 0:
-        raise ValueError("undertrained_rows needs at least one known unused token id")
+    _check(len(ids) > 0, "undertrained_rows needs at least one known unused token id")
     centered = w - w.mean(0)
     first_pc = torch.linalg.eigh(centered.T @ centered)[1][:, -1]  # eigh sorts ascending: the last is the first PC
     w = w - torch.outer(w @ first_pc, first_pc)
@@ -1121,12 +987,10 @@ def undertrained_rows(weight, unused_ids):
 
 
 def undertrained_candidates(indicator, share=0.02, exclude=()):
-    """The rows Land & Bartolo 2024 go on to verify: those whose indicator (undertrained_rows) is at least the
-    threshold, the (1 - share) quantile over the rows not in `exclude` (magikarp: the 2nd percentile of cosine
-    distance, over ordinary tokens; pass e.g. the unused and special ids as exclude). Returns (ids sorted most
-    similar first, excluded rows left out; threshold)."""
-    if not 0 < share < 1:
-        raise ValueError(f"share must be in (0, 1), got {share}")
+    """The rows Land & Bartolo 2024 go on to verify: indicator (undertrained_rows) at least the (1 - share) quantile
+    over the rows not in `exclude` (e.g. the unused and special ids; magikarp: the 2nd percentile of cosine distance).
+    Returns (ids not excluded, most similar first; threshold)."""
+    _check(0 < share < 1, f"share must be in (0, 1), got {share}")
     indicator = torch.as_tensor(indicator).double()
     keep = torch.ones(len(indicator), dtype=torch.bool, device=indicator.device)
     keep[torch.as_tensor(exclude, dtype=torch.long).reshape(-1)] = False
@@ -1160,12 +1024,20 @@ def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
     (AGG Sec. 3.1: 30% / 50% / 20%)."""
     counts = torch.as_tensor(counts)
     order = torch.argsort(counts.double(), descending=True, stable=True)
-    n_freq = round(fractions[0] * len(counts))
-    n_med = round(fractions[1] * len(counts))
+    n_freq, n_med = round(fractions[0] * len(counts)), round(fractions[1] * len(counts))
     return order[:n_freq], order[n_freq:n_freq + n_med], order[n_freq + n_med:]
 
 
 GROUPS = ("freq", "med", "rare")  # the names of frequency_groups' three groups, most frequent first
+
+
+def group_of(groups, vocab_size, missing=-1):
+    """(V,) long: each token's group number in `groups` (frequency_groups' order: 0 frequent, 1 medium, 2 rare),
+    `missing` for tokens in none."""
+    gid = torch.full((vocab_size,), missing, dtype=torch.long)
+    for g, idx in enumerate(groups):
+        gid[torch.as_tensor(idx, dtype=torch.long)] = g
+    return gid
 
 
 def ppl_of(nll_sum, count):
@@ -1178,8 +1050,7 @@ def ppl_of(nll_sum, count):
 
 class GroupNLL:
     """Summed NLL and token counts per group, for PPL total and per frequency group (AGG Table 3): add(nll, group)
-    with each position's NLL and group id (0 frequent, 1 medium, 2 rare as group_of gives them; ids up to
-    n_groups - 1 may hold positions of no group, which count in the total only)."""
+    with each position's NLL and group id (group_of's; extra ids up to n_groups - 1 count in the total only)."""
 
     def __init__(self, n_groups=3):
         self.nll = torch.zeros(n_groups, dtype=torch.float64)
@@ -1199,33 +1070,19 @@ class GroupNLL:
         return float(self.nll.sum()) / max(1, self.tokens())
 
     def ppl(self, group=None):
-        if group is None:
-            return ppl_of(self.nll.sum(), self.count.sum())
-        return ppl_of(self.nll[group], self.count[group])
+        return ppl_of(self.nll.sum(), self.count.sum()) if group is None else ppl_of(self.nll[group], self.count[group])
 
     def ppl_groups(self):
         return {name: self.ppl(k) for k, name in enumerate(GROUPS)}
 
 
-def group_of(groups, vocab_size, missing=-1):
-    """(V,) long: each token's group number in `groups` (frequency_groups' order: 0 frequent, 1 medium, 2 rare),
-    `missing` for tokens in none."""
-    gid = torch.full((vocab_size,), missing, dtype=torch.long)
-    for g, idx in enumerate(groups):
-        gid[torch.as_tensor(idx, dtype=torch.long)] = g
-    return gid
-
-
 @torch.no_grad()
 def geometry(weight, groups, seen=None):
-    """The geometry of the embedding matrix, total and per frequency group, as one dict:
-    isotropy (I(W), AGG Eq. 3), mean_cosine (S(w), AGPS Eq. 9), norm (mean row norm), each also as *_groups
-    {group: value}, mean_row_share (the mean row's norm over the mean row norm: the rows' common drift, Bis et al.
-    2021), cosine_rare_freq (mean cosine between rare and frequent rows, AGG Fig. 2) and rows / rows_groups
-    (rows counted). groups: {name: index tensor}, e.g. dict(zip(GROUPS, frequency_groups(counts))); seen: bool (V,) of
-    the rows to count, e.g. counts > 0, since a token never seen in training has no data to shape its embedding (the
-    gated methods leave it at its initialisation, MLE pushes it away with the rest) and the papers' vocabularies
-    have none; None counts every row."""
+    """The embedding matrix's geometry, total and per group (*_groups): isotropy (AGG Eq. 3), mean_cosine (AGPS Eq.
+    9), norm (mean row norm), rows (counted); mean_row_share (the mean row's norm over the mean row norm: the rows'
+    common drift, Bis et al. 2021) and cosine_rare_freq (AGG Fig. 2). groups: {name: index tensor}, e.g.
+    dict(zip(GROUPS, frequency_groups(counts))); seen: bool (V,) of the rows to count, e.g. counts > 0 (a token never
+    seen in training has no data to shape its embedding, and the papers' vocabularies have none); None: all."""
     W = weight.detach().double().cpu()
     keep = torch.ones(len(W), dtype=torch.bool) if seen is None else torch.as_tensor(seen, dtype=torch.bool).cpu()
     rows = {g: idx[keep[idx]] for g, idx in ((g, torch.as_tensor(i).cpu()) for g, i in groups.items())}

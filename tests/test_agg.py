@@ -681,27 +681,6 @@ def test_unlikelihood_keeps_float64():
     assert agg.unlikelihood(h, w, y).dtype == torch.float64
 
 
-def test_pass_stats_accumulate_a_whole_validation_pass():
-    counts = make_counts(12)
-    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
-    observe_counts(method, counts)
-    rare = method.rare_mask()
-    method.reset_pass()
-    pred, true, n = 0.0, 0.0, 0
-    with torch.no_grad():
-        for seed, T in ((20, 30), (21, 50)):
-            h, w, y = inputs(seed=seed, T=T)
-            method.loss(h, w, y)
-            pred += float(torch.softmax(h @ w.T, 1)[:, rare].sum())
-            true += float(rare[y].sum())
-            n += T
-    s = method.pass_stats
-    assert s["tokens"] == n and s["rare_mass_pred"] == pytest.approx(pred / n) and \
-        s["rare_mass_true"] == pytest.approx(true / n)
-    method.reset_pass()
-    assert method.pass_stats == {"tokens": 0}
-
-
 @pytest.mark.parametrize("gate_ul", [True, False, "features"])
 def test_ul_agg_gates_the_ul_weight_gradient_like_the_nll(gate_ul):
     counts = make_counts(13)
@@ -901,12 +880,18 @@ def test_values_that_would_give_wrong_numbers_are_refused_with_the_value_and_ran
 
 
 def test_hparams_table_covers_every_method_with_the_defaults_types():
-    """agg.HPARAMS documents every method hyper-parameter (the scripts' flags) with its defaults' type."""
+    """agg.HPARAMS documents every method hyper-parameter (the scripts' flags) with its defaults' type; both come from
+    the one declaration of each method, its spec {key: (default, type, meaning)}."""
     for name, cls in agg.METHODS.items():
+        assert cls.defaults == {key: default for key, (default, _, _) in cls.spec.items()}, name
         for key, default in cls.defaults.items():
-            assert key in agg.HPARAMS, (name, key)
+            assert key in agg.HPARAMS and agg.HPARAMS[key] == cls.spec[key][1:], (name, key)
             if default is not None:
                 assert isinstance(default, agg.HPARAMS[key][0]), (name, key, default)
+    assert agg.METHODS["agg-static"].defaults["static_after"] == 1000 and agg.AGG.defaults["static_after"] is None
+    assert agg.METHODS["freeze-b"].defaults == dict(rare_fraction=0.2, parts="b") and agg.MLE.defaults == {}
+    assert agg.HPARAMS["mu1"] == (float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)")
+    assert list(agg.HPARAMS)[:3] == ["alpha", "window", "use_g1"] and len(agg.HPARAMS) == 25
 
 
 def test_group_of_numbers_tokens_by_frequency_group():
