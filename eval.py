@@ -450,7 +450,7 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     hyp_text = [data.decode(h) for h in hyps]
     src_text, ref_text = data.text["test"]
     m = dict(task="nmt", out_dir=cfg["out"], bleu=res["bleu"], bleu_signature=res["bleu_signature"],
-             test_loss=res["loss"], test_ppl=res["ppl"], ppl_groups={g: res[f"ppl_{g}"] for g in agg.GROUPS},
+             test_loss=res["loss"], test_ppl=res["ppl"], ppl_groups=res["ppl_groups"],
              group_rare_mass_pred=res["group_rare_mass_pred"], group_rare_mass_true=res["group_rare_mass_true"],
              decode_s=res["decode_s"], n_sentences=res["bleu_sents"], beam=args.beam, lenpen=cfg["lenpen"],
              src=cfg["src"], tgt=cfg["tgt"], dataset=cfg["dataset"], method=cfg["method"], step=ck["step"],
@@ -878,7 +878,7 @@ def reanalyse(path, add=()):
             entry.pop("rare_types", None)
         entry.update({k: v for k, v in new.items() if k not in ("rare_types", "bleu_paired_bootstrap")})
     res["command"] = commands[0] if len(commands) == 1 else commands
-    res["reanalysis_command"] = shlex.join(["python", "eval.py", "--reanalyse", os.path.relpath(path, train_lm.ROOT)])
+    res["reanalysis_command"] = shlex.join(["python", "eval.py", "--reanalyse", os.path.relpath(path, runlib.ROOT)])
     runlib.write_json(path, res)
     return res
 
@@ -1148,7 +1148,7 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
             runs[label]["valid_bleu"] = {r["step"]: r["bleu"] for r in log_records(folders[label]) if "bleu" in r}
             runs[label]["training_test_bleu"] = {r["split"]: r["bleu"] for split in ("test", "test_averaged")
                                                  for r in log_records(folders[label], split)[-1:]}
-    rel = [os.path.relpath(a, train_lm.ROOT) if os.path.isabs(a) else a for a in argv]
+    rel = [os.path.relpath(a, runlib.ROOT) if os.path.isabs(a) else a for a in argv]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     runlib.write_json(path, dict(command=shlex.join(["python", "eval.py", *rel]), runs=runs, compare=comparisons))
 
@@ -1319,7 +1319,7 @@ def build_parser():
     p.add_argument("--add", nargs="+", default=[], metavar="FILE",
                    help="with --reanalyse: results files whose runs join FILE's first (more seeds; a rerun replaces "
                         "the run of its name)")
-    p.add_argument("--out", default=os.path.join(train_lm.ROOT, "out", "report"), help="report folder")
+    p.add_argument("--out", default=os.path.join(runlib.ROOT, "out", "report"), help="report folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")

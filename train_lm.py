@@ -8,15 +8,13 @@
 
 Everything a run needs is in its --out folder: config.json (full config and provenance), log.jsonl (one JSON object
 per line: train and valid records), ckpt.pt (written atomically; --resume continues it exactly) and ckpt_best.pt.
-This file is the experiment: model, loss, loop. The corpora are data.py's, the life of a run (resume, checkpoints,
-logs) is runlib.Run, the methods live in agg.py (this file feeds them hidden states, the tied weight and targets),
-and the test split is read by eval.py only.
+This file is the experiment: model, loss, loop. The corpora are data.py's, the life of a run is runlib.Run, the
+methods live in agg.py (this file feeds them hidden states, the tied weight and targets); eval.py reads the test split.
 """
 import argparse
 import contextlib
 import math
 import os
-import random
 import sys
 import time
 
@@ -28,10 +26,7 @@ from tqdm import tqdm
 
 import agg
 import runlib
-
 from data import BIBLE_EN, LM_CACHE, OFFLINE_DATASET, describe_source, prepare_lm
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # Presets. paper-6l: 001 Table 11 "empirical study"; gpt2-medium: 001 Table 11 "language modeling" column.
 # cpu: 4 layers, d 128 (1.9M params) on the offline corpus: 2,400 steps of 1,024 tokens (3.5 epochs), ~7 min per run
@@ -52,56 +47,43 @@ PRESETS = {
 # (alpha 0.03, the 24-layer LM). paper-6l: Table 11 gives no alpha for the 6-layer column; agg.py's default 0.03
 # applies. Both: AGPS's LM settings. cpu: alpha is a count per step (0.03 makes 35% of the vocabulary rare at 1,024
 # tokens per step here), so the rare group is stated as a share of the vocabulary: 0.2, the share of the headline
-# study; validation PPL alone prefers 0.05, which leaves most of the degeneration in place (RESULTS.md, scale study).
+# study (validation PPL alone selects 0.05, which leaves most of the degeneration in place: RESULTS.md).
 AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), language modelling
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
-# run control (see runlib.RUN_CONTROL): besides the shared keys, how validation and gradient accumulation are cut
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "eval_tokens", "snapshot_steps"}
-CKPT_FORMAT = "train_lm/1"  # the "format" of a training checkpoint (runlib.restore_training checks it)
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "eval_tokens", "snapshot_steps"}  # see runlib.RUN_CONTROL
+CKPT_FORMAT = "train_lm/1"
 
 
 # ----------------------------------------------------------------------------------------------------------- config
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=OFFLINE_DATASET,
-                   help=f"{OFFLINE_DATASET} (offline default) | {BIBLE_EN} (offline: the World English Bible, a chapter "
-                        f"a line) | wikitext-103 | wikitext-2 (hub) ; ignored with --data-dir")
+    g.add_argument("--dataset", default=OFFLINE_DATASET, help=f"{OFFLINE_DATASET} (offline default) | {BIBLE_EN} "
+                   f"(offline: the World English Bible, a chapter a line) | wikitext-103 | wikitext-2 (hub)")
     g.add_argument("--data-dir", default=None,
-                   help="folder with train.txt, valid.txt, test.txt; or the raw WikiText layout (wiki.train.tokens, "
-                        "...); or parquet files with a text column (train-*.parquet, validation-*.parquet, ...); or a "
-                        "datasets.save_to_disk folder. One corpus per folder: a folder of several (WikiText configs "
-                        "side by side, .tokens next to .raw) is refused")
+                   help="one corpus: train.txt / valid.txt / test.txt, the raw WikiText layout (wiki.train.tokens, "
+                        "...), parquet files with a text column, or a datasets.save_to_disk folder")
     g.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
     g.add_argument("--cache-dir", default=LM_CACHE, help="tokenizer + token-id cache")
     g.add_argument("--split-seed", type=int, default=0,
-                   help=f"{OFFLINE_DATASET}: which articles are valid and test (0: the default split; another "
-                        f"value: another split of the same articles)")
+                   help=f"{OFFLINE_DATASET}: which articles are valid and test (0: the default split)")
     g.add_argument("--train-fraction", type=float, default=1.0,
-                   help="train on the first FRACTION of the train split (whole articles of the offline corpus, lines "
-                        "otherwise, in a fixed order: smaller fractions are nested in larger ones); the tokenizer is "
-                        "still trained on the whole split, so every fraction shares the vocabulary and the valid and "
-                        "test ids")
+                   help="train on the first FRACTION of the train split (nested: smaller fractions are in larger "
+                        "ones); the tokenizer, valid and test stay those of the whole split")
     g = p.add_argument_group("model (override any preset field)")
     g.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
-                   help="default cpu on any device (the README's numbers); the paper's set-ups by name. " +
+                   help="cpu (the README's numbers) or the paper's set-ups: " +
                         "; ".join(f"{k}: " + ", ".join(f"{f}={v}" for f, v in p.items()) for k, p in PRESETS.items()))
-    g.add_argument("--n-layer", type=int, default=None)
-    g.add_argument("--d-model", type=int, default=None)
-    g.add_argument("--n-head", type=int, default=None)
-    g.add_argument("--d-ff", type=int, default=None)
-    g.add_argument("--dropout", type=float, default=None)
-    g.add_argument("--block-size", type=int, default=None, help="context length")
+    for name, typ in [("n-layer", int), ("d-model", int), ("n-head", int), ("d-ff", int), ("dropout", float),
+                      ("block-size", int)]:
+        g.add_argument("--" + name, type=typ, default=None)
     g.add_argument("--untie", action="store_true",
-                   help="a separate output matrix instead of the tied embedding (a control: the methods then act on the "
-                        "output matrix only, and the geometry is that matrix's)")
+                   help="a separate output matrix (a control: the methods and the geometry are that matrix's)")
     g.add_argument("--output-bias", action="store_true",
-                   help="a learned per-token bias on the tied softmax's logits (zero-initialised, no weight decay); "
-                        "every method's gates act on the weight, the bias gets the plain gradient")
-    runlib.add_method_flags(p)
+                   help="a learned per-token bias on the logits (zero-initialised, no weight decay, plain gradient)")
     runlib.add_run_flags(p, "lm")
     g = p.add_argument_group("training")
     g.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, all ranks")
@@ -116,21 +98,12 @@ def build_parser():
     g.add_argument("--snapshot-steps", type=lambda t: sorted({int(x) for x in t.split(",") if x}), default=[],
                    help="comma-separated steps at which to save the embedding matrix to OUT/snapshots/ "
                         "(eval.py draws them as SVD projections over time, AGG Fig. 1)")
-    g = p.add_argument_group("fine-tuning")
-    g.add_argument("--init-from", default=None, metavar="RUN",
-                   help="start from the model weights of this run folder (or checkpoint file): a fine-tune with a "
-                        "fresh optimizer and schedule on the same data, tokenizer and model shape")
-    g.add_argument("--seq-ul-prob", type=float, default=0.0,
-                   help="probability of a sequence-level unlikelihood update instead of the method's update at each "
-                        "step (Welleck et al. 2020 Sec. 5.2 fine-tune mle or ul models with 0.5; see seq_ul_step)")
     return p
 
 
 def resolve_config(args, explicit=None):
-    """Fill preset defaults into the parsed flags; returns a plain dict (the run's config)."""
+    """The run's config: the parsed flags with the preset's defaults filled in, checked."""
     cfg = dict(vars(args))
-    runlib.default_device(cfg)
-    cfg["preset"] = cfg["preset"] or "cpu"  # a config saved without one
     for k, v in PRESETS[cfg["preset"]].items():
         if cfg.get(k) is None:
             cfg[k] = v
@@ -144,27 +117,18 @@ def resolve_config(args, explicit=None):
                          f"{describe_source(cfg)} comes with its own splits")
     if not 0 < cfg["train_fraction"] <= 1:
         raise SystemExit(f"--train-fraction {cfg['train_fraction']}: must be in (0, 1]")
-    if cfg["out"] is None:
-        cfg["out"] = runlib.default_out("lm", cfg["method"], cfg["seed"])
     for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps",
               "eval_interval", "log_interval", "vocab_size"):
         if cfg[k] < (0 if k == "vocab_size" else 1):
             raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
-    runlib.check_run_flags(cfg)
-    if not 0 <= cfg["seq_ul_prob"] <= 1:
-        raise SystemExit(f"--seq-ul-prob {cfg['seq_ul_prob']}: must be a probability in [0, 1]")
-    if cfg["seq_ul_prob"] and cfg["method"] not in ("mle", "ul"):
-        raise SystemExit(f"--seq-ul-prob with --method {cfg['method']}: sequence-level unlikelihood updates are plain "
-                         f"gradients (no gates, freezing or regulariser), so they fine-tune mle or ul models only")
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
-    cfg["task"] = "lm"
+    runlib.check_run_flags(cfg, "lm")
     return cfg
 
 
 def make_config(**fields):
-    """The resolved config of a run with `fields` set as their flags would set them (names as in config.json): how
-    bench.py, hf_agg.py and the tests get a config without a command line."""
+    """The resolved config of a run with `fields` set as their flags would set them (names as in config.json)."""
     return runlib.make_config(build_parser(), resolve_config, fields)
 
 
@@ -195,7 +159,6 @@ class Sequences:
         return t[:, :-1], t[:, 1:]
 
 
-# ------------------------------------------------------------------------------------------------------------ model
 class SelfAttention(nn.Module):
     def __init__(self, d_model, n_head, dropout):
         super().__init__()
@@ -298,6 +261,8 @@ class GPT(nn.Module):
         return x
 
 
+
+
 def build_model(cfg, vocab_size):
     return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")),
                untie=bool(cfg.get("untie")))
@@ -309,85 +274,35 @@ def load_model(ck, device="cpu"):
     return runlib.load_state(model, ck, ck["config"].get("out")).to(device).eval()
 
 
-def init_from(model, cfg):
-    """Load the model weights of the run (folder or checkpoint file) named by --init-from, after checking that it was
-    trained on the same data with the same tokenizer and model shape."""
-    ck = runlib.load_checkpoint(runlib.checkpoint_file(cfg["init_from"]), "lm")
-    src = load_model(ck)
-    for key in ("dataset", "data_dir", "tokenizer", "vocab_size", *[k for k in MODEL_FIELDS if k != "dropout"]):
-        if ck["config"].get(key) != cfg.get(key):
-            raise SystemExit(f"--init-from {cfg['init_from']} was trained with {key}={ck['config'].get(key)!r}, this "
-                             f"run has {key}={cfg.get(key)!r}: pass the same --preset, data and model flags")
-    model.load_state_dict(src.state_dict())
-    return ck["step"]
-
-
 # --------------------------------------------------------------------------------------------------------- training
-
 def check_memory(cfg, V, B):
     """Refuse a configuration whose activations cannot fit in this machine's memory (a clear message, no traceback
     from a giant allocation). Estimate for a micro-batch of B sequences: attention scores, layer activations, logits."""
     T, d = cfg["block_size"], cfg["d_model"]
     need = 4 * B * T * (cfg["n_layer"] * (cfg["n_head"] * T + 16 * d + 2 * cfg["d_ff"]) + V)
-    if cfg["device"] != "cpu":
-        return
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > 0.8 * have:
-        raise SystemExit(f"--block-size {T} with micro-batches of {B} sequences needs about {need / 2**30:.0f} GiB of activations, "
-                         f"more than this machine's {have / 2**30:.0f} GiB: lower --block-size or --micro-batch")
-
-
-def seq_ul_now(cfg, step):
-    """Whether step `step` is a sequence-level unlikelihood update: a coin of probability --seq-ul-prob seeded by
-    (seed, step), so a resumed run makes the same choices."""
-    p = cfg.get("seq_ul_prob", 0.0)
-    return p > 0 and random.Random(f"{cfg['seed']}:{step}").random() < p
-
-
-def seq_ul_step(model, raw, opt, x_all, autocast, prefix_len=50, cont_len=100, n=4, scaler=runlib.NO_SCALER):
-    """One sequence-level unlikelihood update (Welleck et al. 2020 Sec. 5.2: prefixes of 50 tokens, greedy
-    continuations of 100, candidates the tokens of repeated 4-grams). The prefixes are the first tokens of this
-    process's sequences; prefix + continuation fit in one block (shorter when block_size < 150), so one forward pass
-    gives the probabilities the continuation was decoded from. Returns (loss, share of tokens penalised)."""
-    prefix_len = min(prefix_len, raw.block_size // 2)
-    cont_len = min(cont_len, raw.block_size - prefix_len)
-    prefix = x_all[:, :prefix_len]
-    raw.eval()
-    cont = raw.generate(prefix, cont_len, autocast=autocast)[:, prefix_len:]
-    raw.train()
-    full = torch.cat([prefix, cont], dim=1)
-    with autocast():
-        hidden = model(full[:, :-1])[:, prefix_len - 1:]  # the features that predicted each continuation token
-        logits = raw.head(hidden)
-    loss, share = agg.sequence_unlikelihood(logits, cont, n)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-    return loss.item(), share.item()
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if cfg["device"] == "cpu" and need > 0.8 * have:
+        raise SystemExit(f"--block-size {T} with micro-batches of {B} sequences needs about {need / 2**30:.0f} GiB of "
+                         f"activations, more than this machine's {have / 2**30:.0f} GiB: lower --block-size or "
+                         f"--micro-batch")
 
 
 def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
                scaler=runlib.NO_SCALER):
-    """One optimizer step on this process's sequences (x_all, y_all): method.observe once, then gradient accumulation
-    over micro-batches with each micro-batch's mean loss weighted by its share of the step's targets, clipping at
-    1.0, the optimizer step (through `scaler`: float16's loss scaling, a no-op otherwise). Returns (mean loss, mean NLL over all ranks, the method's stats of the last micro-batch).
-    The scheduler is the caller's. bench.py times this function."""
+    """One optimizer step on this process's sequences: method.observe once, gradient accumulation over micro-batches
+    (each micro-batch's mean loss weighted by its share of the step's targets), clipping at 1.0, the optimizer step
+    (through `scaler`: float16's loss scaling, else a no-op). Returns (mean loss, mean NLL over all ranks, the
+    method's stats of the last micro-batch); the scheduler is the caller's."""
     method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
     loss_sum, nll_sum = 0.0, 0.0
     starts = list(range(0, len(x_all), micro_batch))
     for j, s in enumerate(starts):
         x, y = x_all[s:s + micro_batch], y_all[s:s + micro_batch]
-        sync = model.no_sync() if ddp and j < len(starts) - 1 else contextlib.nullcontext()
-        with sync:
+        # under DDP, gradients are synchronised on the last micro-batch only
+        with model.no_sync() if ddp and j < len(starts) - 1 else contextlib.nullcontext():
             with autocast():
                 hidden = model(x)  # = raw.features(x), the input of the tied head
-                loss = method.loss(hidden, raw.out_weight, y, bias=raw.out_bias)
+                loss = method.loss(hidden, raw.out_weight, y, bias=raw.out_bias)  # the method gates W's gradient
             scaler.scale(loss * (y.numel() / y_all.numel())).backward()
         loss_sum += loss.item() * y.numel()
         nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
@@ -395,17 +310,14 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
     torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)  # GPT-2 / nanoGPT practice for decoder LMs
     scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
     scaler.update()
-    method.after_step(raw.out_weight)
+    method.after_step(raw.out_weight)  # e.g. FRAGE's discriminator, centering's mean row
     opt.zero_grad(set_to_none=True)
-    stats = method.stats
     if ddp:
         t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=y_all.device)
         torch.distributed.all_reduce(t)
         loss_sum, nll_sum = t.tolist()
     n = y_all.numel() * world
-    return loss_sum / n, nll_sum / n, stats
-
-
+    return loss_sum / n, nll_sum / n, method.stats
 def windows(n, block, context=0):
     """(start, length, skip) input windows over n targets: each window scores its last `length - skip` targets after
     `skip` tokens of context (fairseq's --context-window; context 0: non-overlapping blocks, cold starts)."""
@@ -438,20 +350,18 @@ def score(model, ids, n, cfg, device, autocast, context=0, positions=False):
 
 @torch.no_grad()
 def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_rare=None, seen=None, method=None):
-    """Valid PPL (the same scoring as eval.py's test PPL), total and per frequency group (30/50/20% by train counts),
-    the embedding geometry per group over the tokens `seen` in training (agg.geometry; AGG Fig. 2: I(W) per group,
-    cosine between rare and frequent embeddings), and
-    the predicted vs true probability mass of the static rare group (`group_rare_mass_*`) and of the method's own
-    rare set (`method_rare_mass_*`; AGG can over-predict it). With `method`: the mean row norms of the parts (a), (b),
-    (c) of the weight gradient (AGG Eq. 4, agg.gradient_parts) per group, as the method's gates apply them, on the
-    first micro-batch of windows (`grad_a_rare`, ...; freeze-rare's frozen rows are not shown as frozen)."""
+    """Valid PPL (the same scoring as eval.py's test PPL), total and per frequency group (30/50/20% by train counts);
+    the embedding geometry per group over the tokens `seen` in training (agg.geometry; AGG Fig. 2); the predicted vs
+    true probability mass of the static rare group (`group_rare_mass_*`) and of the method's own rare set
+    (`method_rare_mass_*`; AGG can over-predict it); with `method`, the mean row norms of the parts (a), (b), (c) of
+    the weight gradient (AGG Eq. 4, agg.gradient_parts) per group as the method's gates apply them, on the first
+    micro-batch of windows (`grad_parts`; freeze-rare's frozen rows are not shown as frozen)."""
     model.eval()
     n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
     gid = agg.group_of(groups, model.out_weight.shape[0]).to(device)
     rare = gid == 2
     dyn = None if method_rare is None else method_rare.to(device)
-    acc = agg.GroupNLL()
-    rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
+    acc, rare_pred, dyn_pred, dyn_true = agg.GroupNLL(), 0.0, 0.0, 0
     for logits, y in score(model, ids, n, cfg, device, autocast):
         logp = torch.log_softmax(logits.float(), dim=-1)
         acc.add(-logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double(), gid[y])
@@ -460,17 +370,9 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
         if dyn is not None:
             dyn_pred += p[..., dyn].sum().item()
             dyn_true += dyn[y].sum().item()
-    model.train()
     count = acc.tokens()
-    geo = agg.geometry(model.out_weight, dict(zip(agg.GROUPS, groups)), seen)
-    # the schema of eval.py's metrics.json (ppl_groups, isotropy_groups, ...) with flat aliases (ppl_rare, ...)
     out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, ppl_groups=acc.ppl_groups(),
-               isotropy_groups=geo["isotropy_groups"], mean_cosine_groups=geo["mean_cosine_groups"],
-               **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
-               isotropy=geo["isotropy"], **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
-               mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
-               cosine_rare_freq=geo["cosine_rare_freq"], **{f"norm_{g}": geo["norm_groups"][g] for g in agg.GROUPS},
-               geometry_rows=geo["rows"],
+               **agg.geometry(model.out_weight, dict(zip(agg.GROUPS, groups)), seen),
                group_rare_mass_pred=rare_pred / max(1, count), group_rare_mass_true=int(acc.count[2]) / max(1, count))
     if dyn is not None:
         out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / max(1, count),
@@ -478,36 +380,22 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
     if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
         out["rare_frozen"] = method.frozen()
     if method is not None:
-        block = cfg["block_size"]
-        n_seq = max(1, min(cfg["micro_batch"], (len(ids) - 1) // block))
-        t = torch.from_numpy(np.asarray(ids[:n_seq * block + 1], dtype=np.int64)).to(device)
-        x, y = t[:-1].view(n_seq, block), t[1:].view(n_seq, block)
-        model.eval()
+        n_seq = max(1, min(cfg["micro_batch"], (len(ids) - 1) // cfg["block_size"]))
+        t = torch.from_numpy(np.asarray(ids[:n_seq * cfg["block_size"] + 1], dtype=np.int64)).to(device)
+        x, y = t[:-1].view(n_seq, -1), t[1:].view(n_seq, -1)
         with autocast():
             hidden = model.features(x)
-        model.train()
         gates = method.gates(y.reshape(-1)) if method.steps else (None, None, None)
-        parts = agg.gradient_parts(hidden, model.out_weight, y, gid == 2, gates).cpu()
-        for k, name in enumerate(agg.GROUPS):
-            out.update({f"grad_{part}_{name}": float(parts[groups[k].cpu(), j].mean()) for j, part in enumerate("abc")})
+        parts = agg.gradient_parts(hidden, model.out_weight, y, rare, gates).cpu()
+        out["grad_parts"] = {part: {name: float(parts[groups[k].cpu(), j].mean()) for k, name in enumerate(agg.GROUPS)}
+                             for j, part in enumerate("abc")}
+    model.train()
     return out
-
-
-def keep_best(run, model, step, v, best_ppl):
-    """After a validation: save ckpt_best.pt at a new lowest valid PPL (eval.py --checkpoint
-    best), print the record's headline; returns the best PPL."""
-    if v["ppl"] < best_ppl:
-        best_ppl = v["ppl"]
-        runlib.save_checkpoint(os.path.join(run.out, "ckpt_best.pt"), dict(
-            model=model.state_dict(), step=step, config=run.cfg, task="lm", valid_ppl=best_ppl))
-    tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_rare']:.0f})  I(W) {v['isotropy']:.3f}  "
-               f"rare group mass pred/true {v['group_rare_mass_pred']:.4f}/{v['group_rare_mass_true']:.4f}")
-    return best_ppl
 
 
 def train(cfg, explicit=frozenset(), argv=()):
     """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
-    with runlib.Run(cfg, explicit, argv, "lm", CKPT_FORMAT, RUN_CONTROL) as run:
+    with runlib.Run(cfg, explicit, argv, CKPT_FORMAT, RUN_CONTROL) as run:
         cfg, device = run.cfg, torch.device(run.device)
         # data: the token ids of the train and valid splits (data.py builds the cache once, on rank 0)
         data = run.prepare(prepare_lm)
@@ -526,29 +414,23 @@ def train(cfg, explicit=frozenset(), argv=()):
         groups = agg.frequency_groups(counts)  # 30/50/20% of the vocabulary by train counts (AGG Sec. 3.1)
 
         # model, method (agg.py: the paper's defaults for this preset), optimizer, schedule
-        model = build_model(cfg, V)
-        if cfg.get("init_from") and run.ck is None:
-            run.print(f"initialised from {cfg['init_from']} (step {init_from(model, cfg)})")
-        model = model.to(device)
+        model = build_model(cfg, V).to(device)
         special_ids = [data["pad_id"], data["eos_id"]]  # never rare
-        kw, rare_share = runlib.method_args(cfg, PRESET_METHOD.get(cfg["preset"]))
-        method = runlib.build_method(cfg["method"], vocab_size=V, counts=counts, special_ids=special_ids,
-                                     steps_per_epoch=steps_per_epoch, tokens_per_step=tokens_per_step,
-                                     rare_share=rare_share, **kw)
-        hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
-              if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
-        opt = runlib.make_optimizer(model, cfg, vocab_matrices=[model.tok_emb.weight] + ([model.lm_head.weight]
-                                                                                         if cfg.get("untie") else []))
+        method, hp = runlib.build_method(cfg, PRESET_METHOD[cfg["preset"]], vocab_size=V, counts=counts,
+                                         special_ids=special_ids, steps_per_epoch=steps_per_epoch,
+                                         tokens_per_step=tokens_per_step)
+        opt = runlib.make_optimizer(model, cfg, [model.tok_emb.weight] + ([model.lm_head.weight] if cfg["untie"]
+                                                                           else []))
         schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])  # warm-up, cosine to 10%
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
-        step = run.restore(model, opt, sched, schedule, method, scaler)  # a resumed run continues exactly
+        step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         best_ppl = run.ck.get("best_valid_ppl", math.inf) if run.ck else math.inf
-        if run.ck and run.ck.get("data_position", {}).get("sequences") != step * seqs_per_step:
+        if run.ck and run.ck["data_position"]["sequences"] != step * seqs_per_step:
             raise SystemExit(f"{run.ckpt_path}: data position {run.ck['data_position']} does not match step {step} x "
                              f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
         raw, model = model, run.wrap(model)  # raw: the weights the methods see; model: compiled / DDP wrapper
-        n_params = sum(p.numel() for p in raw.parameters())  # recorded in config.json
+        n_params = sum(p.numel() for p in raw.parameters())
         rare_share = agg.rare_share_of_alpha(counts, hp["alpha"], tokens_per_step, special_ids) if "alpha" in hp \
             else None
         run.begin(data["tokenizer"].to_str(), n_params=n_params, vocab_size_actual=V, data_cache=data["dir"],
@@ -565,44 +447,46 @@ def train(cfg, explicit=frozenset(), argv=()):
             # this process's share of the step's sequences: the data position is just the step counter
             x_all, y_all = seq.get(step * seqs_per_step + run.rank * local_seqs, local_seqs)
             x_all, y_all = x_all.to(device), y_all.to(device)  # inputs and their next tokens
-            if seq_ul_now(cfg, step):  # fine-tuning with --seq-ul-prob: a sequence-level unlikelihood update
-                loss, share = seq_ul_step(model, raw, opt, x_all, autocast, scaler=scaler)
-                rec = dict(seq_ul_loss=loss, seq_ul_share=share)
-            else:  # the method's update: observe the targets, accumulate micro-batches, clip, step
-                loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
-                                              run.ddp, run.world, scaler)
-                if not math.isfinite(loss):
-                    raise SystemExit(f"step {step + 1}: loss is {loss}; lower --lr or check the method's "
-                                     f"hyper-parameters ({run.ckpt_path} keeps the last good checkpoint)")
-                tokens_seen += tokens_per_step
-                rec = dict(loss=loss, nll=nll, ppl=math.exp(min(nll, 50)),
-                           tokens_per_s=tokens_seen / max(1e-9, time.time() - t0),
-                           **runlib.method_record(stats, tokens_per_step))
-                bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},
-                                refresh=False)
+            # the method's update: observe the targets, accumulate micro-batches, clip, step
+            loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
+                                          run.ddp, run.world, scaler)
+            if not math.isfinite(loss):
+                raise SystemExit(f"step {step + 1}: loss is {loss}; lower --lr or check the method's "
+                                 f"hyper-parameters ({run.ckpt_path} keeps the last good checkpoint)")
+            tokens_seen += tokens_per_step
             sched.step()  # the lr of the next step
             step += 1
             bar.update(1)  # the progress bar counts optimizer steps
-            if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step or "seq_ul_loss" in rec:
-                run.log(dict(step=step, split="train", **rec, lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
+            rec = dict(loss=loss, nll=nll, ppl=math.exp(min(nll, 50)), **runlib.method_record(stats, tokens_per_step))
+            bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},
+                            refresh=False)
+            if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step:
+                run.log(dict(step=step, split="train", **rec, tokens_per_s=tokens_seen / max(1e-9, time.time() - t0),
+                             lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
             # snapshots of the embedding matrix for eval.py's SVD plots over time (AGG Fig. 1)
-            if run.master and step in cfg.get("snapshot_steps", ()):
+            if run.master and step in cfg["snapshot_steps"]:
                 os.makedirs(os.path.join(run.out, "snapshots"), exist_ok=True)
                 runlib.save_checkpoint(os.path.join(run.out, "snapshots", f"emb_{step}.pt"),
                                        dict(step=step, weight=raw.out_weight.detach().float().cpu().clone()))
-            # once in a while: validate (rank 0), keep the best model, checkpoint everything a resume needs
+            # once in a while: validate (rank 0) and keep the model of the lowest valid PPL
             evaluated = step % cfg["eval_interval"] == 0 or step == run.stop_step
             if evaluated and run.master:
-                v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg.get("eval_tokens"),
+                v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg["eval_tokens"],
                              method.rare_mask() if method.steps else None, seen=counts > 0, method=method)
                 run.log_valid(step, v)
-                best_ppl = keep_best(run, raw, step, v, best_ppl)
-            # SIGTERM / SIGINT: checkpoint at this step boundary and stop (the run exits with status 1)
+                tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_groups']['rare']:.0f})  I(W) "
+                           f"{v['isotropy']:.3f}  rare group mass pred/true {v['group_rare_mass_pred']:.4f}/"
+                           f"{v['group_rare_mass_true']:.4f}")
+                if v["ppl"] < best_ppl:
+                    best_ppl = v["ppl"]
+                    runlib.save_checkpoint(os.path.join(run.out, "ckpt_best.pt"), dict(
+                        model=raw.state_dict(), step=step, config=cfg, task="lm", valid_ppl=best_ppl))
+            # checkpoint everything a resume needs; on SIGTERM / SIGINT checkpoint at this step and stop (exit 1)
             stopping = run.stopping(step)
             if evaluated or stopping:
                 run.checkpoint(step, raw, opt, sched, method, scaler, best_valid_ppl=best_ppl, data_position=dict(
                     sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n))
-            if stopping:  # after the checkpoint: the run exits with status 1
+            if stopping:
                 break
         bar.close()
     run.print(f"done: step {step}, checkpoint {run.ckpt_path}")
@@ -611,9 +495,9 @@ def train(cfg, explicit=frozenset(), argv=()):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
     explicit = runlib.explicit_flags(build_parser(), argv)
-    return train(resolve_config(args, explicit), explicit, argv)
+    cfg = resolve_config(build_parser().parse_args(argv), explicit)
+    return prepare_lm(cfg)["dir"] if cfg["prepare_only"] else train(cfg, explicit, argv)
 
 
 if __name__ == "__main__":

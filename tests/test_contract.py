@@ -30,7 +30,7 @@ def script_run(corpus, lm_tiny, nmt_tiny):
             return train_lm.main([*base, "--out", str(out), "--max-steps", str(steps), "--eval-interval", "2",
                                   *extra])
         base = [*nmt_tiny, "--synthetic-size", "300", "--d-model", "16", "--d-ff", "32", "--enc-layers", "1",
-                "--dec-layers", "1", "--valid-bleu-sents", "4", "--no-test"]
+                "--dec-layers", "1", "--valid-bleu-sents", "4"]
         return train_nmt.main([*base, "--out", str(out), "--max-steps", str(steps), "--eval-interval", "2", *extra])
     return run
 
@@ -39,7 +39,7 @@ def script_run(corpus, lm_tiny, nmt_tiny):
 def test_both_scripts_take_the_same_run_and_method_flags(script):
     text = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
                           timeout=120).stdout
-    method_flags = ["--" + k.rstrip("_").replace("_", "-") for k in runlib.method_hparam_types()]
+    method_flags = ["--" + k.rstrip("_").replace("_", "-") for k in agg.HPARAMS]
     for flag in RUN_FLAGS + method_flags:
         assert flag in text, (script, flag)
     assert {"--popular-fraction", "--disc-lr", "--lambda"} <= set(method_flags)  # FRAGE can be tuned in both
