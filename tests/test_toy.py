@@ -45,7 +45,7 @@ def test_agg_predicts_rare_tokens_better(contrast):
 
 
 def test_outputs_follow_the_contract(tmp_path, capsys):
-    metrics = toy.main(TINY + ["--methods", "mle,agg", "--alpha-sweep", "0.5,2", "--out", str(tmp_path)])
+    metrics = toy.main(TINY + ["--methods", "mle,agg", "--alpha-sweep", "0.4,2", "--out", str(tmp_path)])
     with open(tmp_path / "metrics.json") as f:
         on_disk = json.load(f)
     assert on_disk["methods"].keys() == {"mle", "agg"}
@@ -59,7 +59,9 @@ def test_outputs_follow_the_contract(tmp_path, capsys):
         assert all(math.isfinite(v) for v in m["ppl_groups"].values())
         assert len(m["history"]) == 4  # steps 1, 3, 5 and the last one
     assert on_disk["methods"]["mle"]["rare_count"] is None and on_disk["methods"]["agg"]["rare_count"] >= 0
-    assert [s["alpha"] for s in on_disk["alpha_sweep"]] == [0.5, 2.0]
+    assert [s["alpha"] for s in on_disk["alpha_sweep"]] == [0.4, 2.0]
+    # alpha 0.4 is --alpha's default: the sweep reuses the agg run instead of training it again
+    assert {**on_disk["alpha_sweep"][0], "alpha": None} == {**on_disk["methods"]["agg"], "alpha": None}
     # a larger alpha can only make the rare group larger (AGG Eq. 5: a_k / K < alpha)
     assert on_disk["alpha_sweep"][0]["rare_count"] <= on_disk["alpha_sweep"][1]["rare_count"]
     assert metrics["methods"]["agg"]["isotropy"] == on_disk["methods"]["agg"]["isotropy"]
@@ -124,4 +126,15 @@ def test_bad_inputs_name_the_fix(capsys):
     assert "gamma" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parse_args(["--alpha-sweep", "0.1,x"])
+    with pytest.raises(SystemExit):
+        toy.parse_args(["--set", "cosreg.gamma"])
+    assert "cosreg.gamma" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        toy.parse_args(["--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
     assert toy.parse_args(["--set", "cosreg.gamma=0.5"]).overrides == {"cosreg": {"gamma": 0.5}}
+    # --set values: numbers, booleans and none as such, anything else a string
+    overrides = toy.parse_args(["--set", "agg.window=3", "--set", "agg.use_g1=false", "--set", "agps.mu1=None",
+                                "--set", "freeze-b.parts=bc"]).overrides
+    assert overrides == {"agg": {"window": 3, "use_g1": False}, "agps": {"mu1": None}, "freeze-b": {"parts": "bc"}}
+    assert type(overrides["agg"]["window"]) is int
