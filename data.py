@@ -152,8 +152,7 @@ def data_dir_files(data_dir):
         raise bad("no train/valid/test files found. Use train.txt, valid.txt, test.txt; raw WikiText "
                   "(wiki.train.tokens, ...); parquet files with a 'text' column (train-*.parquet, validation-*.parquet,"
                   " test-*.parquet); or a datasets.save_to_disk folder")
-    # one corpus per folder: files of two layouts, in two folders (four WikiText configs side by side, parquet both
-    # flat and under data/) or two variants of a split (wiki.*.tokens and wiki.*.raw) would be read as one corpus
+    # one corpus per folder: two layouts, folders (WikiText configs side by side) or variants would be read as one
     layout, hits = found[0]
     files = [t for h in hits.values() for t in h]  # (pattern, split name, file)
     folders = sorted({os.path.relpath(os.path.dirname(f), data_dir) + "/" for _p, _n, f in files})
@@ -263,14 +262,16 @@ def prepare_lm(cfg, log=print):
         if fraction < 1:  # after the tokenizer: every fraction of a corpus shares the full corpus's tokenizer
             corpus = dict(corpus, train=train_subset(corpus, fraction))
         encoded = {split: encode_lines(tok, corpus[split], eos_id, split) for split in SPLITS}
+        if len(encoded["train"]) < cfg.get("block_size", 1) + 1:  # refused before any file is written
+            raise SystemExit(f"the train split of {describe_source(cfg)} has {len(encoded['train'])} tokens, fewer "
+                             f"than --block-size {cfg['block_size']} + 1: use a larger corpus or smaller --block-size")
         dtype = np.uint16 if V <= 65535 else np.uint32
         meta = dict(vocab_size=V, eos_id=eos_id, pad_id=pad_id, dtype=np.dtype(dtype).name,
                     tokens={s: len(encoded[s]) for s in SPLITS}, dataset=cfg["dataset"], tokenizer=cfg["tokenizer"],
                     lines={s: len(corpus[s]) for s in SPLITS})
         if corpus.get("documents"):  # lines per document (article) of the held-out splits: eval.py's bootstrap units
             meta["documents"] = {s: corpus["documents"][s] for s in ("valid", "test")}
-        # built in a folder of this process, then renamed into place: runs started together (grid --jobs) never
-        # write the same files, and a cache appears whole or not at all
+        # built in a folder of this process, then renamed: a cache appears whole; concurrent runs never clash
         tmp = f"{cdir}.tmp{os.getpid()}"
         runlib.write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))  # and makes the folder
         np.save(os.path.join(tmp, "counts.npy"), np.bincount(encoded["train"], minlength=V).astype(np.int64))
