@@ -100,7 +100,8 @@ def test_two_process_gloo_matches_one_process(lm_run, lm_tiny, corpus, tmp_path,
 
 
 def test_hub_dataset_fails_fast_with_offline_hint(tmp_path):
-    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"),
+    """HF_HUB_OFFLINE=1 and nothing in the datasets cache: one line at once (an unreachable hub would be retried)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"),
                HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"))
     t = time.time()
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train_lm.py"), "--dataset", "wikitext-2", "--out",
@@ -165,6 +166,9 @@ def test_tokenizer_cache_is_reused_and_keyed(corpus_writer, tmp_path):
 
 def test_offline_default_corpus_split_by_article():
     splits = data_py.load_gensim_wiki()
+    documents = splits.pop("documents")  # lines per article
+    assert {k: sum(v) for k, v in documents.items()} == {k: len(v) for k, v in splits.items()}
+    assert len(documents["valid"]) == 6 and len(documents["test"]) == 5
     sizes = {k: sum(len(line) for line in v) for k, v in splits.items()}
     assert 2.5e6 < sum(sizes.values()) < 3.5e6 and sizes["train"] > 10 * sizes["valid"] > 0 and sizes["test"] > 0
     long = {k: {line for line in v if len(line) > 80} for k, v in splits.items()}  # paragraphs, not headings
@@ -345,7 +349,7 @@ def test_a_data_dir_holding_several_corpora_is_refused_with_the_folders_named(tm
     for config in ("wikitext-103-raw-v1", "wikitext-103-v1", "wikitext-2-raw-v1", "wikitext-2-v1"):
         parquet(hub / config)
     with pytest.raises(SystemExit, match=r"parquet files in 4 folders \(wikitext-103-raw-v1/, wikitext-103-v1/, "
-                                         r"wikitext-2-raw-v1/, wikitext-2-v1/\).*point --data-dir at one of them"):
+                                         r"wikitext-2-raw-v1/, wikitext-2-v1/\).*point --data-dir at it, e\.g\. "):
         data_py.data_dir_files(str(hub))
     assert data_py.data_dir_files(str(hub / "wikitext-2-v1"))[0] == "parquet"  # one config: read as before
     snapshot = tmp_path / "snapshot"
@@ -385,11 +389,12 @@ def test_an_unreadable_parquet_file_ends_in_one_line(tmp_path):
         data_py.load_text_dir(str(tmp_path))
 
 
-def test_data_py_builds_the_cache_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
+def test_prepare_lm_builds_the_cache_a_run_reuses_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
     folder = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
     argv = ["--data-dir", folder, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), *lm_tiny]
-    assert data_py.main(["lm", *argv]) is None
-    assert "data ready in" in capsys.readouterr().out
+    cfg = train_lm.make_config(data_dir=folder, cache_dir=str(tmp_path / "cache"), vocab_size=300)  # as lm_tiny's
+    assert not data_py.prepare_lm(cfg)["reused"]
+    assert "building tokenizer + token ids in" in capsys.readouterr().out
     assert not (tmp_path / "run").exists() and len(os.listdir(tmp_path / "cache")) == 1
     train_lm.main(argv + ["--max-steps", "1", "--eval-interval", "1"])
     assert "reusing cached" in capsys.readouterr().out

