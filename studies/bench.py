@@ -64,8 +64,6 @@ def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, n_batches=4
     fill the counters of agg / official-ref; their token counts stand in for the training counts of the static-group
     methods. alpha is chosen so that about `rare_fraction` of the vocabulary is rare, from the counts the counters
     will hold."""
-    if T % seq_len:
-        raise ValueError(f"--tokens {T} must be a multiple of --seq-len {seq_len}")
     g = torch.Generator().manual_seed(seed)
     p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
     p = (p / p.sum()).float()
@@ -267,9 +265,9 @@ def bench_head(args, devices, log, cases, spread, info, save=lambda: None):
     names = args.methods
     for device in devices:
         for V in args.vocab:
-            data, res = measure(args, device, V, args.tokens, args.d_model, args.seq_len, [(n, None) for n in names],
-                                args.repeats, args.warmup, "head")
-            info.append(i := dict(V=V, device=device, **data, load_after=os.getloadavg()))
+            group, res = measure(args, device, V, args.tokens, args.d_model, args.seq_len, [(n, None) for n in names],
+                                 args.repeats, args.warmup, "head")
+            info.append(i := dict(V=V, device=device, **group, load_after=os.getloadavg()))
             ms, cpu_ms = ({n: statistics.median(res[n, None][j]) for n in names} for j in (0, 1))
             peak = {n: res[n, None][2] for n in names}
             for n in names:
@@ -498,6 +496,8 @@ def main(argv=None):
         bad = [x for x in given if x not in valid]
         if bad:
             parser.error(f"{flag}: unknown {bad}; valid: {', '.join(valid)}")
+    if args.tokens % args.seq_len:
+        parser.error(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
     args.methods = ["mle"] + [m for m in args.methods if m != "mle"]
     devices = [d.strip() for d in args.device.split(",")] if args.device else \
         ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

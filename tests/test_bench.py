@@ -173,3 +173,13 @@ def test_plan_counts_the_presets_parameters_and_does_the_arithmetic():
     assert round(bench.plan("lm", "gpt2-medium")["params"] / 1e6, 1) == 348.7
     built = train_lm.build_model(train_lm.PRESETS["cpu"], train_lm.PRESETS["cpu"]["vocab_size"])
     assert bench.main(["--plan", "cpu"])["params"] == sum(q.numel() for q in built.parameters())
+
+
+def test_flag_mistakes_are_one_line_errors(capsys):
+    for argv, message in ((["--tokens", "100", "--seq-len", "64"], "--tokens 100 must be a multiple of --seq-len 64"),
+                          (["--methods", "mle", "agq"], "--methods: unknown ['agq']"),
+                          (["--sections", "head,lm2"], "--sections: unknown ['lm2']"),
+                          (["--plan", "tiny"], "--plan tiny: not a preset")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert message in capsys.readouterr().err
