@@ -1,13 +1,15 @@
-"""Tests of bench.py: the official-AGG reference against agg.py, and the benchmark's outputs (no timing assertions)."""
+"""studies.bench and studies.official: the official-AGG reference against agg.py, and the benchmark's outputs (no
+timing assertions)."""
 import json
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import agg
-import bench
+import train_lm
+import train_nmt
+from studies import bench, official
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +42,7 @@ def test_official_ref_gradients_equal_agg(window):
     h = torch.randn(2, 24, d, generator=g, dtype=torch.float64)
     w = torch.randn(V, d, generator=g, dtype=torch.float64)
     ours = agg.build_method("agg", vocab_size=V, alpha=alpha, window=window, special_ids=[0])
-    ref = bench.OfficialAGGRef(V, alpha=alpha, window=window, special_ids=[0])
+    ref = official.OfficialAGGRef(V, alpha=alpha, window=window, special_ids=[0])
     mle = agg.build_method("mle", vocab_size=V)
     checked = 0
     for y in zipf_batches(V, 8, (2, 24), seed=2):
@@ -62,7 +64,7 @@ def test_official_ref_counts_like_agg():
     """The T x T counting into a dense (K, V) memory yields agg.py's rare group and a_k, including after wrap."""
     V, window = 30, 4
     ours = agg.build_method("agg", vocab_size=V, alpha=0.8, window=window)
-    ref = bench.OfficialAGGRef(V, alpha=0.8, window=window)
+    ref = official.OfficialAGGRef(V, alpha=0.8, window=window)
     h, w = torch.zeros(1, 10, 4), torch.zeros(V, 4)
     for y in zipf_batches(V, 7, (1, 10), seed=3):
         ours.observe(y)
@@ -74,8 +76,8 @@ def test_prefill_equals_counting_steps():
     """prefill() (set-up only, bincount) leaves the memory exactly as the timed counting path would."""
     V, window = 40, 5
     batches = zipf_batches(V, 7, (2, 8), seed=4)
-    a = bench.OfficialAGGRef(V, alpha=0.5, window=window)
-    b = bench.OfficialAGGRef(V, alpha=0.5, window=window)
+    a = official.OfficialAGGRef(V, alpha=0.5, window=window)
+    b = official.OfficialAGGRef(V, alpha=0.5, window=window)
     a.prefill(batches)
     for y in batches:
         b.loss(torch.zeros(2, 8, 3), torch.zeros(V, 3), y)
@@ -133,21 +135,25 @@ def test_quick_run_writes_every_key(tmp_path):
     assert (out / "bench.md").read_text().count("| official-ref |") == 1
 
 
-def test_lm_section_skips_with_a_reason_when_train_lm_is_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, "train_lm", None)  # makes `import train_lm` fail
+def test_lm_section_falls_back_to_synthetic_ids_and_says_so(monkeypatch):
+    def fail(cfg, log):
+        raise OSError("no corpus here")
+    monkeypatch.setattr(bench, "prepare_lm", fail)
     logged = []
-    res = bench.bench_lm(bench.build_parser().parse_args([]), logged.append)
-    assert res["skipped"].startswith("skipped: train_lm.py is not usable")
-    assert logged == [res["skipped"]]
+    args = bench.build_parser().parse_args(["--lm-methods", "agg", "--lm-steps", "1", "--lm-rounds", "1"])
+    res = bench.bench_lm(args, logged.append)
+    assert res["data"] == "synthetic Zipf(1.1) ids (data.prepare_lm failed: OSError: no corpus here)"
+    assert [r["method"] for r in res["rows"]] == ["mle", "agg"] and res["rows"][0]["ratio_vs_mle"] == 1.0
+    assert res["rows"][1]["tokens_per_s"] > 0 and 0 < res["rows"][1]["rare_vocab"] < 1
+    assert "| agg |" in logged[0] and "synthetic Zipf(1.1)" in logged[0]
 
 
 def test_lm_trainer_runs_train_lm_step():
     """The lm section's step (train_lm's model, AdamW, observe + micro-batches) trains: weights move, AGG counts."""
-    train_lm = pytest.importorskip("train_lm")
     cfg = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, dropout=0.0, block_size=8, weight_decay=0.01, lr=1e-2,
                micro_batch=2, device="cpu", dtype="float32")
     V = 50
-    t = bench.LMTrainer(train_lm, cfg, "agg", V, torch.arange(V), [0], dict(alpha=0.5, window=3))
+    t = bench.LMTrainer(cfg, "agg", V, torch.arange(V), [0], dict(alpha=0.5, window=3))
     x = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(0))
     y = torch.roll(x, -1, dims=1)
     before = t.model.tok_emb.weight.detach().clone()
@@ -158,7 +164,6 @@ def test_lm_trainer_runs_train_lm_step():
 
 
 def test_plan_counts_the_presets_parameters_and_does_the_arithmetic():
-    import train_nmt
     p = bench.plan("nmt", "base", gpus=8, tflops=100.0, mfu=0.5)
     assert round(p["params"] / 1e6, 1) == 63.1  # the Transformer base of the papers
     cfg = train_nmt.PRESETS["base"]
@@ -166,6 +171,15 @@ def test_plan_counts_the_presets_parameters_and_does_the_arithmetic():
     assert p["flops_per_token"] == 6 * p["params"] + 12 * 12 * 512 * 128
     assert p["hours"] == pytest.approx(p["flops"] / (8 * 100e12 * 0.5) / 3600)
     assert round(bench.plan("lm", "gpt2-medium")["params"] / 1e6, 1) == 348.7
-    import train_lm
     built = train_lm.build_model(train_lm.PRESETS["cpu"], train_lm.PRESETS["cpu"]["vocab_size"])
     assert bench.main(["--plan", "cpu"])["params"] == sum(q.numel() for q in built.parameters())
+
+
+def test_flag_mistakes_are_one_line_errors(capsys):
+    for argv, message in ((["--tokens", "100", "--seq-len", "64"], "--tokens 100 must be a multiple of --seq-len 64"),
+                          (["--methods", "mle", "agq"], "--methods: unknown ['agq']"),
+                          (["--sections", "head,lm2"], "--sections: unknown ['lm2']"),
+                          (["--plan", "tiny"], "--plan tiny: not a preset")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert message in capsys.readouterr().err

@@ -1,14 +1,17 @@
-"""grid.py: trains the grid in subprocesses, skips finished runs, resumes stopped ones, writes the tables."""
+"""studies.grid: trains the grid in subprocesses (studies.pool), skips finished runs, resumes stopped ones, writes the
+tables."""
 import json
 import os
-import subprocess
+import signal
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
-import grid
+import train_lm
+from studies import grid, pool
 
 
 @pytest.mark.slow
@@ -18,7 +21,7 @@ def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, caps
     argv = ["--methods", "mle", "agg", "--seeds", "0", "--out", str(tmp_path), "--eval-args", "--n-samples 0",
             "--", *flags]
     os.makedirs(tmp_path / "runs")
-    import train_lm  # a stopped run is resumed, not restarted
+    # a stopped run is resumed, not restarted
     train_lm.main(["--method", "agg", "--seed", "0", "--out", str(tmp_path / "runs" / "agg-s0"), "--stop-at", "1",
                    *flags])
     grid.main(["--jobs", "2", *argv])  # both runs at once, each writing its output beside its folder
@@ -47,13 +50,39 @@ def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, caps
         grid.main(["--methods", "ul", "--no-train", "--out", str(tmp_path)])
 
 
-def test_wait_for_slot_frees_slots_and_names_the_failed_runs():
-    slow, bad = [sys.executable, "-c", "import time; time.sleep(3)"], [sys.executable, "-c", "raise SystemExit(3)"]
-    running = [(subprocess.Popen(cmd), cmd) for cmd in (slow, bad)]
-    failed = grid.wait_for_slot(running, 2)  # returns once one of the two has ended
-    assert [cmd for _, cmd in running] == [slow] and failed == [bad]
-    failed += grid.wait_for_slot(running, 1)
-    assert running == [] and failed == [bad]  # the slow one ended well
+# a job that says when it runs and when SIGTERM reaches it (as a training run checkpoints and exits)
+SLOW = ("import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1] + '.stopped', 'w').close(), sys.exit(0)))\n"
+        "open(sys.argv[1] + '.started', 'w').close()\ntime.sleep(60)")
+
+
+def test_the_pool_runs_jobs_at_once_and_a_failure_stops_the_others(tmp_path):
+    flag = str(tmp_path / "slow")
+    wait_then_fail = f"import os, time\nwhile not os.path.exists({flag + '.started'!r}): time.sleep(0.05)\n" \
+                     f"print('bad output')\nraise SystemExit(3)"
+    jobs = [("ok", [sys.executable, "-c", "pass"], None), ("slow", [sys.executable, "-c", SLOW, flag], None),
+            ("bad", [sys.executable, "-c", wait_then_fail], str(tmp_path / "bad.log"))]
+    ended = []
+    with pytest.raises(SystemExit, match=r"bad failed \(exit 3; its output: .*bad.log\): fix it and rerun"):
+        pool.run(lambda busy: jobs.pop(0) if jobs else None, 2, ended.append)
+    assert ended == ["ok"]  # after() for the job that ended well
+    assert os.path.exists(flag + ".stopped")  # slow and bad ran at once; bad's failure sent SIGTERM to slow
+    assert (tmp_path / "bad.log").read_text() == "bad output\n"
+
+
+def test_sigterm_to_the_pool_stops_its_jobs_with_checkpoints(tmp_path):
+    flag = str(tmp_path / "job")
+
+    def send_sigterm():
+        while not os.path.exists(flag + ".started"):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=send_sigterm, daemon=True).start()
+    jobs, handler = [("job", [sys.executable, "-c", SLOW, flag], None)], signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit, match="SIGTERM: the running jobs checkpointed and stopped; rerun"):
+        pool.run(lambda busy: jobs.pop(0) if jobs else None, 1)
+    assert os.path.exists(flag + ".stopped")  # the job got SIGTERM (its handler ran) and the pool waited for it
+    assert signal.getsignal(signal.SIGTERM) == handler  # the pool's handler is gone with the pool
 
 
 def test_sweep_folders_and_selection_on_valid_ppl(tmp_path):
@@ -67,10 +96,10 @@ def test_sweep_folders_and_selection_on_valid_ppl(tmp_path):
                                           ("agg", 2e-3, 0, 280, 285)]:
         folder = tmp_path / f"{method}-{lr}-{seed}"
         folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(dict(lr=lr, warmup=30)))
+        (folder / "config.json").write_text(json.dumps(dict(task="lm", lr=lr, warmup=30)))
         metrics[folder.name] = dict(method=method, seed=seed, step=10, valid_ppl=valid, ppl=test,
                                     ppl_groups=dict(rare=1.0), isotropy=0.5, out_dir=str(folder))
-    sweep = grid.sweep_table(metrics, "python grid.py --lrs 1e-3 2e-3")
+    sweep = grid.sweep_table(metrics, "python -m studies.grid --lrs 1e-3 2e-3")
     assert len(sweep["runs"]) == 5 and {r["lr"] for r in sweep["runs"]} == {1e-3, 2e-3}
     assert sweep["selected"]["mle"]["lr"] == 1e-3 and sweep["selected"]["mle"]["valid_ppl_mean"] == 305
     assert sweep["selected"]["agg"]["n"] == 1
@@ -97,18 +126,23 @@ def test_a_knob_sweep_names_a_bad_flag_in_one_line(tmp_path):
         grid.main(["--methods", "cosreg", "--sweep", "gama", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="mle do not take --gamma"):
         grid.main(["--methods", "cosreg", "mle", "--sweep", "gamma", "1", "--out", str(tmp_path)])
-    assert grid.sweep_flag("lambda", ["frage"]) == ("lambda", "lambda_", float)  # the flag drops the trailing _
+    assert grid.parse_sweep(["lambda", "0.1"], ["frage"]) == ("lambda", "lambda_", [0.1])  # the flag drops the _
     # any numeric training flag: the rivals' knobs that are not method hyper-parameters
-    assert grid.sweep_flag("embedding-weight-decay", ["mle"]) == ("embedding-weight-decay", "embedding_weight_decay",
-                                                                   float)
-    assert grid.sweep_flag("rare-share", ["agg", "agg+center"])[1] == "rare_share"
+    assert grid.parse_sweep(["embedding-weight-decay", "0", "1e-2"], ["mle"]) == ("embedding-weight-decay",
+                                                                                 "embedding_weight_decay", [0.0, 1e-2])
+    assert grid.parse_sweep(["rare-share", "0.1"], ["agg", "agg+center"])[1] == "rare_share"
     with pytest.raises(SystemExit, match="not a numeric train_lm.py flag"):
-        grid.sweep_flag("optimizer", ["mle"])
+        grid.parse_sweep(["optimizer", "adamw"], ["mle"])
+    with pytest.raises(SystemExit, match="--sweep gamma x: give a numeric hyper-parameter and its values \\(float\\)"):
+        grid.main(["--methods", "cosreg", "--sweep", "gamma", "x", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--sweep use-g1 1: give a numeric"):  # a bool hyper-parameter
+        grid.parse_sweep(["use-g1", "1"], ["agg"])
+    with pytest.raises(SystemExit, match="--sweep gamma: give a numeric"):  # no values
+        grid.parse_sweep(["gamma"], ["cosreg"])
     assert grid.run_dir("o", "agps", 1, knob=("mu1", 17.0)) == os.path.join("o", "runs", "agps-mu1=17-s1")
 
 
 def test_a_finished_run_with_other_flags_is_refused(corpus, lm_tiny, tmp_path):
-    import train_lm
     flags = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], *lm_tiny, "--max-steps", "2",
              "--eval-interval", "2"]
     train_lm.main(["--method", "mle", "--seed", "0", "--out", str(tmp_path / "runs" / "mle-s0"), *flags])
@@ -116,19 +150,11 @@ def test_a_finished_run_with_other_flags_is_refused(corpus, lm_tiny, tmp_path):
         grid.main(["--methods", "mle", "--seeds", "0", "--out", str(tmp_path), "--", *flags, "--dropout", "0.3"])
     cmd = [sys.executable, "train_lm.py", "--method", "mle", "--seed", "0", "--out", str(tmp_path / "runs" / "mle-s0"),
            *flags, "--device", "cpu", "--stop-at", "1"]
-    assert grid.same_flags(str(tmp_path / "runs" / "mle-s0"), cmd) is None  # steering flags do not count
+    grid.check_flags(str(tmp_path / "runs" / "mle-s0"), cmd)  # steering flags do not count: no refusal
     # --no-train tabulates finished runs only when they were made with the grid's flags
     with pytest.raises(SystemExit, match="dropout=None \\(now 0.3\\)"):
         grid.main(["--methods", "mle", "--seeds", "0", "--out", str(tmp_path), "--no-train", "--", *flags,
                    "--dropout", "0.3"])
     os.remove(tmp_path / "runs" / "mle-s0" / "config.json")  # lost: the checkpoint's provenance still tells
-    assert "dropout=None (now 0.3)" in grid.same_flags(str(tmp_path / "runs" / "mle-s0"), cmd + ["--dropout", "0.3"])
-
-
-def test_sigterm_to_the_grid_stops_its_runs_with_checkpoints(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
-                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\ntime.sleep(60)"])
-    time.sleep(0.5)
-    running = [(child, ["x"])]
-    grid.stop_children(running)
-    assert child.returncode == 0  # the child got SIGTERM (its handler ran) and the grid waited for it
+    with pytest.raises(SystemExit, match="dropout=None \\(now 0.3\\)"):
+        grid.check_flags(str(tmp_path / "runs" / "mle-s0"), cmd + ["--dropout", "0.3"])

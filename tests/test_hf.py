@@ -1,12 +1,16 @@
-"""hf_agg.AGGTrainer against transformers itself: `mle` equals GPT-2's own loss and gradients, gradient accumulation
-gives the gradient of one big batch exactly, stop + resume gives the uninterrupted run."""
+"""tools.hf_agg.AGGTrainer against transformers itself: `mle` equals GPT-2's own loss and gradients, gradient
+accumulation gives the gradient of one big batch exactly, stop + resume gives the uninterrupted run."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import agg
 
 transformers = pytest.importorskip("transformers")
-hf_agg = pytest.importorskip("hf_agg")
+hf_agg = pytest.importorskip("tools.hf_agg")
 
 V, T = 50, 12
 
@@ -143,3 +147,12 @@ def test_after_step_runs_after_each_optimizer_step(tmp_path):
     model, method, _ = train(tmp_path / "f", "freeze-rare", batch=2, accum=1, steps=2, lr=0.1, counts=counts)
     frozen = method.rare_mask()
     assert frozen.any() and torch.equal(model.get_output_embeddings().weight.detach()[frozen], start[frozen])
+
+
+def test_the_recipe_needs_agg_py_only():
+    """Copied beside agg.py alone, the file imports: the project's other modules are the demo's (main), not the
+    trainer's."""
+    code = "import sys; import tools.hf_agg; print(sorted({'train_lm', 'data', 'runlib'} & set(sys.modules)))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

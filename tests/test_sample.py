@@ -1,12 +1,12 @@
-"""sample.py: text from an LM run folder, translations from an NMT run folder, the LM exported to transformers."""
+"""tools.sample: text from an LM run folder, translations from an NMT run folder, the LM exported to transformers."""
 import os
 
 import pytest
 import torch
 
-import sample
 import train_lm
 import train_nmt
+from tools import sample
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,9 @@ def test_export_never_writes_into_a_run_or_a_non_empty_folder(lm_folder, tmp_pat
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(SystemExit, match=r"--export-hf .*full: not empty \(1 entries\)"):
         sample.main([lm_folder, "--export-hf", str(tmp_path / "full"), "--device", "cpu"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit, match=r"--export-hf .*file: is a file; give a new or empty folder"):
+        sample.main([lm_folder, "--export-hf", str(tmp_path / "file"), "--device", "cpu"])
     (tmp_path / "empty").mkdir()
     pytest.importorskip("transformers")
     sample.main([lm_folder, "--export-hf", str(tmp_path / "empty"), "--device", "cpu"])  # an empty folder is fine
@@ -80,3 +83,5 @@ def test_an_nmt_run_translates_a_file(nmt_tiny, tmp_path, capsys):
     assert len(hyps) == 2 and all(isinstance(h, str) for h in hyps)
     with pytest.raises(SystemExit, match="no checkpoint"):
         sample.main([str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match=r"ckpt_best.pt: no checkpoint"):  # NMT runs keep no best checkpoint
+        sample.main([out, "--checkpoint", "best"])

@@ -1,9 +1,9 @@
-#!/usr/bin/env python
-"""Use a trained run: generate text with an LM run, translate with an NMT run, export an LM to Hugging Face.
+"""Use a trained run: generate text with an LM run, translate with an NMT run, export an LM to Hugging Face. From the
+repository root:
 
-    python sample.py out/lm-agg-s0 --prompt "The history of" --num-samples 3 --temperature 0.8 --top-k 50
-    python sample.py out/nmt-agg-s0 --file sentences.en          # one translation per line (or stdin)
-    python sample.py out/lm-agg-s0 --export-hf out/hf-lm-agg             # a transformers GPT2LMHeadModel
+    python -m tools.sample out/lm-agg-s0 --prompt "The history of" --num-samples 3 --temperature 0.8 --top-k 50
+    python -m tools.sample out/nmt-agg-s0 --file sentences.en          # one translation per line (or stdin)
+    python -m tools.sample out/lm-agg-s0 --export-hf out/hf-lm-agg     # a transformers GPT2LMHeadModel
 
 The run folder holds what is needed: ckpt.pt (or ckpt_best.pt with --checkpoint best), config.json and
 tokenizer.json (a folder without tokenizer.json rebuilds it from the run's data cache).
@@ -12,25 +12,25 @@ import argparse
 import os
 import sys
 
+import numpy as np
 import torch
 
+import data
 import runlib
 import train_lm
 import train_nmt
 
-EOT = "<|endoftext|>"  # data.LM_EOS: the end of each paragraph in an LM's training stream
+EOT = data.LM_EOS  # <|endoftext|>: the end of each paragraph in an LM's training stream
 
 
 def load(run, checkpoint, device):
-    """(model, tokenizer, config) of a run: runlib.load_run, and the run's tokenizer.json (or its data cache's)."""
+    """(model, tokenizer, config) of a run: its checkpoint, and its tokenizer.json (or its data cache's)."""
     from tokenizers import Tokenizer
     ck = runlib.load_checkpoint(runlib.checkpoint_file(run, checkpoint))
     model = (train_lm if ck["task"] == "lm" else train_nmt).load_model(ck, device)
     cfg = dict(ck["config"], device=device)
-    tok_path = os.path.join(run, "tokenizer.json")
-    if os.path.exists(tok_path):
-        return model, Tokenizer.from_file(tok_path), cfg
-    import data
+    if os.path.exists(os.path.join(run, "tokenizer.json")):
+        return model, Tokenizer.from_file(os.path.join(run, "tokenizer.json")), cfg
     quiet = lambda *a, **k: None
     return model, (data.prepare_lm(cfg, quiet)["tokenizer"] if cfg["task"] == "lm" else
                    data.prepare_nmt(cfg, quiet).tokenizer), cfg
@@ -42,17 +42,13 @@ def sample_lm(args, model, tok, cfg):
     torch.manual_seed(args.seed)
     out = []
     for _ in range(args.num_samples):
-        y = model.generate(x, args.max_new_tokens, args.temperature, args.top_k)
-        out.append(tok.decode(y[0].tolist()))
-        print(out[-1])
-        print("---------------")
+        out.append(tok.decode(model.generate(x, args.max_new_tokens, args.temperature, args.top_k)[0].tolist()))
+        print(out[-1] + "\n---------------", flush=True)
     return out
 
 
 def translate_nmt(args, model, tok, cfg):
-    import numpy as np
-    import train_nmt
-    lines = open(args.file, encoding="utf-8").read().splitlines() if args.file else sys.stdin.read().splitlines()
+    lines = (open(args.file, encoding="utf-8") if args.file else sys.stdin).read().splitlines()
     src = [np.asarray(tok.encode(line.strip()).ids, dtype=np.int64) for line in lines]
     hyps = train_nmt.translate(model, src, args.device, beam=args.beam, lenpen=cfg["lenpen"])
     out = [tok.decode([int(i) for i in h if i > train_nmt.UNK], skip_special_tokens=True).strip() for h in hyps]
@@ -61,30 +57,14 @@ def translate_nmt(args, model, tok, cfg):
     return out
 
 
-def check_export_dir(path):
-    """--export-hf DIR writes config.json, tokenizer.json and the weights: DIR must be a new or empty folder, never a
-    run folder (its config.json and tokenizer.json would be replaced)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise SystemExit(f"--export-hf {path}: is a file; give a new or empty folder")
-    if os.path.isdir(path) and os.listdir(path):
-        if os.path.exists(os.path.join(path, "ckpt.pt")) or runlib.run_config(path):
-            raise SystemExit(f"--export-hf {path}: a run folder, whose config.json and tokenizer.json the export would "
-                             f"replace; give a new or empty folder, e.g. {os.path.normpath(path)}-hf")
-        raise SystemExit(f"--export-hf {path}: not empty ({len(os.listdir(path))} entries); give a new or empty "
-                         f"folder")
-
-
 def export_hf(args, model, tok, cfg):
-    """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
+    """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings. DIR
+    must be a new or empty folder, never a run folder (its config.json and tokenizer.json would be replaced)."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-    model = model.cpu()
-    if model.lm_head is not None:
-        raise SystemExit(f"{args.run} was trained with --untie; this export writes GPT-2 with tied embeddings: export a "
-                         f"tied run")
-    if model.out_bias is not None:
-        raise SystemExit(f"{args.run} was trained with --output-bias, which GPT-2 has no place for; export a run "
-                         f"without it")
-    sd = model.state_dict()
+    if model.lm_head is not None or model.out_bias is not None:
+        raise SystemExit(f"{args.run} was trained with {'--untie' if model.lm_head is not None else '--output-bias'}, "
+                         f"which GPT-2 (tied embeddings, no output bias) has no place for; export a run without it")
+    sd = model.cpu().state_dict()
     V, d = sd["tok_emb.weight"].shape
     # the model's own end-of-text id as bos, eos and pad (GPT-2's defaults, 50256, are not this vocabulary's), so
     # generate() stops where the model ends a text
@@ -99,15 +79,14 @@ def export_hf(args, model, tok, cfg):
     hf.generation_config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     new = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
            "transformer.ln_f.weight": sd["ln_f.weight"], "transformer.ln_f.bias": sd["ln_f.bias"]}
+    names = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0",
+             "mlp.c_proj": "mlp.2"}  # GPT-2's names: ours
     for i in range(cfg["n_layer"]):
-        b, h = f"blocks.{i}.", f"transformer.h.{i}."
-        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            new[h + theirs + ".weight"], new[h + theirs + ".bias"] = sd[b + ours + ".weight"], sd[b + ours + ".bias"]
-        # nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out)
-        new[h + "attn.c_attn.weight"], new[h + "attn.c_attn.bias"] = sd[b + "attn.qkv.weight"].T, sd[b + "attn.qkv.bias"]
-        new[h + "attn.c_proj.weight"], new[h + "attn.c_proj.bias"] = sd[b + "attn.proj.weight"].T, sd[b + "attn.proj.bias"]
-        new[h + "mlp.c_fc.weight"], new[h + "mlp.c_fc.bias"] = sd[b + "mlp.0.weight"].T, sd[b + "mlp.0.bias"]
-        new[h + "mlp.c_proj.weight"], new[h + "mlp.c_proj.bias"] = sd[b + "mlp.2.weight"].T, sd[b + "mlp.2.bias"]
+        for theirs, mine in names.items():
+            w = sd[f"blocks.{i}.{mine}.weight"]
+            # nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out)
+            new[f"transformer.h.{i}.{theirs}.weight"] = w if theirs.startswith("ln") else w.T
+            new[f"transformer.h.{i}.{theirs}.bias"] = sd[f"blocks.{i}.{mine}.bias"]
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
     missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "lm_head.weight"))]
     if missing or unexpected:
@@ -121,7 +100,8 @@ def export_hf(args, model, tok, cfg):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.sample", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run folder of train_lm.py or train_nmt.py")
     p.add_argument("--checkpoint", default="last", choices=["last", "best"], help="LM: ckpt.pt or ckpt_best.pt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -137,17 +117,20 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.temperature < 0 or args.num_samples < 1 or args.max_new_tokens < 0:
         p.error("--temperature must be >= 0, --num-samples >= 1, --max-new-tokens >= 0")
-    path = os.path.join(args.run, "ckpt.pt")
+    path = runlib.checkpoint_file(args.run, args.checkpoint)
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no checkpoint; pass a run folder written by train_lm.py or train_nmt.py")
-    if args.export_hf:
-        check_export_dir(args.export_hf)
+    out = args.export_hf
+    if out and os.path.exists(out) and (os.path.isfile(out) or os.listdir(out)):  # never write into a run folder
+        what = ("is a file" if os.path.isfile(out) else
+                "a run folder, whose config.json and tokenizer.json the export would replace"
+                if os.path.exists(os.path.join(out, "ckpt.pt")) or runlib.run_config(out) else
+                f"not empty ({len(os.listdir(out))} entries)")
+        raise SystemExit(f"--export-hf {out}: {what}; give a new or empty folder, e.g. {os.path.normpath(out)}-hf")
     model, tok, cfg = load(args.run, args.checkpoint, args.device)
-    if args.export_hf:
-        if cfg["task"] != "lm":
-            raise SystemExit("--export-hf exports language models (train_lm.py runs)")
-        return export_hf(args, model, tok, cfg)
-    return (sample_lm if cfg["task"] == "lm" else translate_nmt)(args, model, tok, cfg)
+    if out and cfg["task"] != "lm":
+        raise SystemExit("--export-hf exports language models (train_lm.py runs)")
+    return (export_hf if out else sample_lm if cfg["task"] == "lm" else translate_nmt)(args, model, tok, cfg)
 
 
 if __name__ == "__main__":

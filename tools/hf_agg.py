@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """AGG (or any agg.py method) in a Hugging Face transformers causal LM trained by the HF Trainer.
 
-    python hf_agg.py --method agg --max-steps 300      # a small GPT-2 from scratch on the offline corpus
-    python hf_agg.py --method agg --resume             # continue from the last checkpoint in --out
+    python -m tools.hf_agg --method agg --max-steps 300      # a small GPT-2 from scratch on the offline corpus
+    python -m tools.hf_agg --method agg --resume             # continue from the last checkpoint in --out
 
 Copy `AGGTrainer` (and agg.py) into your own code. What it does, and why:
 - hidden states in: the model runs without labels and returns its last hidden state (the input of the tied lm_head);
@@ -66,10 +65,9 @@ class AGGTrainer(Trainer):
         hidden = outputs.hidden_states[-1][:, :-1]  # the input of lm_head, shifted: position t predicts t + 1
         targets = labels[:, 1:]
         head = unwrapped.get_output_embeddings()  # tied with the input embedding
-        if self.logit_scale != 1.0:  # logits = scale * (h W^T + b): scale the features (and the bias below)
-            hidden = hidden * self.logit_scale
         bias = getattr(head, "bias", None)
-        bias = None if bias is None else bias * self.logit_scale if self.logit_scale != 1.0 else bias
+        if self.logit_scale != 1.0:  # logits = scale * (h W^T + b): scale the features and the bias
+            hidden, bias = hidden * self.logit_scale, None if bias is None else bias * self.logit_scale
         loss = self.method.loss(hidden, head.weight, targets, ignore_index=-100, bias=bias)
         if model.training and self._step_targets:
             share = (targets != -100).sum() / self._step_targets
@@ -141,7 +139,11 @@ def last_complete_checkpoint(output_dir):
 
 # ------------------------------------------------------------------------------------------------- runnable example
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    import train_lm  # the demo's corpus and config; AGGTrainer itself needs agg.py only
+    from data import prepare_lm
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    p = argparse.ArgumentParser(prog="python -m tools.hf_agg", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="agg", choices=list(agg.METHODS))
     p.add_argument("--rare-share", type=float, default=0.2, help="AGG family: rare share of the vocabulary")
     p.add_argument("--out", default="out/hf-agg")
@@ -153,28 +155,23 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-to", default="none", help="experiment logging of the HF Trainer: none, tensorboard, wandb")
     args = p.parse_args(argv)
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-
-    import train_lm
-    from data import prepare_lm
-    cfg = train_lm.make_config(device="cpu")
-    data = prepare_lm(cfg)
+    data = prepare_lm(train_lm.make_config(device="cpu"))
     V, ids, T = data["vocab_size"], data["ids"]["train"], args.block_size
     blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]
-    dataset = [{"input_ids": b, "labels": b} for b in blocks]
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4,
                                        bos_token_id=data["eos_id"], eos_token_id=data["eos_id"]))
-    tokens_per_step = args.batch * args.accum * T
     method = agg.build_method(args.method, V, counts=data["counts"], special_ids=[data["eos_id"], data["pad_id"]],
-                              steps_per_epoch=len(blocks) / (args.batch * args.accum), tokens_per_step=tokens_per_step,
+                              steps_per_epoch=len(blocks) / (args.batch * args.accum),
+                              tokens_per_step=args.batch * args.accum * T,
                               rare_share=args.rare_share if agg.agg_family(args.method) else None)
     training_args = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, seed=args.seed,
                                       per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
                                       learning_rate=2e-3, warmup_steps=30, lr_scheduler_type="cosine",
                                       weight_decay=0.01, logging_steps=10, save_steps=100, report_to=args.report_to,
                                       use_cpu=not torch.cuda.is_available())
-    trainer = AGGTrainer(model=model, args=training_args, train_dataset=dataset, method=method)
+    trainer = AGGTrainer(model=model, args=training_args, method=method,
+                         train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     print(f"done: {args.out}; method state in {args.out}/checkpoint-*/{METHOD_STATE}")
 

@@ -1,0 +1,249 @@
+"""The methods table: train every method x seed with train_lm.py, evaluate them with studies.compare, write the
+tables. From the repository root:
+
+    python -m studies.grid                                   # cpu preset, every method, seeds 0 1 2 -> out/grid/
+    python -m studies.grid --methods mle agg --seeds 0       # a part of the grid
+    python -m studies.grid --jobs 2                          # two runs at once, one thread each (faster on a CPU)
+    python -m studies.grid --no-train                        # the tables of the runs finished so far
+    python -m studies.grid --methods mle agg --lrs 5e-4 1e-3 2e-3 --seeds 0 1 --out out/sweep   # a learning-rate sweep
+    python -m studies.grid --methods cosreg --sweep gamma 0.3 1 3 --seeds 0 --out out/peers-gamma  # a method's knob
+    python -m studies.grid --out out/grid-6l -- --dataset wikitext-103 --preset paper-6l    # the same grid on a GPU
+
+Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped, a stopped one
+resumed, one made with other training flags refused: stop and rerun the grid at any time. Writes OUT/runs/METHOD-sSEED/,
+OUT/report/ (studies.compare) and OUT/tables.md: the analogues of AGG Tables 1-2, 3, 4, 7-8, 9, 10 and the peers of
+Table 6, mean +- std over seeds. With --lrs / --warmups / --sweep the runs are METHOD-lrLR[-wuN][-FLAG=V]-sSEED and
+OUT/sweep.json lists every run's valid and test PPL and each method's setting with the lowest mean valid PPL (the
+selection never looks at test).
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import agg
+import runlib
+import train_lm
+from studies import pool
+
+ROOT = runlib.ROOT
+METHODS = ["mle", "agg", "agg-no-g1", "agg-no-g2", "agg-static", "ul", "ul+agg", "agps", "freeze-rare", "freeze-b",
+           "freeze-c", "freeze-bc", "cosreg", "frage"]
+PPL3, ISO3 = ([f"{k}_groups.{g}" for g in ("freq", "med", "rare")] for k in ("ppl", "isotropy"))
+RARE = ["ppl_groups.rare", "ppl", "uniq", "isotropy"]
+# (title, methods, columns): columns are summary.json keys, dotted for groups
+TABLES = [
+    ("AGG Table 3: MLE vs AGG", ["mle", "agg"], PPL3 + ["ppl", "uniq_groups.rare", "uniq", "isotropy"]),
+    ("AGG Table 4: UL vs UL + AGG", ["ul", "ul+agg"],
+     PPL3 + ["ppl", "uniq_groups.rare", "uniq", "isotropy", "gen_rep4"]),
+    ("AGG Tables 7-8: I(W) per frequency group", ["mle", "agg", "ul", "ul+agg"], ISO3 + ["isotropy"]),
+    ("AGG Table 9: ablation of the gates", ["mle", "agg", "agg-no-g1", "agg-no-g2"], RARE),
+    ("AGG Table 10: static vs dynamic grouping", ["mle", "agg", "agg-static"], RARE),
+    ("AGG Tables 1-2: freezing the rare embeddings or parts of their gradient",
+     ["mle", "freeze-rare", "freeze-bc", "freeze-b", "freeze-c"], PPL3 + ["ppl"] + ISO3 + ["isotropy"]),
+    ("Other methods against the degeneration (AGG Table 6's Adv-MLE and spectrum control are not implemented)",
+     ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"], RARE + ["mean_cosine"]),
+]
+HEADERS = {"ppl": "PPL", "uniq": "Uniq", "isotropy": "I(W)", "mean_cosine": "mean cos", "gen_rep4": "seq-rep-4",
+           **{f"{k}_groups.{g}": f"{h} {g}" for k, h in (("ppl", "PPL"), ("uniq", "Uniq"), ("isotropy", "I(W)"))
+              for g in ("freq", "med", "rare")}}
+
+
+def run_dir(out, method, seed, lr=None, warmup=None, knob=None):
+    """OUT/runs/METHOD[-lrLR][-wuN][-FLAG=V]-sSEED; knob = (flag, value) of a --sweep."""
+    setting = (f"-lr{lr:g}" if lr is not None else "") + (f"-wu{warmup}" if warmup is not None else "") \
+        + (f"-{knob[0]}={knob[1]:g}" if knob is not None else "")  # :g names 1 and 1.0 alike
+    return os.path.join(out, "runs", f"{method}{setting}-s{seed}")
+
+
+def settings(args):
+    """(lr, warmup, knob) triples of the grid: None = the preset's; knob = (flag, value) of --sweep."""
+    knobs = [(args.sweep[0], v) for v in args.sweep[1]] if args.sweep else [None]
+    return [(lr, wu, k) for lr in (args.lrs or [None]) for wu in (args.warmups or [None]) for k in knobs]
+
+
+def parse_sweep(words, methods):
+    """--sweep FLAG V...: (flag, config key, values) of a method hyper-parameter (e.g. 'lambda' -> 'lambda_'; every
+    method of the grid must take it) or another numeric train_lm.py flag (e.g. rare-share, embedding-weight-decay)."""
+    keys = {runlib.method_flag(k)[2:]: k for k in agg.HPARAMS}
+    flag = words[0].lstrip("-")
+    if flag in keys:
+        key, typ = keys[flag], agg.HPARAMS[keys[flag]][0]
+        without = [m for m in methods if key not in agg.METHODS[m].defaults]
+        if without:
+            raise SystemExit(f"grid: --sweep {flag}: {', '.join(without)} do not take --{flag}; give --methods that do")
+    else:
+        action = next((a for a in train_lm.build_parser()._actions if f"--{flag}" in a.option_strings), None)
+        if action is None or action.type not in (int, float):
+            raise SystemExit(f"grid: --sweep {flag}: not a numeric train_lm.py flag; give a method hyper-parameter "
+                             f"({', '.join(keys)}) or a flag such as rare-share, embedding-weight-decay, weight-decay")
+        key, typ = action.dest, action.type
+    try:
+        assert typ in (int, float) and words[1:]
+        return flag, key, [typ(v) for v in words[1:]]
+    except (AssertionError, ValueError):
+        raise SystemExit(f"grid: --sweep {' '.join(words)}: give a numeric hyper-parameter and its values "
+                         f"({typ.__name__}), e.g. --sweep gamma 0.3 1 3") from None
+
+
+def train_command(args, extra, method, seed, lr=None, wu=None, knob=None):
+    """(folder, the train_lm.py command) of one run of the grid; --resume when it has a checkpoint."""
+    folder = run_dir(args.out, method, seed, lr, wu, knob)
+    resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
+    return folder, [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed),
+                    "--out", folder, *(["--resume"] if resume else []), *extra,
+                    *(["--lr", f"{lr:g}"] if lr is not None else []),
+                    *(["--warmup", str(wu)] if wu is not None else []),
+                    *([f"--{knob[0]}", f"{knob[1]:g}"] if knob is not None else [])]
+
+
+def check_flags(folder, cmd):
+    """Refuse the run in `folder` when it was started with other training settings than `cmd` (flags that only steer
+    an invocation, such as --stop-at or --device, aside): a grid never tabulates or continues such a run."""
+    saved, ckpt = runlib.run_config(folder), os.path.join(folder, "ckpt.pt")
+    if saved:
+        was = (saved.get("segments") or [saved])[0].get("argv")
+    else:  # no config.json, or a damaged one: the checkpoint's copy of the provenance
+        prov = runlib.load_checkpoint(ckpt).get("provenance") if os.path.exists(ckpt) else None
+        was = prov[0].get("argv") if prov else None
+    parse = lambda argv: vars(train_lm.build_parser().parse_args(argv))
+    a, b = (parse(was), parse(cmd[2:])) if was else ({}, {})
+    diff = sorted(k for k in a if k not in train_lm.RUN_CONTROL and a[k] != b[k])
+    if diff:
+        raise SystemExit(f"grid: {folder} was trained with " + ", ".join(f"{k}={a[k]!r} (now {b[k]!r})" for k in diff)
+                         + ": give another --out for other flags, or delete the run to redo it")
+
+
+def train_all(args, extra):
+    """Train the unfinished runs, seed-major, `args.jobs` at a time (studies.pool: with several jobs each run writes
+    its output to OUT/runs/NAME.log; SIGTERM / SIGINT stop the runs with checkpoints). Every run's flags are checked
+    before any starts."""
+    todo = [train_command(args, extra, m, s, *st) for s in args.seeds for st in settings(args) for m in args.methods]
+    queue = []
+    for i, (folder, cmd) in enumerate(todo):
+        check_flags(folder, cmd)
+        name = f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
+        if runlib.finished(folder):
+            print(f"{name}: done, skipped")
+        else:
+            queue.append((f"{name}: {'resuming' if '--resume' in cmd else 'training'}", cmd,
+                          folder + ".log" if args.jobs > 1 else None))
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    pool.run(lambda busy: queue.pop(0) if queue else None, args.jobs)
+
+
+def cell(summary, method, key):
+    node = summary.get(method)
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if not node:
+        return "-"
+    nd = 3 if any(w in key for w in ("isotropy", "cosine", "rep4")) else (0 if key.startswith("uniq") else 1)
+    return f"{node['mean']:.{nd}f}" + (f" ± {node['std']:.{nd}f}" if summary[method]["n"] > 1 else "")
+
+
+def write_tables(summary, path, command):
+    lines = ["# Methods table", "", f"`{command}`", "",
+             "Each cell: mean ± std over seeds (n = runs per method; one run: its value). Test split, frequency "
+             "groups 30/50/20% of the vocabulary by train counts; Uniq = distinct next-token argmax predictions.", ""]
+    for title, methods, cols in TABLES:
+        methods = [m for m in methods if m in summary]
+        if methods:
+            lines += [f"## {title}", "", "| method | n | " + " | ".join(HEADERS.get(c, c) for c in cols) + " |",
+                      "|" + " --- |" * (2 + len(cols))]
+            lines += [f"| {m} | {summary[m]['n']} | " + " | ".join(cell(summary, m, c) for c in cols) + " |"
+                      for m in methods] + [""]
+    runlib.write_text(path, "\n".join(lines))
+
+
+def sweep_table(metrics, command, key=None):
+    """{"command", "runs": [{method, lr, warmup, [key,] seed, valid_ppl, test_ppl, ...}], "settings": [mean valid/test
+    PPL per method, lr, warm-up (and the swept hyper-parameter `key`)], "selected": {method: the setting with the
+    lowest mean valid PPL}}."""
+    runs, by = [], {}
+    for m in metrics.values():
+        cfg = runlib.run_config(m["out_dir"])
+        runs.append(dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"], **({key: cfg[key]} if key else {}),
+                         seed=m["seed"], step=m["step"],
+                         valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
+                         isotropy=m["isotropy"], run=os.path.relpath(m["out_dir"], ROOT),
+                         command=runlib.run_command(cfg, "train_lm.py"),
+                         threads=cfg.get("versions", {}).get("threads"), git_commit=cfg.get("git_commit")))
+        by.setdefault((runs[-1]["method"], cfg["lr"], cfg["warmup"], runs[-1].get(key)), []).append(runs[-1])
+    table = [dict(method=k[0], lr=k[1], warmup=k[2], **({key: k[3]} if key else {}), n=len(rs),
+                  valid_ppl_mean=sum(r["valid_ppl"] for r in rs) / len(rs),
+                  test_ppl_mean=sum(r["test_ppl"] for r in rs) / len(rs)) for k, rs in sorted(by.items())]
+    selected = {}
+    for s in table:
+        if s["method"] not in selected or s["valid_ppl_mean"] < selected[s["method"]]["valid_ppl_mean"]:
+            selected[s["method"]] = s
+    return dict(command=command, selection="lowest mean valid PPL over seeds (last checkpoint)", runs=runs,
+                settings=table, selected=selected)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = argparse.ArgumentParser(prog="python -m studies.grid", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=list(agg.METHODS), metavar="METHOD")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "grid"))
+    p.add_argument("--eval-args", default="", help="studies.compare flags, e.g. '--checkpoint best --n-samples 0'")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once (default 1); on a CPU, 2 one-thread runs "
+                   "train faster than 1 two-thread run")
+    p.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
+                   help="a learning-rate sweep: every method x seed at each of these (default: the preset's lr)")
+    p.add_argument("--warmups", nargs="+", type=int, default=None, metavar="N",
+                   help="a warm-up sweep: every method x seed at each of these warm-up lengths (default: the preset's)")
+    p.add_argument("--sweep", nargs="+", default=None, metavar=("FLAG", "V"),
+                   help="a sweep of one method hyper-parameter: every method x seed at each value, e.g. "
+                        "--sweep gamma 0.3 1 3 (the methods must all take it)")
+    p.add_argument("--no-train", action="store_true",
+                   help="train nothing: evaluate the grid's finished runs only (n per method says how many)")
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
+    key = None
+    if args.sweep:
+        flag, key, values = parse_sweep(args.sweep, args.methods)
+        args.sweep = (flag, values)
+    if args.no_train:  # the finished runs, when made with the grid's flags
+        runs = [train_command(args, extra, m, sd, *st) for m in args.methods for st in settings(args)
+                for sd in args.seeds]
+        done = {f: runlib.finished(f) for f, _ in runs}
+        folders = [f for f, _ in runs if done[f]]
+        for folder, cmd in runs:
+            if done[folder]:
+                check_flags(folder, cmd)
+        if not folders:
+            raise SystemExit(f"grid: no finished run in {args.out}/runs; run studies.grid without --no-train first")
+        if len(folders) < len(runs):
+            print(f"grid: {len(runs) - len(folders)} runs not finished, left out: "
+                  + " ".join(os.path.basename(f) for f, _ in runs if not done[f]))
+    else:
+        train_all(args, extra)
+        folders = [run_dir(args.out, m, s, *st) for m in args.methods for st in settings(args) for s in args.seeds]
+    report = os.path.join(args.out, "report")
+    cmd = [sys.executable, "-m", "studies.compare", *folders, "--out", report, *args.eval_args.split()]
+    if subprocess.run(cmd).returncode:
+        raise SystemExit(f"grid: `{shlex.join(cmd)}` failed")
+    with open(os.path.join(report, "summary.json")) as f:
+        summary = json.load(f)
+    command = shlex.join(["python", "-m", "studies.grid", *argv])
+    write_tables(summary, os.path.join(args.out, "tables.md"), command)
+    if args.lrs or args.warmups or args.sweep:
+        with open(os.path.join(report, "metrics.json")) as f:
+            sweep = sweep_table(json.load(f), command, key)
+        runlib.write_json(os.path.join(args.out, "sweep.json"), sweep)
+        for method, s in sweep["selected"].items():
+            knob = f", --{args.sweep[0]} {s[key]:g}" if key else ""
+            print(f"{method}: selected lr {s['lr']:g}, warm-up {s['warmup']}{knob} (mean valid PPL "
+                  f"{s['valid_ppl_mean']:.2f} over {s['n']} seeds)")
+    print(f"wrote {args.out}/tables.md and {report}/")
+
+
+if __name__ == "__main__":
+    main()
