@@ -318,10 +318,10 @@ class LMTrainer:
     """One method's model + optimizer + method, stepped by train_lm.train_step: the training step of train_lm.py's
     main loop (observe, micro-batches of features -> method.loss -> backward, clip, AdamW step)."""
 
-    def __init__(self, cfg, name, V, counts, special, hp):
+    def __init__(self, cfg, V, counts, special, **sizes):
         torch.manual_seed(0)  # same initial model for every method
         self.model = train_lm.build_model(cfg, V).train()
-        self.method = agg.build_method(name, vocab_size=V, counts=counts, special_ids=special, **hp)
+        self.method, _ = runlib.build_method(cfg, {}, vocab_size=V, counts=counts, special_ids=special, **sizes)
         self.opt, self.cfg, self.autocast = runlib.make_optimizer(self.model, cfg), cfg, runlib.autocast(cfg)
 
     def step(self, x_all, y_all):
@@ -359,9 +359,8 @@ def bench_lm(args, log):
     trainers = {}
     K = max(1, int(round(steps_per_epoch)))
     for name in names:
-        kw, share = runlib.method_args(dict(cfg, method=name, alpha=args.lm_alpha if agg.agg_family(name) else None))
-        hp = dict(kw, steps_per_epoch=steps_per_epoch, tokens_per_step=tps, rare_share=share)  # window: one epoch
-        trainers[name] = LMTrainer(cfg, name, V, counts, special, hp)
+        trainers[name] = LMTrainer(dict(cfg, method=name, alpha=args.lm_alpha if agg.agg_family(name) else None), V,
+                                   counts, special, steps_per_epoch=steps_per_epoch, tokens_per_step=tps)
         for s in range(K if "window" in trainers[name].method.hparams else 0):  # a full window, as after epoch 1
             trainers[name].method.observe(batch(s)[1])
     rare = {n: float(t.method.rare_mask().double().mean()) for n, t in trainers.items()

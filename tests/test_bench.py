@@ -153,7 +153,7 @@ def test_lm_trainer_runs_train_lm_step():
     cfg = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, dropout=0.0, block_size=8, weight_decay=0.01, lr=1e-2,
                micro_batch=2, device="cpu", dtype="float32")
     V = 50
-    t = bench.LMTrainer(cfg, "agg", V, torch.arange(V), [0], dict(alpha=0.5, window=3))
+    t = bench.LMTrainer(dict(cfg, method="agg", alpha=0.5, window=3), V, torch.arange(V), [0])
     x = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(0))
     y = torch.roll(x, -1, dims=1)
     before = t.model.tok_emb.weight.detach().clone()

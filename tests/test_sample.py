@@ -76,8 +76,7 @@ def test_export_never_writes_into_a_run_or_a_non_empty_folder(lm_folder, tmp_pat
 
 def test_an_nmt_run_translates_a_file(nmt_tiny, tmp_path, capsys):
     out = str(tmp_path / "nmt")
-    train_nmt.main(["--out", out, *nmt_tiny, "--max-steps", "2", "--eval-interval", "2", "--synthetic-size", "300",
-                    "--no-test"])
+    train_nmt.main(["--out", out, *nmt_tiny, "--max-steps", "2", "--eval-interval", "2", "--synthetic-size", "300"])
     (tmp_path / "in.txt").write_text("w1 w2 w3\nw4 w5\n")
     hyps = sample.main([out, "--file", str(tmp_path / "in.txt"), "--beam", "1", "--device", "cpu"])
     assert len(hyps) == 2 and all(isinstance(h, str) for h in hyps)
