@@ -3,7 +3,6 @@ config.json with provenance, log.jsonl, atomic checkpoints loaded as data), seed
 schedule. Models, data and training loops stay in each script; agg.py does not depend on this file."""
 import argparse
 import contextlib
-import datetime
 import fcntl
 import glob
 import hashlib
@@ -407,19 +406,10 @@ def flat(record, prefix=""):
 
 # ------------------------------------------------------------------------------------------------------------ a run
 class Run:
-    """The life of one run folder, the same in both training scripts:
-
-        with runlib.Run(cfg, explicit, argv, CKPT_FORMAT, RUN_CONTROL) as run:   # resume policy, DDP, seeds
-            data = run.prepare(prepare_lm)                     # rank 0 builds the data cache, the others wait
-            ...model, method, optimizer, scheduler...
-            step = run.restore(model, opt, sched, method, scaler)   # 0, or the checkpoint's step, exactly
-            run.begin(tokenizer_json, n_params=...)            # lock, config.json, log.jsonl
-            while step < run.stop_step:
-                ...; run.log(record); run.checkpoint(step, model, opt, sched, method, scaler)
-                if run.stopping(step): break
-
-    SIGTERM (a preempted job), SIGHUP and SIGINT set a flag: the loop checkpoints at the next step boundary and the
-    run exits with status 1, saying how to continue it; a second Ctrl-C stops at once."""
+    """The life of one run folder in both training scripts: the resume policy, DDP and seeds (__init__), the data
+    (prepare), an exact resume (restore), the folder's lock, config.json and log (begin), records (log), checkpoints,
+    and signals: SIGTERM, SIGHUP and SIGINT set a flag (stopping), the loop checkpoints at the next step boundary
+    and the run exits with status 1, saying how to continue it; a second Ctrl-C stops at once."""
     locks = {}  # run folder -> the open file whose flock says "a process writes here" (dropped when it ends)
 
     def __init__(self, cfg, explicit, argv, fmt, run_control):
@@ -452,15 +442,9 @@ class Run:
             if os.path.exists(self.ckpt_path) and not cfg["overwrite"]:
                 raise SystemExit(f"{self.ckpt_path} already exists: pass --resume to continue it, --overwrite to start "
                                  f"afresh, or choose another --out")
-            if run_config(out) is False:
+            if run_config(out) is False:  # a run would replace it
                 raise SystemExit(f"--out {out}: its config.json was not written by train_lm.py / train_nmt.py (a "
-                                 f"Hugging Face export?) and a run would replace it: choose another --out")
-            ours = lambda n: n in RUN_FILES + (".lock", "wandb", "snapshots") or re.fullmatch(r"ckpt_\d+\.pt", n) \
-                or RUN_TMP.fullmatch(n)
-            foreign = sorted(n for n in os.listdir(out) if not ours(n)) if os.path.isdir(out) else []
-            if foreign and not (os.path.exists(self.ckpt_path) or run_config(out) or cfg["overwrite"]):
-                raise SystemExit(f"--out {out}: holds files no run wrote ({', '.join(foreign[:5])}) and no run: choose "
-                                 f"a new or empty --out, or pass --overwrite to train there anyway (they are kept)")
+                                 f"Hugging Face export?): choose another --out")
             return
         self.ck = load_checkpoint(self.ckpt_path, self.task) if os.path.exists(self.ckpt_path) else None
         saved = self.ck["config"] if self.ck else run_config(out)
@@ -511,23 +495,19 @@ class Run:
             print(*args, **kw)
 
     def prepare(self, prepare_fn):
-        """The task's data (prepare_fn(cfg, log) of data.py): rank 0 builds the cache, the others wait (a gloo barrier
-        with a week's timeout: a large corpus outlasts NCCL's default), then read it."""
-        def barrier():
-            if self.ddp:
-                torch.distributed.barrier(group=torch.distributed.new_group(backend="gloo",
-                                                                            timeout=datetime.timedelta(days=7)))
-        if not self.master:
-            barrier()
+        """The task's data (prepare_fn(cfg, log) of data.py): rank 0 builds the cache while the others wait (prepare a
+        large corpus with --prepare-only first: NCCL's barrier times out), then every rank reads it."""
+        if self.ddp and not self.master:
+            torch.distributed.barrier()  # rank 0 builds the cache
         data = prepare_fn(self.cfg, log=print if self.master else (lambda *a, **k: None))
-        if self.master:
-            barrier()
+        if self.ddp and self.master:
+            torch.distributed.barrier()
         return data
 
     def restore(self, model, opt, sched, method, scaler):
-        """Continue the checkpoint exactly: weights, optimizer, scheduler (with this invocation's schedule: --max-steps
-        may have changed), the method's state (AGG's counters, FRAGE's discriminator), the float16 loss scale, every
-        process's RNG. Returns the step (0 for a new run); the data position is the caller's."""
+        """Continue the checkpoint exactly: weights, optimizer, scheduler, the method's state (AGG's counters, FRAGE's
+        discriminator), the float16 loss scale, every process's RNG. Returns the step; the data position is the
+        caller's."""
         ck = self.ck
         if ck is None:
             return 0
@@ -537,9 +517,7 @@ class Run:
                              f"missing {missing}): use --overwrite or a new --out")
         load_state(model, ck, self.ckpt_path)
         opt.load_state_dict(ck["optimizer"])
-        lambdas = sched.lr_lambdas
-        sched.load_state_dict(ck["scheduler"])
-        sched.lr_lambdas = lambdas
+        sched.load_state_dict(ck["scheduler"])  # keeps this invocation's lr function (--max-steps may have changed)
         method.load_state_dict(ck["method"])
         method.to(next(model.parameters()).device)
         if ck.get("scaler") and scaler.is_enabled():
