@@ -344,7 +344,8 @@ def test_data_that_is_not_utf8_and_a_damaged_cache_end_in_one_line(corpus_writer
     cache = os.path.join(tmp_path / "cache", os.listdir(tmp_path / "cache")[0])
     with open(os.path.join(cache, "valid.bin"), "r+b") as f:
         f.truncate(10)
-    with pytest.raises(SystemExit, match=r"data cache .* is damaged \(valid.bin: ValueError: mmap length .*delete that folder"):
+    with pytest.raises(SystemExit, match=r"data cache .* is damaged \(valid.bin: ValueError: mmap length .*delete "
+                                         r"that folder"):
         train_lm.main(argv[:5] + [str(tmp_path / "o2")] + argv[6:])
 
 
