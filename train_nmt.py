@@ -509,27 +509,21 @@ def rare_token_recall(hyps, refs, rare):
 
 @torch.no_grad()
 def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, beam=None):
-    """Valid/test NLL (no smoothing), total and per frequency group of the target token; the predicted vs true
-    probability mass of the static rare group (`group_rare_mass_*`) and of the method's own rare set
-    (`method_rare_mass_*`); BLEU on the first `bleu_sents` sentences (0/None: all) with the decoding time; and the
-    embedding geometry, total and per group (AGG Fig. 2). out["target"]: the same on the target side (groups ranked
-    over target tokens, target_groups): PPL per group, rare mass, Uniq (distinct argmax predictions, teacher forced)
-    with the references' distinct tokens, recall of rare reference tokens in the hypotheses, and agg.geometry of
-    the target tokens' rows."""
+    """Valid/test NLL (no smoothing), total and per frequency group; the predicted vs true probability mass of the
+    static rare group (`group_rare_mass_*`) and of the method's rare set (`method_rare_mass_*`); BLEU on the first
+    `bleu_sents` sentences (0/None: all); the embedding geometry per group (AGG Fig. 2). out["target"]: the target
+    side (groups ranked over target tokens): PPL per group, rare mass, Uniq (distinct argmax predictions, teacher
+    forced) beside the references', recall of rare reference tokens, and the geometry of the target rows."""
     model.eval()
     src, tgt = data.ids[f"{split}.src"], data.ids[f"{split}.tgt"]
     groups = agg.frequency_groups(data.corpus_counts)
     gid = agg.group_of(groups, data.vocab_size).to(device)
     rare = gid == 2
-    dyn = method.rare_mask() if method is not None and method.steps > 0 else None
-    dyn = None if dyn is None else dyn.to(device)
-    acc = agg.GroupNLL()
-    rare_pred, dyn_pred, dyn_true = 0.0, 0.0, 0
+    dyn = method.rare_mask().to(device) if method is not None and method.steps > 0 else None
+    acc, t_acc, rare_pred, t_rare_pred, dyn_pred, dyn_true = agg.GroupNLL(), agg.GroupNLL(4), 0.0, 0.0, 0.0, 0
     tgroups = target_groups(data.counts)
     tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3).to(device)  # 3: not a training target
     t_rare = tid == 2
-    t_acc = agg.GroupNLL(4)
-    t_rare_pred = 0.0
     predicted = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)  # Uniq: argmax tokens seen
     referenced = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)
     for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):

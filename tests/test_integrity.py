@@ -181,15 +181,13 @@ def test_overwrite_removes_the_previous_runs_files(corpus, tmp_path):
 
 
 def test_an_out_folder_that_holds_no_run_is_not_emptied(corpus, tmp_path):
-    """--out pointed at a folder of other files: refused without --overwrite; with it, only the run's own files are
-    written and removed. A config.json that no run wrote (a Hugging Face export) is never replaced."""
+    """--out pointed at a folder of other files: only the run's own files are written and removed, with --overwrite
+    too. A config.json that no run wrote (a Hugging Face export) is never replaced."""
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("my notes")
-    with pytest.raises(SystemExit, match=r"--out .*mine: holds files no run wrote \(notes.txt\) and no run.*--overwrite"):
-        train_lm.main(lm_argv(corpus, out))
-    assert sorted(os.listdir(out)) == ["notes.txt"]
-    train_lm.main(lm_argv(corpus, out, "--overwrite"))
+    train_lm.main(lm_argv(corpus, out))
+    assert (out / "notes.txt").read_text() == "my notes" and os.path.exists(out / "ckpt.pt")
     mine = {"notes.txt": "my notes", "results.tmp7": "a temp file of mine", "ckpt_mine.pt": "not a snapshot",
             "config.json.bak": "{}", os.path.join("snapshots", "plot.png"): "a figure"}
     os.makedirs(out / "snapshots")

@@ -392,10 +392,9 @@ def test_an_unreadable_parquet_file_ends_in_one_line(tmp_path):
 def test_prepare_lm_builds_the_cache_a_run_reuses_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
     folder = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
     argv = ["--data-dir", folder, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), *lm_tiny]
-    cfg = train_lm.make_config(data_dir=folder, cache_dir=str(tmp_path / "cache"), vocab_size=300)  # as lm_tiny's
-    assert not data_py.prepare_lm(cfg)["reused"]
+    cache = train_lm.main(argv + ["--prepare-only"])
     assert "building tokenizer + token ids in" in capsys.readouterr().out
-    assert not (tmp_path / "run").exists() and len(os.listdir(tmp_path / "cache")) == 1
+    assert not (tmp_path / "run").exists() and os.listdir(tmp_path / "cache") == [os.path.basename(cache)]
     train_lm.main(argv + ["--max-steps", "1", "--eval-interval", "1"])
     assert "reusing cached" in capsys.readouterr().out
 

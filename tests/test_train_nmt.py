@@ -396,9 +396,11 @@ def test_tokens_per_step_is_the_global_batch_under_ddp(tmp_path, nmt_tiny, run_d
 def test_prepare_nmt_prepares_the_data_and_no_run(tmp_path, capsys):
     cfg = T.make_config(dataset="synthetic", synthetic_size=300, vocab_size=600, out=str(tmp_path / "run"),
                         cache_dir=str(tmp_path / "cache"))
-    d = data_py.prepare_nmt(cfg)
+    cache = T.main(["--dataset", "synthetic", "--synthetic-size", "300", "--vocab-size", "600", "--out",
+                    str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--prepare-only"])
     assert "training joint byte-level BPE (600) on 300 pairs" in capsys.readouterr().out
-    assert not (tmp_path / "run").exists() and len(os.listdir(tmp_path / "cache")) == 1
+    assert not (tmp_path / "run").exists() and os.listdir(tmp_path / "cache") == [cache.name]
+    d = data_py.prepare_nmt(cfg)
     assert len(d.ids["train.src"]) == 300 and d.vocab_size == len(d.tokens()) and d.cache.parent == tmp_path / "cache"
     again = data_py.prepare_nmt(cfg)
     assert not capsys.readouterr().out  # the tokenizer and the ids come from the cache
