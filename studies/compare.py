@@ -627,9 +627,9 @@ def plot_output_bias(biases, counts, path):
 
 
 # ---------------------------------------------------------------------------------------------------------- report
-def pm(s, nd=2):
-    """'mean +- std' of a summary entry."""
-    return f"{fmt(s['mean'], nd)} ± {fmt(s['std'], nd)}"
+def row(*cells):
+    """A markdown table row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def _md(s):
@@ -639,46 +639,43 @@ def _md(s):
 def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots=None, comparisons=()):
     L = ["# Evaluation report", "", f"`{shlex.join(['python', '-m', 'studies.compare', *argv])}`", "",
          f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
+    G, nan = agg.GROUPS, float("nan")
     if summary and any(s["n"] > 1 for s in summary.values()):
         cols = [("ppl", "PPL"), ("ppl_groups.rare", "PPL rare"), ("uniq", "Uniq"), ("isotropy", "I(W)"),
                 ("isotropy_groups.rare", "I rare"), ("mean_cosine", "mean cos"),
                 ("mean_cosine_groups.rare", "cos rare"), ("bleu", "BLEU"), ("test_ppl", "test PPL"),
                 ("group_rare_mass_pred", "rare mass pred"), ("group_rare_mass_true", "rare mass true")]
         cols = [(k, h) for k, h in cols if any(get(s, k) for s in summary.values())]
-        L += ["## Mean ± std over the runs (seeds) of each method", "", "| method | n | " + " | ".join(h for _, h in cols) +
-              " |", "|" + " --- |" * (2 + len(cols))]
-        for method, s in summary.items():
-            L.append(f"| {method} | {s['n']} | " + " | ".join(pm(get(s, k), 3 if "isotropy" in k or "cos" in k
-                                                                      else 2) if get(s, k) else "-"
-                                                                 for k, _ in cols) + " |")
+        pm = lambda s, nd: f"{fmt(s['mean'], nd)} ± {fmt(s['std'], nd)}"
+        L += ["## Mean ± std over the runs (seeds) of each method", "", row("method", "n", *(h for _, h in cols)),
+              "|" + " --- |" * (2 + len(cols))]
+        L += [row(v, s["n"], *(pm(get(s, k), 3 if "isotropy" in k or "cos" in k else 2) if get(s, k) else "-"
+                               for k, _ in cols)) for v, s in summary.items()]
         L.append("")
     lm = [k for k, m in metrics.items() if m["task"] == "lm"]
     nmt = [k for k, m in metrics.items() if m["task"] == "nmt"]
     if lm:
-        split = metrics[lm[0]]["split"]
-        L += [f"## Language modelling ({split} split; groups: 30% frequent / 50% medium / 20% rare by train counts)",
-              "", "| run | method | step | PPL freq | PPL med | PPL rare | PPL total | Uniq freq | Uniq med | Uniq rare "
-              "| Uniq total | I(W) | I freq | I med | I rare | mean cos | " +
-              " | ".join(metrics[lm[0]]["word_similarity"]) + " |",
-              "|" + " --- |" * (16 + len(metrics[lm[0]]["word_similarity"]))]
+        h = metrics[lm[0]]
+        ws = list(h["word_similarity"])
+        L += [f"## Language modelling ({h['split']} split; groups: 30% frequent / 50% medium / 20% rare by train "
+              f"counts)", "", row("run", "method", "step", *(f"PPL {g}" for g in G), "PPL total",
+                                  *(f"Uniq {g}" for g in G), "Uniq total", "I(W)", *(f"I {g}" for g in G), "mean cos",
+                                  *ws), "|" + " --- |" * (16 + len(ws))]
         for k in lm:
             m = metrics[k]
-            L.append(f"| {k} | {m['method']} | {m['step']} | " +
-                     " | ".join(fmt(m["ppl_groups"][g]) for g in agg.GROUPS) + f" | {fmt(m['ppl'])} | " +
-                     " | ".join(str(m["uniq_groups"][g]) for g in agg.GROUPS) + f" | {m['uniq']} | {fmt(m['isotropy'], 3)} | " +
-                     " | ".join(fmt(m["isotropy_groups"][g], 3) for g in agg.GROUPS) + f" | {fmt(m['mean_cosine'], 3)} | " +
-                     " | ".join(fmt(v, 3) for v in m["word_similarity"].values()) + " |")
-        h = metrics[lm[0]]
-        L.append("| human | - | - | - | - | - | - | " + " | ".join(str(h["uniq_human_groups"][g]) for g in agg.GROUPS) +
-                 f" | {h['uniq_human']} |" + " - |" * (5 + len(h["word_similarity"])))
+            L.append(row(k, m["method"], m["step"], *(fmt(m["ppl_groups"][g]) for g in G), fmt(m["ppl"]),
+                         *(m["uniq_groups"][g] for g in G), m["uniq"], fmt(m["isotropy"], 3),
+                         *(fmt(m["isotropy_groups"][g], 3) for g in G), fmt(m["mean_cosine"], 3),
+                         *(fmt(v, 3) for v in m["word_similarity"].values())))
+        L.append(row("human", *["-"] * 6, *(h["uniq_human_groups"][g] for g in G), h["uniq_human"], *["-"] * (5 + len(ws))))
         L += ["", "Word similarity: Spearman correlation of the cosine of mean subword embeddings with human scores "
               "(pairs used / total: " + "; ".join(f"{n} {u}/{t}" for n, (u, t) in
                                                    h["word_similarity_pairs"].items()) + ").", ""]
         L += ["Greedy continuations (Uniq = distinct tokens in 100 generated tokens; seq-rep-4 = share of repeated "
-              "4-grams, Welleck et al. 2020):", "",
-              "| run | mean Uniq per sample | mean seq-rep-4 |", "| --- | --- | --- |"]
-        L += [f"| {k} | {fmt(metrics[k]['gen_uniq'], 1)} | {fmt(metrics[k]['gen_rep4'], 3)} |" for k in lm]
-        L += [f"| human | {fmt(h['gen_uniq_human'], 1)} | {fmt(h['gen_rep4_human'], 3)} |", ""]
+              "4-grams, Welleck et al. 2020):", "", row("run", "mean Uniq per sample", "mean seq-rep-4"),
+              "| --- | --- | --- |"]
+        L += [row(k, fmt(metrics[k]["gen_uniq"], 1), fmt(metrics[k]["gen_rep4"], 3)) for k in lm]
+        L += [row("human", fmt(h["gen_uniq_human"], 1), fmt(h["gen_rep4_human"], 3)), ""]
         for j, g in enumerate(h["generations"][:args.show_samples]):
             L += [f"**Sample {j + 1}** prefix: {_md(g['prefix'])}", "",
                   f"- human (Uniq {g['uniq_human']}): {_md(g['human'])}"]
@@ -686,16 +683,16 @@ def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots
                   f"{_md(metrics[k]['generations'][j]['continuation'])}" for k in lm]
             L.append("")
     if nmt:
-        L += ["## Machine translation", "", "| run | method | BLEU | test PPL | PPL freq | PPL med | PPL rare | I(W) | "
-              "I freq | I med | I rare | mean cos | rare mass pred / true | signature |", "|" + " --- |" * 14]
+        L += ["## Machine translation", "", row("run", "method", "BLEU", "test PPL", *(f"PPL {g}" for g in G), "I(W)",
+                                                *(f"I {g}" for g in G), "mean cos", "rare mass pred / true",
+                                                "signature"), "|" + " --- |" * 14]
         for k in nmt:
             m = metrics[k]
-            L.append(f"| {k} | {m.get('method', '?')} | {fmt(m.get('bleu', float('nan')))} | "
-                     f"{fmt(m.get('test_ppl', float('nan')))} | " +
-                     " | ".join(fmt(m.get("ppl_groups", {}).get(g, float("nan"))) for g in agg.GROUPS) +
-                     f" | {fmt(m['isotropy'], 3)} | " + " | ".join(fmt(m["isotropy_groups"][g], 3) for g in agg.GROUPS) +
-                     f" | {fmt(m['mean_cosine'], 3)} | {fmt(m.get('group_rare_mass_pred', float('nan')), 4)} / "
-                     f"{fmt(m.get('group_rare_mass_true', float('nan')), 4)} | `{_md(m.get('bleu_signature', ''))}` |")
+            L.append(row(k, m.get("method", "?"), fmt(m.get("bleu", nan)), fmt(m.get("test_ppl", nan)),
+                         *(fmt(m.get("ppl_groups", {}).get(g, nan)) for g in G), fmt(m["isotropy"], 3),
+                         *(fmt(m["isotropy_groups"][g], 3) for g in G), fmt(m["mean_cosine"], 3),
+                         f"{fmt(m.get('group_rare_mass_pred', nan), 4)} / {fmt(m.get('group_rare_mass_true', nan), 4)}",
+                         f"`{_md(m.get('bleu_signature', ''))}`"))
         L += ["", "PPL per group: of the target tokens in each frequency group (30% / 50% / 20% of the vocabulary by "
               "train counts of both sides). Rare mass: the probability the model gives the rare group, summed over "
               "target positions, against the rare group's share of the targets.", ""]
@@ -710,28 +707,27 @@ def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots
         L += ["## The free baseline: one bias on the rare group's logits, fitted on the valid split", "",
               "Fitted by minimum valid NLL, which also calibrates the rare group's predicted mass. Precision / recall: "
               "of the argmax predictions that are rare tokens, the share that are right / of the rare targets, the "
-              "share predicted exactly.", "",
-              "| run | bias | PPL | PPL rare | rare mass pred / true | Uniq | Uniq rare | rare argmax precision | "
-              "rare argmax recall |", "|" + " --- |" * 9]
+              "share predicted exactly.", "", row("run", "bias", "PPL", "PPL rare", "rare mass pred / true", "Uniq",
+                                                  "Uniq rare", "rare argmax precision", "rare argmax recall"),
+              "|" + " --- |" * 9]
         for k in biased:
             a, b = metrics[k]["rare_argmax"], metrics[k]["rare_bias"]
-            L.append(f"| {k} | 0 -> {b['bias']:+.3f} | {fmt(a['ppl'])} -> {fmt(b['ppl'])} | "
-                     f"{fmt(a['ppl_groups']['rare'])} -> {fmt(b['ppl_groups']['rare'])} | "
-                     f"{a['rare_mass_pred']:.4f} -> {b['rare_mass_pred']:.4f} / {a['rare_mass_true']:.4f} | "
-                     f"{a['uniq']} -> {b['uniq']} | {a['uniq_groups']['rare']} -> {b['uniq_groups']['rare']} | "
-                     f"{fmt(a['rare_argmax_precision'], 3)} -> {fmt(b['rare_argmax_precision'], 3)} | "
-                     f"{fmt(a['rare_argmax_recall'], 3)} -> {fmt(b['rare_argmax_recall'], 3)} |")
+            to = lambda f, key, nd=2: f"{fmt(f(a)[key], nd)} -> {fmt(f(b)[key], nd)}"
+            L.append(row(k, f"0 -> {b['bias']:+.3f}", to(dict, "ppl"), to(lambda x: x["ppl_groups"], "rare"),
+                         f"{a['rare_mass_pred']:.4f} -> {b['rare_mass_pred']:.4f} / {a['rare_mass_true']:.4f}",
+                         to(dict, "uniq"), to(lambda x: x["uniq_groups"], "rare"),
+                         to(dict, "rare_argmax_precision", 3), to(dict, "rare_argmax_recall", 3)))
         L.append("")
     for c in comparisons:
         L += [f"## Paired comparison: {c['cand']} against {c['base']} (seeds {', '.join(map(str, c['seeds']))})", "",
               "PPL rows: geometric-mean ratio cand / base and intervals of the ratio; other rows: differences.", "",
-              "| metric | base (mean) | cand (mean) | change | 95% t interval | 95% bootstrap | median | p (paired t) |",
-              "|" + " --- |" * 8]
+              row("metric", "base (mean)", "cand (mean)", "change", "95% t interval", "95% bootstrap", "median",
+                  "p (paired t)"), "|" + " --- |" * 8]
         for key, r in c["metrics"].items():
             f = (lambda x: f"x{math.exp(x):.3f}") if r["log_ratio"] else (lambda x: f"{x:+.4g}")
             iv = lambda name: f"[{f(r[name][0])}, {f(r[name][1])}]" if name in r else "-"
-            L.append(f"| {key} | {fmt(float(np.mean(r['base'])), 3)} | {fmt(float(np.mean(r['cand'])), 3)} | "
-                     f"{f(r['mean'])} | {iv('t95')} | {iv('boot95')} | {f(r['median'])} | {fmt(r.get('p', float('nan')), 3)} |")
+            L.append(row(key, fmt(float(np.mean(r["base"])), 3), fmt(float(np.mean(r["cand"])), 3), f(r["mean"]),
+                         iv("t95"), iv("boot95"), f(r["median"]), fmt(r.get("p", nan), 3)))
         if "rare_types" in c:
             t = c["rare_types"]
             L += ["", f"Rare-group PPL ratio pooled over the pairs: x{t['ratio']:.3f}, 95% interval over rare target "
@@ -754,15 +750,12 @@ def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots
     L += ["## Top-5 cosine neighbours of rare tokens (AGG Tables 12-13; * = neighbour in the rare group)", ""]
     for k, m in metrics.items():
         L += [f"**{k}**", "", "| token | top-5 neighbours |", "| --- | --- |"]
-        L += [f"| {_md(t)} | {', '.join(_md(n) for n in ns)} |" for t, ns in m["neighbours"].items()]
+        L += [row(_md(t), ", ".join(_md(n) for n in ns)) for t, ns in m["neighbours"].items()]
         L.append("")
     L += ["## Plots", "", "![singular values](singular_values.png)", "", "![SVD projection](svd_projection.png)", ""]
-    if curves:
-        L += ["![training curves](training_curves.png)", ""]
-    if snapshots:
-        L += ["![SVD projection over training](svd_over_time.png)", ""]
-    L += [
-          "Tokens that never occur in training receive (almost) no gradient under the gated methods and stay near "
+    L += ["![training curves](training_curves.png)", ""] if curves else []
+    L += ["![SVD projection over training](svd_over_time.png)", ""] if snapshots else []
+    L += ["Tokens that never occur in training receive (almost) no gradient under the gated methods and stay near "
           "their initialisation: they form a cluster at the origin of the projection.", ""]
     runlib.write_text(path, "\n".join(L))
 

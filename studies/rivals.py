@@ -18,7 +18,7 @@ The protocol (this project's choices):
   hosts, which moves a run as another seed would;
 - every run evaluated by eval.py (test PPL total, per group and calibrated, the geometry metrics that favour no
   method, Uniq, greedy and sampled continuations); selections read validation only.
-The study machinery (restartable runs, results files that continue the study elsewhere) is studies/scale.py's.
+The study machinery (restartable runs, results files that continue the study elsewhere) is scale.py's.
 """
 import argparse
 import json
