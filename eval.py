@@ -160,7 +160,6 @@ def neighbours(weight, ids, k=5):
     return sims.topk(k, dim=1).indices.tolist()
 
 
-
 def output_bias_stats(bias, counts):
     """How a learned output bias (train_lm.py --output-bias) encodes frequency, over the tokens seen in training:
     Pearson and Spearman correlation with log train counts, the least-squares slope (bias per nat of frequency), and

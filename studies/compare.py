@@ -457,8 +457,6 @@ def reanalyse(path, add=()):
     return res
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------- plots
 def save(fig, path, dpi=120):
     fig.savefig(path, dpi=dpi)
@@ -541,13 +539,14 @@ def plot_training_curves(folders, variants, path):
             ("isotropy_groups.rare", "I(W) rare"), ("cosine_rare_freq", "cos(rare, frequent)"), ("ppl", "valid PPL")]
     if all("bleu" in r for runs in groups.values() for recs in runs for r in recs):  # NMT: the seeds' spread
         keys.append(("bleu", "valid BLEU"))
-    release = {variants[k]: (runlib.run_config(d) or {}).get("method_hparams", {}).get("until") for k, d in folders.items()}
+    release = {variants[k]: until for k, d in folders.items()  # freeze-rare's release step
+               if (until := (runlib.run_config(d) or {}).get("method_hparams", {}).get("until")) is not None}
     colours = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.4))
     for ax, (key, title) in zip(axes, keys):
         for i, (variant, runs) in enumerate(groups.items()):
             colour = colours(i % colours.N)
-            if release.get(variant) is not None:
+            if variant in release:
                 ax.axvline(release[variant], color=colour, ls=":", lw=1)
             label = next(k for k in folders if variants[k] == variant) if len(runs) == 1 else \
                 f"{variant} (mean of {len(runs)})"
@@ -667,7 +666,8 @@ def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots
                          *(m["uniq_groups"][g] for g in G), m["uniq"], fmt(m["isotropy"], 3),
                          *(fmt(m["isotropy_groups"][g], 3) for g in G), fmt(m["mean_cosine"], 3),
                          *(fmt(v, 3) for v in m["word_similarity"].values())))
-        L.append(row("human", *["-"] * 6, *(h["uniq_human_groups"][g] for g in G), h["uniq_human"], *["-"] * (5 + len(ws))))
+        L.append(row("human", *["-"] * 6, *(h["uniq_human_groups"][g] for g in G), h["uniq_human"],
+                     *["-"] * (5 + len(ws))))
         L += ["", "Word similarity: Spearman correlation of the cosine of mean subword embeddings with human scores "
               "(pairs used / total: " + "; ".join(f"{n} {u}/{t}" for n, (u, t) in
                                                    h["word_similarity_pairs"].items()) + ").", ""]

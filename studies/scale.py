@@ -205,8 +205,9 @@ def run_record(study, name, **extra):
     cfg = runlib.run_config(folder)
     with open(os.path.join(folder, "report", "metrics.json")) as f:
         m = next(iter(json.load(f).values()))
+    command = runlib.run_command(cfg, "train_lm.py").replace(os.path.relpath(study.runs, ROOT), label)
     return compare.run_record(
-        m, cfg, **extra, command=runlib.run_command(cfg, "train_lm.py").replace(os.path.relpath(study.runs, ROOT), label),
+        m, cfg, **extra, command=command,
         eval_command=shlex.join(["python", "eval.py", f"{label}/{name}", "--out", f"{label}/{name}/report",
                                  *study.eval_args]))
 

@@ -46,6 +46,7 @@ def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
         assert (report / png).stat().st_size > 5000
     assert (report / "training_curves.png").stat().st_size > 0  # from the valid records of log.jsonl
     assert (report / "gradient_parts.png").stat().st_size > 0  # from their grad_parts
+    assert (report / "rare_share.png").stat().st_size > 0  # from agg's train records (method_rare_fraction)
     assert (report / "svd_over_time.png").stat().st_size > 0  # from agg's --snapshot-steps 1,3
     snap = torch.load(os.path.join(runs["agg"], "snapshots", "emb_3.pt"), weights_only=True)
     ck = torch.load(os.path.join(runs["agg"], "ckpt.pt"), weights_only=True)
