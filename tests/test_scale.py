@@ -1,4 +1,5 @@
-"""scale.py: the study's plan (selections on validation, bracketed learning rates, nested data) and --train-fraction."""
+"""studies/scale.py and studies/rivals.py: the studies' plans (selections on validation, bracketed learning rates,
+nested data, pairs on one host), their results files, and --train-fraction."""
 import json
 import math
 import os
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 import data as data_py
-import scale
 import train_lm
+from studies import rivals, scale
 
 
 def fake_run(study, name, valid_ppl, steps=10):
@@ -17,7 +18,7 @@ def fake_run(study, name, valid_ppl, steps=10):
     folder = study.folder(name)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(dict(max_steps=steps), f)
+        json.dump(dict(max_steps=steps, task="lm"), f)
     with open(os.path.join(folder, "log.jsonl"), "w") as f:
         f.write(json.dumps(dict(step=steps, split="valid", ppl=valid_ppl)) + "\n")
     torch.save(dict(step=steps, config=dict(max_steps=steps, task="lm"), model={}), os.path.join(folder, "ckpt.pt"))
@@ -95,7 +96,6 @@ def test_a_results_file_continues_the_study_without_its_run_folders(tmp_path, mo
 
 
 def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
-    import rivals
     study = rivals.Rivals(str(tmp_path))
     plan, pending = study.plan()
     names = [n for n, _f, _c in plan]
@@ -125,9 +125,10 @@ def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
             open(os.path.join(study.folder(n), "report", "metrics.json"), "w").close()
     last = max(curve)  # it is evaluated before an unfinished earlier run trains
     fake_run(study, last, 105)
-    name, cmd = scale.next_job(study, {})
+    name, cmd, log = scale.next_job(study, {})
     assert name == last and cmd[1].endswith("eval.py") and cmd[-2:] == ["--n-samples", "5"]
-    name, cmd = scale.next_job(study, {last: None})
+    assert log == study.folder(name) + ".log"  # the job's output, beside its run folder
+    name, cmd, _log = scale.next_job(study, {last})
     assert cmd[1].endswith("train_lm.py") and not study.finished(name)
 
 
@@ -170,7 +171,6 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
 
 
 def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp_path, monkeypatch):
-    import rivals
     monkeypatch.setattr(rivals, "KNOB_SEEDS", {("zloss", "z0.01"): 5})  # one knob value off the selection gets 5 seeds
 
     a1, b2 = "a1" * 8, "b2" * 8  # two hosts' kernels
@@ -180,12 +180,12 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
         folder = study.folder(name)
         method, flags, _ = rivals.RIVALS[rival]
         host = host or (b2 if (rival, seed) == ("zloss", 2) else a1)  # zloss's seed 2 ran on another host
-        cfg = dict(max_steps=10, method=method, lr=lr, seed=seed, method_hparams={},
+        cfg = dict(task="lm", max_steps=10, method=method, lr=lr, seed=seed, method_hparams={},
                    versions=dict(threads=1, kernels=host),
                    git_commit="abc", argv=rivals.run_flags(rival, lr, knob, seed), optimizer="adamw")
         json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
         os.makedirs(os.path.join(folder, "report"))
-        m = dict(valid_ppl=ppl, ppl=ppl - 40, ppl_groups=dict(freq=50.0, med=900.0, rare=8000.0 - 1000 * rare_iso),
+        m = dict(method=method, seed=seed, valid_ppl=ppl, ppl=ppl - 40, ppl_groups=dict(freq=50.0, med=900.0, rare=8000.0 - 1000 * rare_iso),
                  isotropy=rare_iso + 0.1, isotropy_groups=dict(freq=0.3, med=0.2, rare=rare_iso), isoscore=0.2,
                  uniq=900 + seed)
         json.dump({name: m}, open(os.path.join(folder, "report", "metrics.json"), "w"))
@@ -202,7 +202,7 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
                 evaluated(name, rival, lr, knob, seed, ppl, knob_iso[knob] + 0.01 * seed)
     rivals.write_results(study, str(tmp_path / "lm_rivals.json"), ["--no-train", "--out", "/elsewhere", "--results", str(tmp_path / "lm_rivals.json")])
     res = json.load(open(tmp_path / "lm_rivals.json"))
-    assert res["command"] == f"python rivals.py --results {tmp_path.name}/lm_rivals.json"  # the runs' folder: out/rivals
+    assert res["command"] == f"python -m studies.rivals --results {tmp_path.name}/lm_rivals.json"  # runs: out/rivals
     assert res["selection"]["selected"]["zloss"] == [4e-3, "z0.0001"] and res["selection"]["selected"]["mle"] == [4e-3, ""]
     curve = res["selection"]["knob_curve"]["zloss"]
     assert list(curve) == ["z0.0001", "z0.001", "z0.01", "z0.1"] and curve["z0.01"]["rare_isotropy"] == pytest.approx([0.2, 0.21, 0.22])
@@ -241,6 +241,9 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert set(pairs) == {("mle", "zloss"), ("mle", "untied-mle"), ("mle", "untied-agg"), ("untied-mle", "untied-agg")}
     assert pairs["untied-mle", "untied-agg"]["seeds"] == [0, 1, 2]
     assert pairs["untied-mle", "untied-agg"]["metrics"]["isotropy_groups.rare"]["diffs"] == pytest.approx([0.07] * 3)
-    run = res["runs"][rivals.run_name("zloss", 4e-3, "z0.01", 2)]
+    run_name = rivals.run_name("zloss", 4e-3, "z0.01", 2)
+    run = res["runs"][run_name]
     assert run["rival"] == "zloss" and run["command"].startswith("OMP_NUM_THREADS=1 python train_lm.py")
+    assert run["eval_command"] == f"python eval.py out/rivals/runs/{run_name} --out out/rivals/runs/{run_name}/report " \
+                                  "--n-samples 5" and run["knob"] == "z0.01" and run["isoscore"] == 0.2
     assert os.path.getsize(tmp_path / "lm_rivals.png") > 10000

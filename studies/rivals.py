@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """AGG against the fixes that came after it, at the cpu preset, every method tuned as AGG is.
 
-    python rivals.py --jobs 2 --results results/lm_rivals.json      # train, evaluate, select; rerun to continue
-    python rivals.py --no-train --results results/lm_rivals.json    # the study so far: JSON and the Pareto picture
+    python -m studies.rivals --jobs 2 --results results/lm_rivals.json    # train, evaluate, select; rerun to continue
+    python -m studies.rivals --no-train --results results/lm_rivals.json  # the study so far: JSON, Pareto picture
 
 The protocol (this project's choices):
 - the rivals (RIVALS): MLE; AGG; Coupled Adam (the vocabulary matrix's update divided by its mean second moment);
@@ -28,12 +27,13 @@ import re
 import shlex
 import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 import runlib
-import scale
+from studies import compare, scale
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = runlib.ROOT
 LRS = [2e-3, 4e-3, 8e-3]
 # AGG's share, three values like every rival's knob: 0.05 is scale.py's selection at this very setting (M, full
 # data, lr 4e-3; 0.025 no better on the mean), 0.2 the headline's, 0.4 the peers' selection (AGPS, FRAGE)
@@ -79,15 +79,13 @@ def replica_name(lr, seed, host):
 class Rivals(scale.Study):
     """The rivals' runs as far as the finished sweeps decide them."""
     eval_args = ["--n-samples", "5"]  # greedy and sampled continuations for seq-rep-4 and distinct-n
+    label = "out/rivals"
     host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count): replicas are made here
 
     def kernels(self, name):
         """The host kernels a run recorded (its config.json, else its record in the results file), or None."""
-        path = os.path.join(self.folder(name), "config.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                return (json.load(f).get("versions") or {}).get("kernels")
-        return (self.prior.get(name) or {}).get("kernels")
+        cfg = runlib.run_config(self.folder(name))
+        return (cfg.get("versions") or {}).get("kernels") if cfg else (self.prior.get(name) or {}).get("kernels")
 
     def replicas(self, mle_best):
         """{name: flags} of the MLE replicas: every one made so far (here or in the results file), and one on this host
@@ -142,37 +140,21 @@ class Rivals(scale.Study):
 
 
 def record(study, name, rival, lr, knob):
-    """One finished, evaluated run: its rival, settings and metrics (eval.py's), and the commands."""
-    folder = study.folder(name)
-    if not os.path.exists(os.path.join(folder, "report")):
+    """One finished, evaluated run: its results record (scale.run_record) with its rival and knob."""
+    if not os.path.exists(os.path.join(study.folder(name), "report")):
         return study.prior[name]
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(folder, "report", "metrics.json")) as f:
-        m = next(iter(json.load(f).values()))
-    here = os.path.relpath(study.runs, ROOT)
-    keys = ("valid_ppl", "ppl", "ppl_groups", "rare_bias", "temperature", "isotropy", "isotropy_groups", "isoscore",
-            "isotropy_weighted", "isotropy_weighted_centered", "isotropy_centered", "undertrained", "mean_cosine", "mean_row_share",
-            "uniq", "uniq_groups", "gen_rep4", "gen_rep4_sampled", "gen_distinct", "article_stats", "geometry_rows_rule")
-    return dict(rival=rival, replica=bool(REPLICA.match(name)), method=cfg["method"], optimizer=cfg.get("optimizer", "adamw"),
-                untie=bool(cfg.get("untie")), lr=cfg["lr"], knob=knob, seed=cfg["seed"],
-                method_hparams=cfg["method_hparams"], embedding_weight_decay=cfg.get("embedding_weight_decay"),
-                **{k: m.get(k) for k in keys}, threads=cfg["versions"]["threads"],
-                kernels=cfg["versions"].get("kernels"), git_commit=cfg["git_commit"],
-                command=runlib.run_command(cfg, "train_lm.py").replace(here, "out/rivals/runs"),
-                eval_command=f"python eval.py out/rivals/runs/{name} --out out/rivals/runs/{name}/report --n-samples 5")
+    return scale.run_record(study, name, rival=rival, replica=bool(REPLICA.match(name)), knob=knob)
 
 
 def host_pairs(chosen, rival, base="mle"):
-    """The runs of `base` and `rival` whose seeds pair (eval.pair_difference: the same thread count and host kernels),
-    and {seed: why not} for the seeds both have that do not: runs of one seed made on two hosts are not paired."""
-    from eval import pair_difference, record_config
+    """The runs of `base` and `rival` whose seeds pair (compare.pair_difference: the same thread count and host
+    kernels), and {seed: why not} for the seeds both have that do not: runs of one seed on two hosts are not paired."""
     pairs, unpaired = {}, {}
     for nc, c in sorted(chosen.items()):
         if c["rival"] != rival:
             continue
         bases = sorted((n, r) for n, r in chosen.items() if r["rival"] == base and r["seed"] == c["seed"])
-        whys = [pair_difference(record_config(b), record_config(c)) for _n, b in bases]
+        whys = [compare.pair_difference(compare.record_config(b), compare.record_config(c)) for _n, b in bases]
         if None in whys:  # the seed's base run on the same host: the run itself or (MLE's) its replica there
             nb, b = bases[whys.index(None)]
             pairs.update({nb: dict(b, variant=base), nc: c})
@@ -195,9 +177,6 @@ def knob_curve(runs, rival, best, seeds=lambda knob: 3):
 def plot_pareto(runs, selections, path):
     """Valid PPL against rare I(W) and against IsoScore: every rival's sweep (seed 0, faint), its knob at the
     selected lr (mean and range of seeds 0-2, joined by a line) and its selection (large; all its seeds)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     colours = dict(zip(RIVALS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
     spread = lambda v: [[max(v.mean() - v.min(), 0)], [max(v.max() - v.mean(), 0)]]  # >= 0 despite rounding
@@ -242,8 +221,7 @@ def plot_pareto(runs, selections, path):
                  "lines: each rival's knob at its selected lr (mean and range of seeds 0-2); large: the selections (mean "
                  "and range over seeds)", fontsize=9)
     fig.tight_layout(rect=(0, 0.1 if handles else 0, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    compare.save(fig, path)
 
 
 def portable(argv):
@@ -270,7 +248,6 @@ def portable(argv):
 
 def write_results(study, path, argv):
     """results/lm_rivals.json: every finished run, the sweeps and selections, each rival paired with MLE by seed."""
-    from eval import compare
     plan, _ = study.plan()
     names = {run_name(rival, lr, k, s): (rival, lr, k) for rival, (_m, _f, knobs) in RIVALS.items()
              for lr in LRS for k, _ in knobs for s in range(max(SEEDS.values()))}
@@ -284,7 +261,7 @@ def write_results(study, path, argv):
     for base, rival in [("mle", r) for r in RIVALS if r != "mle"] + [("untied-mle", "untied-agg")]:
         pairs, unpaired = host_pairs(chosen, rival, base)
         if pairs:
-            comparisons.append(dict(compare(pairs, {}, base, rival, []), unpaired=unpaired))
+            comparisons.append(dict(compare.compare(pairs, {}, base, rival, []), unpaired=unpaired))
     # every other knob value at a rival's selected lr against MLE too: the knob's PPL cost with a seed interval
     knob_pairs = []
     for rival in RIVALS:
@@ -298,10 +275,10 @@ def write_results(study, path, argv):
             curve = {run_name(rival, best[0], knob, r["seed"]): dict(r, variant=label) for r in rs}
             pairs, unpaired = host_pairs({**curve, **{n: r for n, r in chosen.items() if r["rival"] == "mle"}}, rival)
             if pairs:
-                knob_pairs.append(dict(compare(pairs, {}, "mle", label, []), unpaired=unpaired))
+                knob_pairs.append(dict(compare.compare(pairs, {}, "mle", label, []), unpaired=unpaired))
     sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
                      for k, _ in RIVALS[rival][2]} for rival in RIVALS}
-    result = dict(command=shlex.join(["python", "rivals.py", *portable(argv)]), protocol=__doc__.split("The protocol")[1].strip(),
+    result = dict(command=shlex.join(["python", "-m", "studies.rivals", *portable(argv)]), protocol=__doc__.split("The protocol")[1].strip(),
                   selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best "
                                       "on the mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,
                                  finalists_valid_ppl={rival: {f"lr{lr:g} {k}".strip(): [

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Where AGG's conclusions hold as the model and the data grow: MLE and AGG over model sizes x training-data sizes.
 
-    python scale.py --jobs 2                                # train and evaluate what is runnable, small cells first
-    python scale.py --no-train --results results/lm_scale.json     # the study so far: JSON, figure, fits
+    python -m studies.scale --jobs 2                                 # train and evaluate what is runnable, small first
+    python -m studies.scale --no-train --results results/lm_scale.json     # the study so far: JSON, figure, fits
 
 The protocol (this project's choices; RESULTS.md states them with the numbers):
 - model sizes S, M, L (SIZES): depth and width grow together; the tied head's rank is d_model. M is the cpu preset.
@@ -28,16 +27,17 @@ import json
 import math
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
 
+import matplotlib.pyplot as plt
 import numpy as np
+from scipy import stats
 
+import eval as ev
 import runlib
+from studies import compare, pool
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = runlib.ROOT
 SIZES = {"S": dict(n_layer=2, d_model=64, n_head=2, d_ff=256),
          "M": dict(n_layer=4, d_model=128, n_head=4, d_ff=512),
          "L": dict(n_layer=6, d_model=192, n_head=6, d_ff=768)}
@@ -73,6 +73,7 @@ class Study:
     results files of this study (results/lm_scale.json, the corpus file): their runs count as finished and evaluated,
     so the study continues on a machine without their run folders."""
     eval_args = ["--n-samples", "0"]  # eval.py flags of every run's evaluation
+    label = "out/scale"  # the default --out, as the results' commands say
 
     def __init__(self, out, prior=()):
         self.runs = os.path.join(out, "runs")
@@ -102,11 +103,7 @@ class Study:
             return None
         if not os.path.exists(os.path.join(folder, "log.jsonl")):
             return self.prior[name]["valid_ppl"]
-        with open(os.path.join(folder, "config.json")) as f:
-            last = json.load(f)["max_steps"]
-        recs = [json.loads(line) for line in open(os.path.join(folder, "log.jsonl")) if line.strip()]
-        ppl = [r["ppl"] for r in recs if r.get("split") == "valid" and r.get("step") == last]
-        return ppl[-1] if ppl else None
+        return ev.last_valid_ppl(folder, runlib.run_config(folder)["max_steps"])
 
     def select(self, candidates):
         """(value, wanted runs) for candidates {value: [(name, flags) of each seed]}: the value of the lowest mean
@@ -176,89 +173,59 @@ def agg_shares(selected):
 
 
 def next_job(study, busy):
-    """The next command to run: an evaluation of a finished run first, then the cheapest unfinished run."""
-    plan, pending = study.plan()
-    plan = [(name, flags) for name, flags, _cost in plan if name not in busy]
+    """The next job for studies.pool (name, command, its log), or None: an evaluation of a finished run first, then
+    the cheapest unfinished run."""
+    plan = [(name, flags) for name, flags, _cost in study.plan()[0] if name not in busy]
     for name, _flags in plan:
         if study.finished(name) and not study.evaluated(name):
             folder = study.folder(name)
             return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",
-                          os.path.join(folder, "report"), *study.eval_args]
+                          os.path.join(folder, "report"), *study.eval_args], folder + ".log"
     for name, flags in plan:
         if not study.finished(name):
             folder = study.folder(name)
             resume = ["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []
-            return name, [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume]
-    return None, pending
+            return name, [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume], \
+                folder + ".log"
+    return None
 
 
 def train(study, jobs, after=None):
-    """Keep `jobs` processes busy (one thread each when jobs > 1) until nothing is runnable, calling `after()` when a
-    job ends (the results so far); SIGTERM / SIGINT stop the runs cleanly (each checkpoints) and the script, which a
-    rerun continues."""
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))} if jobs > 1 else {}))
-    running = {}
-
-    def stop(signum, frame):
-        for proc in running.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in running.values():
-            proc.wait()
-        raise SystemExit(f"scale: {signal.Signals(signum).name}: runs checkpointed; rerun to continue")
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, stop)
+    """Keep `jobs` runs and evaluations going (studies.pool) until nothing is runnable, calling after() when one
+    ends (the results so far); SIGTERM / SIGINT stop them cleanly (each run checkpoints): a rerun continues."""
     os.makedirs(study.runs, exist_ok=True)
-    while True:
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                del running[name]
-                if proc.returncode:
-                    raise SystemExit(f"scale: {name} failed (see {study.folder(name)}.log); fix it and rerun")
-                if after is not None:
-                    after()
-        while len(running) < jobs:
-            name, cmd = next_job(study, running)
-            if name is None:
-                break
-            print(f"{time.strftime('%H:%M:%S')} {name}: {shlex.join(cmd[1:2] + cmd[2:])}", flush=True)
-            with open(study.folder(name) + ".log", "a") as log:
-                running[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        if not running:
-            return
-        time.sleep(2 if len(running) == jobs else 30)
+    pool.run(lambda busy: next_job(study, busy), jobs, after and (lambda _name: after()))
 
 
 # ---------------------------------------------------------------------------------------------------------- results
-def run_record(study, name, out_label):
-    """One finished, evaluated run as a results record: its settings, sizes, metrics and commands."""
-    folder = study.folder(name)
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
+def run_record(study, name, **extra):
+    """A finished, evaluated run of a study as its results record (studies.compare.run_record), the commands as a
+    user runs them (the runs in the default study.label/runs)."""
+    folder, label = study.folder(name), f"{study.label}/runs"
+    cfg = runlib.run_config(folder)
     with open(os.path.join(folder, "report", "metrics.json")) as f:
         m = next(iter(json.load(f).values()))
+    command = runlib.run_command(cfg, "train_lm.py").replace(os.path.relpath(study.runs, ROOT), label)
+    return compare.run_record(
+        m, cfg, **extra, command=command,
+        eval_command=shlex.join(["python", "eval.py", f"{label}/{name}", "--out", f"{label}/{name}/report",
+                                 *study.eval_args]))
+
+
+def scale_record(study, name):
+    """A run of this study: its record with its sizes."""
+    cfg = runlib.run_config(study.folder(name))
     V, d = cfg["vocab_size_actual"], cfg["d_model"]
-    here = os.path.relpath(study.runs, ROOT)
-    return dict(
-        method=cfg["method"], seed=cfg["seed"], size=next(k for k, v in SIZES.items() if all(cfg[f] == x for f, x in v.items())),
-        dataset=cfg["dataset"], n_params=cfg["n_params"],
-        n_params_non_embedding=cfg["n_params"] - V * d - cfg["block_size"] * d, d_model=d, n_layer=cfg["n_layer"],
-        head_rank=d, train_fraction=cfg["train_fraction"], train_tokens=cfg["data_tokens"]["train"],
-        max_steps=cfg["max_steps"], lr=cfg["lr"], warmup=cfg["warmup"], rare_share=cfg.get("rare_share"),
-        method_hparams=cfg["method_hparams"], valid_ppl=m["valid_ppl"], ppl=m["ppl"], ppl_groups=m["ppl_groups"],
-        isotropy=m["isotropy"], isotropy_groups=m["isotropy_groups"], uniq=m["uniq"], uniq_groups=m["uniq_groups"],
-        mean_cosine=m["mean_cosine"], rare_bias=m["rare_bias"], rare_argmax=m["rare_argmax"],
-        geometry_rows_rule=m["geometry_rows_rule"], threads=cfg["versions"]["threads"],
-        cpu_capability=cfg["versions"].get("cpu_capability"), kernels=cfg["versions"].get("kernels"),
-        git_commit=cfg["git_commit"],
-        command=runlib.run_command(cfg, "train_lm.py").replace(here, f"{out_label}/runs"),
-        eval_command=f"python eval.py {out_label}/runs/{name} --out {out_label}/runs/{name}/report --n-samples 0")
+    return run_record(study, name, size=next(k for k, v in SIZES.items() if all(cfg[f] == x for f, x in v.items())),
+                      n_params=cfg["n_params"], n_params_non_embedding=cfg["n_params"] - V * d - cfg["block_size"] * d,
+                      d_model=d, n_layer=cfg["n_layer"], head_rank=d, train_tokens=cfg["data_tokens"]["train"],
+                      rare_share=cfg.get("rare_share"))
 
 
 def paired_cell(runs):
     """AGG against MLE in one (size, data) cell, paired by seed: total test PPL ratio, rare-group PPL ratio as they
     are and with both calibrated (one bias on the rare logits fitted on valid, eval.py's rare_bias), the share of the
     rare gap that calibrating both closes, I(W) and rare I(W) differences, Uniq difference."""
-    from eval import paired_interval
     by = {(r["method"], r["seed"]): r for r in runs}
     seeds = sorted(s for m, s in by if m == "agg" and ("mle", s) in by)
     pairs = [(by["mle", s], by["agg", s]) for s in seeds]
@@ -278,7 +245,7 @@ def paired_cell(runs):
         "rare_isotropy_diff": [a["isotropy_groups"]["rare"] - b["isotropy_groups"]["rare"] for b, a in pairs],
         "uniq_diff": [a["uniq"] - b["uniq"] for b, a in pairs],
     }
-    out = dict(seeds=seeds, **{k: paired_interval(v) for k, v in quantities.items()})
+    out = dict(seeds=seeds, **{k: compare.paired_interval(v) for k, v in quantities.items()})
     for k in ("isotropy", "uniq"):
         out[f"mle_{k}"] = [b[k] for b, _ in pairs]
         out[f"agg_{k}"] = [a[k] for _, a in pairs]
@@ -295,7 +262,6 @@ def fit_trend(cells, key):
     """OLS of the per-seed paired quantity on log10 non-embedding parameters and log10 training tokens, with the
     coefficients' standard errors and 95% intervals, and the fit's prediction (with a 95% prediction interval) at the
     paper's regime: an extrapolation over two to three decades, to be read as such."""
-    from scipy import stats
     X, y = [], []
     for c in cells:
         for v in c[key]["diffs"]:
@@ -324,9 +290,6 @@ def fit_trend(cells, key):
 def plot_cells(cells, path, share):
     """Each paired quantity against non-embedding parameters (a line per data size) and against training tokens (a
     line per model size): mean over seeds with the paired 95% t interval; AGG at rare share `share`."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     panels = [("ppl_log_ratio", "AGG / MLE test PPL", True), ("calibrated_rare_ppl_log_ratio",
               "AGG / MLE rare PPL, both calibrated", True), ("gap_closed_by_calibration",
               "share of the rare gap closed by calibrating both", False), ("rare_isotropy_diff",
@@ -358,18 +321,16 @@ def plot_cells(cells, path, share):
     fig.suptitle(f"AGG (rare share {share:g}) against MLE as the model and the data grow (cpu-preset family; mean "
                  "over seeds, paired 95% intervals)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    compare.save(fig, path)
 
 
 def write_results(study, path, argv, corpus_path=None):
     """results JSON: every finished run, the selections with the valid PPL behind them, the paired cells, the fits."""
     plan, _ = study.plan()
-    out_label = "out/scale"
     # every finished run: those of the current plan, and those an earlier selection asked for (kept as evidence)
     names = {n for n, _f, _c in plan} | set(study.prior) | \
         {n for n in (os.listdir(study.runs) if os.path.isdir(study.runs) else ()) if not n.endswith(".log")}
-    runs = {n: run_record(study, n, out_label) if os.path.exists(os.path.join(study.folder(n), "report"))
+    runs = {n: scale_record(study, n) if os.path.exists(os.path.join(study.folder(n), "report"))
             else study.prior[n] for n in sorted(names) if study.finished(n) and study.evaluated(n)}
     sel = study.selections()
     share_runs = {name: study.valid_ppl(name) for name, _f in study.share()[1]}
@@ -396,7 +357,7 @@ def write_results(study, path, argv, corpus_path=None):
                                   n_params_non_embedding=first["n_params_non_embedding"], d_model=first["d_model"],
                                   n_layer=first["n_layer"], lr=lrs, **cell))
     of = lambda share: [c for c in cells if c["agg_share"] == share]
-    result = dict(command=shlex.join(["python", "scale.py", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
+    result = dict(command=shlex.join(["python", "-m", "studies.scale", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
                   selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data", share=sel["share"],
                                  share_valid_ppl=share_runs, lr=sel["lr"],
                                  lr_valid_ppl=lr_runs),
