@@ -544,7 +544,7 @@ def evaluate_runs(args):
 def build_parser(doc=__doc__, runs="+"):
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs=runs, help="run folders (each with ckpt.pt)")
-    p.add_argument("--out", default=os.path.join(train_lm.ROOT, "out", "report"), help="report folder")
+    p.add_argument("--out", default=os.path.join(runlib.ROOT, "out", "report"), help="report folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")

@@ -478,8 +478,11 @@ def load_model(ck, device="cpu"):
 def rare_rule(cfg):
     """Which tokens AGG may mark rare: "official" (AGG Eq. 5 as the official criterion counts a_k over targets: a
     token never a target has a_k = 0, so it is rare with g1 = 0), "target-only" (such tokens are never rare; this
-    project's option), or None for methods without AGG's dynamic group."""
-    return cfg.get("rare_rule") if agg.agg_family(cfg["method"]) else None
+    project's option), or None for methods without AGG's dynamic group. A config saved before --rare-rule: its
+    --source-only-rare, else target-only."""
+    if not agg.agg_family(cfg["method"]):
+        return None
+    return cfg.get("rare_rule") or ("official" if cfg.get("source_only_rare") else "target-only")
 
 
 def target_groups(tgt_counts):
@@ -519,7 +522,8 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     groups = agg.frequency_groups(data.corpus_counts)
     gid = agg.group_of(groups, data.vocab_size).to(device)
     rare = gid == 2
-    dyn = method.rare_mask().to(device) if method is not None and method.steps > 0 else None
+    dyn = method.rare_mask() if method is not None and method.steps > 0 else None
+    dyn = None if dyn is None else dyn.to(device)
     acc, t_acc, rare_pred, t_rare_pred, dyn_pred, dyn_true = agg.GroupNLL(), agg.GroupNLL(4), 0.0, 0.0, 0.0, 0
     tgroups = target_groups(data.counts)
     tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3).to(device)  # 3: not a training target

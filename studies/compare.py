@@ -55,16 +55,13 @@ def variant_names(configs):
     """{run: variant} for runs given as {run: config}, the one definition of "the same experiment" in every study:
     the run's method, or, where runs of one method differ in more than their seed, the method followed by the
     settings that tell them apart (e.g. 'ul+agg gate_ul=False'), so runs of different experiments are never averaged
-    or paired. A method flag left unset shows the method's default; init_from shows whether one was given (the runs
-    it names differ by seed)."""
+    or paired. A method flag left unset shows the method's default."""
     task = lambda cfg: cfg.get("task", "lm")
 
     def setting(cfg, key):
         if key == "rare_rule" and cfg.get("task") == "nmt":
             return train_nmt.rare_rule(cfg)  # also of a config saved before --rare-rule
         value = cfg[key] if key in cfg else flag_defaults(task(cfg)).get(key)  # a run saved before the flag
-        if key == "init_from":
-            return value is not None
         if value is None:
             return getattr(agg.METHODS.get(cfg.get("method")), "defaults", {}).get(key)
         return value

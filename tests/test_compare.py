@@ -54,15 +54,15 @@ def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
 
 
 def test_runs_that_differ_in_more_than_their_seed_are_never_averaged():
-    base = dict(method="ul+agg", seed=0, out="a", lr=2e-3, gate_ul=None, init_from=None, eval_interval=200)
+    base = dict(method="ul+agg", seed=0, out="a", lr=2e-3, gate_ul=None, untie=False, eval_interval=200)
     seeds_only = {"a": base, "b": dict(base, seed=1, out="b", eval_interval=100)}
     assert compare.variant_names(seeds_only) == {"a": "ul+agg", "b": "ul+agg"}
-    mle = dict(method="mle", seed=0, out="d", lr=2e-3, init_from=None, seq_ul_prob=0.0)
+    mle = dict(method="mle", seed=0, out="d", lr=2e-3, untie=False, train_fraction=1.0)
     configs = {**seeds_only, "c": dict(base, out="c", gate_ul=False), "d": mle,
-               "e": dict(mle, seed=1, out="e", init_from="runs/mle-s1", seq_ul_prob=0.5)}
+               "e": dict(mle, seed=1, out="e", untie=True, train_fraction=0.5)}
     assert compare.variant_names(configs) == {
         "a": "ul+agg gate_ul=True", "b": "ul+agg gate_ul=True", "c": "ul+agg gate_ul=False",  # unset: the default
-        "d": "mle init_from=False seq_ul_prob=0.0", "e": "mle init_from=True seq_ul_prob=0.5"}
+        "d": "mle train_fraction=1.0 untie=False", "e": "mle train_fraction=0.5 untie=True"}
     metrics = {r: {"method": configs[r]["method"], "variant": v, "ppl": float(i)}
                for i, (r, v) in enumerate(compare.variant_names(configs).items())}
     summary = compare.summarise(metrics)
@@ -172,7 +172,7 @@ def test_compare_splits_the_rare_gap_over_types_and_pools_the_seeds():
 NMT_EVAL_TINY = ["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
                  "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "4", "--eval-interval", "4",
                  "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "4",
-                 "--no-test", "--device", "cpu"]
+                 "--device", "cpu"]
 
 
 def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_path, read_log):

@@ -19,22 +19,6 @@ KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "i
         "word_similarity"]
 
 
-def nested_log(folder):
-    """log.jsonl's valid records in the nested schema (ppl_groups, isotropy_groups, norm_groups, grad_parts: no flat
-    duplicates), as the readers of eval.py and studies/compare.py expect them."""
-    path, groups = os.path.join(folder, "log.jsonl"), ("freq", "med", "rare")
-    records = [json.loads(line) for line in open(path)]
-    for r in records:
-        if r["split"] == "valid" and "grad_a_rare" in r:
-            r["grad_parts"] = {p: {g: r.pop(f"grad_{p}_{g}") for g in groups} for p in "abc"}
-        if r["split"] == "valid" and "norm_rare" in r:
-            r["norm_groups"] = {g: r.pop(f"norm_{g}") for g in groups}
-        for g in groups:
-            r.pop(f"ppl_{g}", None), r.pop(f"isotropy_{g}", None)
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus, lm_tiny):
     base = tmp_path_factory.mktemp("ev")
@@ -44,7 +28,6 @@ def runs(tmp_path_factory, corpus, lm_tiny):
         out[label] = str(base / label)
         train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out[label],
                        "--method", method, *lm_tiny, "--max-steps", "3", "--eval-interval", "3", *extra])
-        nested_log(out[label])
     return out
 
 
@@ -170,7 +153,7 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     flags = ["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
              "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "6", "--eval-interval", "2",
              "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
-             "--no-test", "--device", "cpu"]
+             "--device", "cpu"]
     train_nmt.main(flags + ["--out", out, "--keep-last", "2"])
     assert sorted(os.path.basename(p) for p in runlib.snapshots(out)) == ["ckpt_4.pt", "ckpt_6.pt"]  # the last 2 kept
     m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
@@ -190,7 +173,7 @@ def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     # --save-interval: snapshots between evaluations, and the same training (saving and validating draw no RNG)
     out2 = str(tmp_path / "nmt-save")
     train_nmt.main([f for f in flags[:flags.index("--eval-interval")] + ["--eval-interval", "6", "--save-interval", "2"]
-                    + flags[flags.index("--eval-interval") + 2:] if f != "--no-test"] + ["--out", out2, "--keep-last", "2"])
+                    + flags[flags.index("--eval-interval") + 2:]] + ["--out", out2, "--keep-last", "2"])
     assert sorted(os.path.basename(p) for p in runlib.snapshots(out2)) == ["ckpt_4.pt", "ckpt_6.pt"]
     log = list(map(json.loads, open(os.path.join(out2, "log.jsonl"))))
     assert [r["step"] for r in log if r["split"] == "valid"] == [6]

@@ -177,7 +177,7 @@ def test_new_methods_are_registered_with_documented_hparams():
             assert default is None or isinstance(default, agg.HPARAMS[key][0]), (name, key, default)
     import runlib
     p = argparse.ArgumentParser()
-    runlib.add_method_flags(p)
+    runlib.add_run_flags(p, "lm")
     args = p.parse_args(["--method", "center", "--center-mode", "loss", "--mu-coef", "0.5", "--z-coef", "1e-3"])
     assert (args.method, args.center_mode, args.mu_coef, args.z_coef) == ("center", "loss", 0.5, 1e-3)
 
