@@ -1,6 +1,5 @@
 """Shared test set-up: the repository on sys.path, one thread for tiny models, the tiny corpus and flag sets.
 `pytest -m "not slow"` is the fast inner loop; the full suite is what CI runs."""
-import importlib
 import json
 import os
 import random
@@ -12,6 +11,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import train_lm  # noqa: E402 (the repository is on sys.path from here)
+import train_nmt  # noqa: E402
 torch.set_num_threads(1)  # tiny models: extra threads only spin on a shared 2-core machine
 
 # train_lm.py: a 1-layer model on a tiny Zipfian corpus (seconds per run)
@@ -88,7 +89,7 @@ def _ddp_worker(rank, world, port, module, argv):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    importlib.import_module(module).main(argv)
+    {"train_lm": train_lm, "train_nmt": train_nmt}[module].main(argv)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
     python -m tools.hf_agg --method agg --max-steps 300      # a small GPT-2 from scratch on the offline corpus
     python -m tools.hf_agg --method agg --resume             # continue from the last checkpoint in --out
 
-Copy `AGGTrainer` (and agg.py) into your own code. What it does, and why:
+Copy `AGGTrainer` and `last_complete_checkpoint` (and agg.py) into your own code: they need agg.py only (main, the
+demo, reads this repository's corpus). What it does, and why:
 - hidden states in: the model runs without labels and returns its last hidden state (the input of the tied lm_head);
   `logits_to_keep=1` where the model takes it, so the model does not also compute the full T x V logits;
 - label shift: position t predicts labels[t + 1], as the model's own loss does (-100 = ignored);
@@ -26,10 +27,12 @@ import os
 import re
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import agg
+import train_lm
+from data import prepare_lm
 
 METHOD_STATE = "agg_method.pt"
 
@@ -139,9 +142,6 @@ def last_complete_checkpoint(output_dir):
 
 # ------------------------------------------------------------------------------------------------- runnable example
 def main(argv=None):
-    import train_lm  # the demo's corpus and config; AGGTrainer itself needs agg.py only
-    from data import prepare_lm
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
     p = argparse.ArgumentParser(prog="python -m tools.hf_agg", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="agg", choices=list(agg.METHODS))
