@@ -44,9 +44,8 @@ WORDSIM = {"ws353": "wordsim353.tsv", "simlex999": "simlex999.txt"}  # shipped i
 
 # ------------------------------------------------------------------------------------------------- word similarity
 def load_word_pairs(path):
-    """(word1, word2, score) triples from WordSim353 / SimLex-999 / MEN / RG65 / RW style files: the first two fields
-    are the words, the third the human score; fields split by tabs, semicolons or spaces; '#' lines are comments.
-    MEN's lemma file suffixes (-n, -v, -j) are dropped."""
+    """(word1, word2, score) triples of WordSim353 / SimLex-999 / MEN / RG65 / RW style files ('#': comments; MEN's
+    lemma suffixes -n, -v, -j dropped)."""
     if not os.path.exists(path):
         raise SystemExit(f"word-similarity file {path} not found: check the path")
     pairs = []
@@ -70,8 +69,7 @@ def load_word_pairs(path):
 
 
 def word_vector(word, weight, tokenizer, kind):
-    """Mean of the word's subword embeddings (BPE: the word as it appears in running text, after a space);
-    None when the word is out of the vocabulary (word-level tokenizer)."""
+    """Mean of the word's subword embeddings (BPE: the word after a space, as in running text), or None (OOV)."""
     if kind == "bpe":
         ids = tokenizer.encode(" " + word).ids
     else:
@@ -107,11 +105,9 @@ def group_index(counts):
 
 
 def geometry(weight, counts, include_unseen=False):
-    """agg.geometry per frequency group, over the tokens seen in training unless include_unseen, and the metrics that
-    favour no method: IsoScore (Rudman et al. 2022; not dominated by rare rows as I(W)'s min/max is), I(W) with rows
-    weighted by their training frequency (Yokoi et al. 2024), I(W) after removing the mean row (does a method do more
-    than remove the common drift?) and the weighted view of it (minus the frequency-weighted mean row), and the
-    under-trained rows of Land & Bartolo 2024 (undertrained_count)."""
+    """agg.geometry per frequency group (seen tokens unless include_unseen) and the metrics that favour no method:
+    IsoScore (Rudman et al. 2022), I(W) with rows weighted by train frequency (Yokoi et al. 2024), I(W) after removing
+    the (weighted) mean row, and the under-trained rows of Land & Bartolo 2024."""
     _, groups = group_index(counts)
     counts = torch.as_tensor(counts)
     seen = None if include_unseen else counts > 0
@@ -128,9 +124,8 @@ def geometry(weight, counts, include_unseen=False):
 
 
 def undertrained_count(W, counts):
-    """How many rows of tokens seen in training look as untrained as a typical never-seen token: the indicator of
-    Land & Bartolo 2024 (agg.undertrained_rows: cosine to the mean of the never-seen rows after removing the first
-    principal component) at least the median of the never-seen rows' own. None when every token was seen."""
+    """How many seen rows look as untrained as a never-seen one: Land & Bartolo 2024's indicator
+    (agg.undertrained_rows) at least the never-seen rows' median. None when every token was seen."""
     unused = (counts == 0).nonzero().squeeze(1)
     if len(unused) < 2:
         return dict(unused_rows=len(unused), count=None, share_of_seen=None)
@@ -142,9 +137,8 @@ def undertrained_count(W, counts):
 
 
 def pick_rare_tokens(counts, tokens, n, src_counts=None):
-    """A few rare-group tokens to show neighbours of: word-like tokens (letters, >= 4 chars), the most frequent of
-    the rare group (the rare tokens the model saw most, as AGG Table 12's examples) - or, for NMT, the target-side
-    rare tokens most frequent on the source side (AGG Table 13)."""
+    """A few word-like rare-group tokens to show neighbours of: the most frequent ones (AGG Table 12), or for NMT
+    those most frequent on the source side (AGG Table 13)."""
     gid, _ = group_index(counts)
     key = counts if src_counts is None else torch.as_tensor(src_counts)
     cands = [i for i in torch.argsort(key.double(), descending=True, stable=True).tolist()
@@ -161,9 +155,8 @@ def neighbours(weight, ids, k=5):
 
 
 def output_bias_stats(bias, counts):
-    """How a learned output bias (train_lm.py --output-bias) encodes frequency, over the tokens seen in training:
-    Pearson and Spearman correlation with log train counts, the least-squares slope (bias per nat of frequency), and
-    the mean bias per frequency group."""
+    """How a learned output bias (--output-bias) encodes frequency over the seen tokens: correlations with log train
+    counts, the least-squares slope and the mean bias per group."""
     b, c = bias.double(), torch.as_tensor(counts).double()
     seen = c > 0
     x, y = c[seen].log().numpy(), b[seen].numpy()
@@ -220,8 +213,7 @@ def fit_temperature(batches, tol=1e-6):
 
 
 def rare_bias_metrics(st, b, gid):
-    """PPL total and per group, rare-group mass (predicted / true), Uniq and the precision and recall of rare argmax
-    predictions of the positions `st` with b added to the rare group's logits (b = 0: the model as it is)."""
+    """PPL, rare mass, Uniq and rare argmax precision / recall of positions st with b on the rare logits."""
     lse_rare = st["lse_rare"].double() + b
     nll = torch.logaddexp(st["lse_other"].double(), lse_rare) - (st["z_y"].double() + b * st["y_rare"].double())
     pred = torch.where(st["max_rare"] + b > st["max_other"], st["arg_rare"], st["arg_other"])
@@ -277,11 +269,8 @@ def document_of(ids, eos_id, documents):
 
 @torch.no_grad()
 def evaluate_lm(out_dir, model, ck, args, device):
-    """A train_lm.py run on its test split (or --split valid): PPL total and per frequency group, Uniq (distinct argmax
-    next-token predictions; AGG Table 3) total and per group with the human reference, the free re-weighting baseline
-    (one bias on the rare group's logits fitted on valid), the free calibration baseline (one temperature on all
-    logits fitted on valid), greedy continuations of test prefixes (AGG Table 14) and
-    word similarity of the tied embedding (AGG Table 5). Returns (metrics, weight, train counts, None, tokens)."""
+    """A train_lm.py run on its test split (or --split valid), the metrics of the module's docstring. Returns
+    (metrics, weight, train counts, None, tokens)."""
     cfg = dict(ck["config"], device=str(device), out=out_dir)
     if args.cache_dir:
         cfg["cache_dir"] = args.cache_dir
@@ -392,10 +381,8 @@ def average_checkpoints(out_dir, n):
 
 @torch.no_grad()
 def evaluate_nmt(out_dir, model, ck, args, device):
-    """A train_nmt.py run on its test split: BLEU (sacrebleu, detokenised, with its signature), test PPL total and per
-    group, the target side's metrics (train_nmt.validate) and the first test translations; with --average-last N
-    the mean of the last N snapshots instead of the last checkpoint. Returns (metrics, weight, counts of both sides,
-    source counts, tokens)."""
+    """A train_nmt.py run on its test split: BLEU, test PPL, the target side's metrics (train_nmt.validate), the first
+    test translations. Returns (metrics, weight, counts of both sides, source counts, tokens)."""
     cfg = dict(ck["config"], device=str(device), beam=args.beam, out=out_dir)
     run_data_dir(cfg, args.data_dir)
     data = prepare_nmt(cfg, log=lambda *a: None)
@@ -432,8 +419,7 @@ def evaluate_nmt(out_dir, model, ck, args, device):
 
 # ---------------------------------------------------------------------------------------------------- run folders
 def log_records(out_dir, split="valid"):
-    """The records of one split (valid or train) of a run's log.jsonl ([] when it has none); a torn line (a write cut
-    short) is skipped with a warning."""
+    """The records of one split of a run's log.jsonl ([] without one); a torn line is skipped with a warning."""
     path, recs = os.path.join(out_dir, "log.jsonl"), []
     if os.path.exists(path):
         with open(path) as f:
@@ -469,12 +455,9 @@ def fmt(x, nd=2):
 
 # --------------------------------------------------------------------------------------------------------- driver
 def evaluate(run_dir, args=None, device=None, probes=None, **flags):
-    """One run's evaluation, the one read of its checkpoint: the task's metrics, the geometry, the singular spectrum,
-    a learned output bias against frequency, the top-5 neighbours of a few rare tokens (`probes` {data: token ids}
-    keeps them the same for runs on the same data) and the valid PPL logged at the evaluated step. From Python:
-    flags are eval.py's by name (split="valid", n_samples=0, beam=2, average_last=5, ...). Returns {"metrics",
-    "weight" (V, d), "counts" (the frequency groups'), "src_counts" and "tgt_counts" (NMT, else None), "tokens",
-    "out_bias"}; metrics["type_stats"] (LM) and metrics["texts"] (NMT) serve paired comparisons and are not saved."""
+    """One run's evaluation, the one read of its checkpoint (probes {data: token ids}: the same rare tokens for runs
+    on the same data; flags: eval.py's by name, e.g. split="valid", beam=2). Returns {"metrics", "weight", "counts",
+    "src_counts", "tgt_counts", "tokens", "out_bias"}; metrics' "type_stats" / "texts" serve comparisons only."""
     if args is None:
         args = build_parser().parse_args([run_dir])
         unknown = set(flags) - set(vars(args))

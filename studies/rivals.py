@@ -52,10 +52,11 @@ RIVALS = {
     "untied-agg": ("agg", ["--untie"], SHARES),
 }
 SEEDS = {"mle": 5, "agg": 5, "coupled-adam": 5, "zloss": 5}  # the others: 3
-# knob values off the selection that get seeds 3-4 too (this project's choice, made after seeing the knob curves):
-# mu-loss 10 removes the rare group's degeneration at no detectable PPL cost on 3 seeds; 5 seeds test a 2% margin
+# knob values off the selection run on 5 seeds, chosen after seeing the curves (mu-loss 10: no PPL cost on 3 seeds)
 KNOB_SEEDS = {("center", "mu10"): 5}  # the others: 3
 FINALISTS = 2  # settings of a rival's sweep run on seeds 1-2 too, the best of them on the mean of seeds 0-2
+# a pair never spans two hosts: an MLE replica on the host of a rival's run of the selection, where MLE's was not
+REPLICA = re.compile(r"^mle-lr(?P<lr>[0-9.e+-]+)-s(?P<seed>\d+)-k(?P<host>[0-9a-f]{8})$")
 
 
 def run_name(rival, lr, knob, seed):
@@ -65,11 +66,6 @@ def run_name(rival, lr, knob, seed):
 def run_flags(rival, lr, knob, seed):
     method, flags, knobs = RIVALS[rival]
     return ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", *flags, *dict(knobs)[knob]]
-
-
-# A host's kernels change a run as much as another seed does (RESULTS, first section), and a pair never spans two
-# hosts: a rival's run of the selection made on a host where MLE's run of that seed was not gets an MLE replica there.
-REPLICA = re.compile(r"^mle-lr(?P<lr>[0-9.e+-]+)-s(?P<seed>\d+)-k(?P<host>[0-9a-f]{8})$")
 
 
 def replica_name(lr, seed, host):
@@ -82,23 +78,19 @@ class Rivals(scale.Study):
     label = "out/rivals"
     host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count): replicas are made here
 
-    def kernels(self, name):
-        """The host kernels a run recorded (its config.json, else its record in the results file), or None."""
+    def kernels(self, name):  # the host kernels a run recorded (config.json, else the results file), or None
         cfg = runlib.run_config(self.folder(name))
         return (cfg.get("versions") or {}).get("kernels") if cfg else (self.prior.get(name) or {}).get("kernels")
 
     def replicas(self, mle_best):
-        """{name: flags} of the MLE replicas: every one made so far (here or in the results file), and one on this host
-        for each rival run of a selection made here whose MLE seed ran on another host."""
-        made = [n for n in [*self.prior, *(os.listdir(self.runs) if os.path.isdir(self.runs) else [])]
-                if REPLICA.match(n) and self.finished(n)]
-        out = {n: run_flags("mle", float(REPLICA.match(n)["lr"]), "", int(REPLICA.match(n)["seed"])) for n in made}
-        for rival, best in self.selections().items():
-            if rival == "mle" or best is None or mle_best is None or self.host is None:
-                continue
+        """The MLE replicas {name: flags} made so far, and one here per selected run whose MLE ran on another host."""
+        out = {n: run_flags("mle", float(m["lr"]), "", int(m["seed"])) for n in [*self.prior, *(
+            os.listdir(self.runs) if os.path.isdir(self.runs) else [])] if (m := REPLICA.match(n)) and self.finished(n)}
+        selected = {r: b for r, b in self.selections().items() if r != "mle" and b} if mle_best and self.host else {}
+        for rival, best in selected.items():
             for seed in range(SEEDS.get(rival, 3)):
-                mle = run_name("mle", *mle_best, seed)
-                if (self.finished(run_name(rival, *best, seed)) and self.kernels(run_name(rival, *best, seed)) == self.host
+                mle, run = run_name("mle", *mle_best, seed), run_name(rival, *best, seed)
+                if (self.finished(run) and self.kernels(run) == self.host
                         and self.finished(mle) and self.kernels(mle) not in (None, self.host)):
                     out[replica_name(mle_best[0], seed, self.host)] = run_flags("mle", mle_best[0], "", seed)
         return out
@@ -109,12 +101,10 @@ class Rivals(scale.Study):
         return None if None in seed0.values() else sorted(seed0, key=seed0.get)[:FINALISTS]
 
     def selection(self, rival):
-        """((lr, knob) selected, or None before its runs finished; the runs the selection needs): seed 0 over the
-        grid, then the finalists on seeds 0-2, the lowest mean selected."""
+        """((lr, knob) or None before its runs finished; runs): seed 0 over the grid, then the finalists' mean."""
         spec = lambda lr, k, seed: (run_name(rival, lr, k, seed), run_flags(rival, lr, k, seed))
         sweep = [spec(lr, k, 0) for lr in LRS for k, _ in RIVALS[rival][2]]
-        finalists = self.finalists(rival)
-        if finalists is None:
+        if (finalists := self.finalists(rival)) is None:
             return None, sweep
         best, final = self.select({v: [spec(*v, seed) for seed in (0, 1, 2)] for v in finalists})
         return best, sweep + [r for r in final if r not in sweep]
@@ -139,20 +129,10 @@ class Rivals(scale.Study):
         return {rival: self.selection(rival)[0] for rival in RIVALS}
 
 
-def record(study, name, rival, lr, knob):
-    """One finished, evaluated run: its results record (scale.run_record) with its rival and knob."""
-    if not os.path.exists(os.path.join(study.folder(name), "report")):
-        return study.prior[name]
-    return scale.run_record(study, name, rival=rival, replica=bool(REPLICA.match(name)), knob=knob)
-
-
 def host_pairs(chosen, rival, base="mle"):
-    """The runs of `base` and `rival` whose seeds pair (compare.pair_difference: the same thread count and host
-    kernels), and {seed: why not} for the seeds both have that do not: runs of one seed on two hosts are not paired."""
+    """The runs of base and rival whose seeds pair (compare.pair_difference: one host), and {seed: why not}."""
     pairs, unpaired = {}, {}
-    for nc, c in sorted(chosen.items()):
-        if c["rival"] != rival:
-            continue
+    for nc, c in sorted((n, c) for n, c in chosen.items() if c["rival"] == rival):
         bases = sorted((n, r) for n, r in chosen.items() if r["rival"] == base and r["seed"] == c["seed"])
         whys = [compare.pair_difference(compare.record_config(b), compare.record_config(c)) for _n, b in bases]
         if None in whys:  # the seed's base run on the same host: the run itself or (MLE's) its replica there
@@ -164,14 +144,10 @@ def host_pairs(chosen, rival, base="mle"):
 
 
 def knob_curve(runs, rival, best, seeds=lambda knob: 3):
-    """{knob: [run records of seeds 0..seeds(knob)-1]} at the selected lr, for the knobs whose seeds are all in `runs`."""
-    curve = {}
-    for knob, _ in RIVALS[rival][2]:
-        rs = [r for r in runs.values() if r["rival"] == rival and r["seed"] < seeds(knob) and not r.get("replica")
-              and (r["lr"], r["knob"]) == (best[0], knob)]
-        if len(rs) == seeds(knob):
-            curve[knob] = rs
-    return curve
+    """{knob: [run records of seeds 0..seeds(knob)-1]} at the selected lr, for the knobs whose seeds are all in runs."""
+    curve = {knob: [r for r in runs.values() if r["rival"] == rival and r["seed"] < seeds(knob) and not r.get("replica")
+                    and (r["lr"], r["knob"]) == (best[0], knob)] for knob, _ in RIVALS[rival][2]}
+    return {knob: rs for knob, rs in curve.items() if len(rs) == seeds(knob)}
 
 
 def plot_pareto(runs, selections, path):
@@ -180,9 +156,13 @@ def plot_pareto(runs, selections, path):
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     colours = dict(zip(RIVALS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
     spread = lambda v: [[max(v.mean() - v.min(), 0)], [max(v.max() - v.mean(), 0)]]  # >= 0 despite rounding
-    for ax, (key, label) in zip(axes, (("rare", "I(W) of the rare 20% (sign-invariant, seen tokens)"),
+
+    def point(ax, rs, x, colour, **style):  # the mean of runs rs (x(run), valid PPL) with their range
+        x, y = np.array([x(r) for r in rs]), np.array([r["valid_ppl"] for r in rs])
+        ax.errorbar(x.mean(), y.mean(), xerr=spread(x), yerr=spread(y), marker="o", color=colour, **style)
+    for ax, (key, label) in zip(axes, (("isotropy_groups.rare", "I(W) of the rare 20% (sign-invariant, seen tokens)"),
                                        ("isoscore", "IsoScore (seen tokens)"))):
-        get = (lambda r: r["isotropy_groups"]["rare"]) if key == "rare" else (lambda r: r["isoscore"])
+        get = lambda r: compare.get(r, key)
         # the frame holds the knob curves and the selections; sweep runs above it sit on its top edge as triangles
         shown = [r["valid_ppl"] for rival, best in selections.items() if best for r in runs.values()
                  if r["rival"] == rival and r["lr"] == best[0]]
@@ -193,27 +173,20 @@ def plot_pareto(runs, selections, path):
                 rs = [r for r in sweep if (r["valid_ppl"] > top) == over]
                 ax.scatter([get(r) for r in rs], [min(r["valid_ppl"], top - 1) for r in rs], s=10 if not over else 25,
                            alpha=0.3 if not over else 0.6, marker=marker, color=colours[rival])
-            best = selections.get(rival)
-            if not best:
+            if not (best := selections.get(rival)):
                 continue
             curve = knob_curve(runs, rival, best)
-            xs = [np.mean([get(r) for r in rs]) for rs in curve.values()]
-            ys = [np.mean([r["valid_ppl"] for r in rs]) for rs in curve.values()]
             if len(curve) > 1:
-                ax.plot(xs, ys, "-", lw=1, color=colours[rival], alpha=0.7)
+                means = lambda f: [np.mean([f(r) for r in rs]) for rs in curve.values()]
+                ax.plot(means(get), means(lambda r: r["valid_ppl"]), "-", lw=1, color=colours[rival], alpha=0.7)
                 for rs in curve.values():
-                    x, y = np.array([get(r) for r in rs]), np.array([r["valid_ppl"] for r in rs])
-                    ax.errorbar(x.mean(), y.mean(), xerr=spread(x), yerr=spread(y), marker="o", ms=4, capsize=2,
-                                color=colours[rival], alpha=0.7)
+                    point(ax, rs, get, colours[rival], ms=4, capsize=2, alpha=0.7)
             chosen = [r for r in runs.values() if r["rival"] == rival and (r["lr"], r["knob"]) == tuple(best)
                       and not r.get("replica")]
             if chosen:
-                x, y = np.array([get(r) for r in chosen]), np.array([r["valid_ppl"] for r in chosen])
-                ax.errorbar(x.mean(), y.mean(), xerr=spread(x), yerr=spread(y), marker="o", ms=9, capsize=3,
-                            color=colours[rival], label=f"{rival}: lr {best[0]:g}{' ' + best[1] if best[1] else ''} ({len(chosen)} seeds)")
-        ax.set_xlabel(label)
-        ax.set_ylabel("valid PPL")
-        ax.set_ylim(top=top)
+                point(ax, chosen, get, colours[rival], ms=9, capsize=3,
+                      label=f"{rival}: lr {best[0]:g}{' ' + best[1] if best[1] else ''} ({len(chosen)} seeds)")
+        ax.set(xlabel=label, ylabel="valid PPL", ylim=(None, top))
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:  # the selections, once there are any, in one legend below both panels
         fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
@@ -225,23 +198,17 @@ def plot_pareto(runs, selections, path):
 
 
 def portable(argv):
-    """The study's command as a user would run it: the runs in the default out/rivals, the results file relative, and
-    training on (--no-train writes the same file from the finished runs)."""
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-        elif a == "--no-train":
-            continue
-        elif a == "--out" or a.startswith("--out="):
-            skip = a == "--out"
-        elif a == "--results" and i + 1 < len(argv):
-            path = os.path.relpath(os.path.abspath(argv[i + 1]), ROOT)
-            if path.startswith(".."):  # written from another checkout: name it by its folder
-                path = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(argv[i + 1]))), os.path.basename(path))
-            out += [a, path]
-            skip = True
-        else:
+    """The study's command as a user runs it: the runs in the default out/rivals, training on, and the results file
+    relative (named by its folder when written from another checkout)."""
+    out, args = [], iter(argv)
+    for a in args:
+        if a in ("--out", "--results"):
+            value = next(args, None)
+            path = value and os.path.relpath(os.path.abspath(value), ROOT)
+            if a == "--results" and path:
+                out += [a, os.path.join(os.path.basename(os.path.dirname(os.path.abspath(value))),
+                                        os.path.basename(path)) if path.startswith("..") else path]
+        elif a != "--no-train" and not a.startswith("--out="):
             out.append(a)
     return out
 
@@ -249,52 +216,49 @@ def portable(argv):
 def write_results(study, path, argv):
     """results/lm_rivals.json: every finished run, the sweeps and selections, each rival paired with MLE by seed."""
     plan, _ = study.plan()
-    names = {run_name(rival, lr, k, s): (rival, lr, k) for rival, (_m, _f, knobs) in RIVALS.items()
+    names = {run_name(rival, lr, k, s): (rival, k) for rival, (_m, _f, knobs) in RIVALS.items()
              for lr in LRS for k, _ in knobs for s in range(max(SEEDS.values()))}
-    names.update({n: ("mle", float(REPLICA.match(n)["lr"]), "") for n, _f, _c in plan if REPLICA.match(n)})
-    runs = {n: record(study, n, *names[n]) for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
+    names.update({n: ("mle", "") for n, _f, _c in plan if REPLICA.match(n)})
+    runs = {n: scale.run_record(study, n, rival=names[n][0], replica=bool(REPLICA.match(n)), knob=names[n][1])
+            if os.path.exists(os.path.join(study.folder(n), "report")) else study.prior[n]
+            for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
     selections = study.selections()
     chosen = {n: dict(r, variant=r["rival"]) for n, r in runs.items()
               if selections.get(r["rival"]) and (r["lr"], r["knob"]) == tuple(selections[r["rival"]])}
-    comparisons = []
+
+    def paired(runs, base, cand, label):  # compare.compare of the runs host_pairs pairs, or None
+        pairs, unpaired = host_pairs(runs, cand, base)
+        return dict(compare.compare(pairs, {}, base, label, []), unpaired=unpaired) if pairs else None
     # every rival against MLE; untied AGG against untied MLE too (does AGG act on an output matrix alone?)
-    for base, rival in [("mle", r) for r in RIVALS if r != "mle"] + [("untied-mle", "untied-agg")]:
-        pairs, unpaired = host_pairs(chosen, rival, base)
-        if pairs:
-            comparisons.append(dict(compare.compare(pairs, {}, base, rival, []), unpaired=unpaired))
+    comparisons = [c for base, rival in [("mle", r) for r in RIVALS if r != "mle"] + [("untied-mle", "untied-agg")]
+                   if (c := paired(chosen, base, rival, rival))]
     # every other knob value at a rival's selected lr against MLE too: the knob's PPL cost with a seed interval
-    knob_pairs = []
-    for rival in RIVALS:
-        best = selections.get(rival)
-        if rival == "mle" or not best:
-            continue
-        for knob, rs in knob_curve(runs, rival, best, lambda k: KNOB_SEEDS.get((rival, k), 3)).items():
-            if (best[0], knob) == tuple(best):
-                continue
+    mle, knob_pairs = {n: r for n, r in chosen.items() if r["rival"] == "mle"}, []
+    for rival, best in selections.items():
+        seeds = lambda k: KNOB_SEEDS.get((rival, k), 3)
+        for knob, rs in knob_curve(runs, rival, best, seeds).items() if best and rival != "mle" else []:
             label = f"{rival} {knob}"
-            curve = {run_name(rival, best[0], knob, r["seed"]): dict(r, variant=label) for r in rs}
-            pairs, unpaired = host_pairs({**curve, **{n: r for n, r in chosen.items() if r["rival"] == "mle"}}, rival)
-            if pairs:
-                knob_pairs.append(dict(compare.compare(pairs, {}, "mle", label, []), unpaired=unpaired))
+            runs_k = {run_name(rival, best[0], knob, r["seed"]): dict(r, variant=label) for r in rs}
+            if (best[0], knob) != tuple(best) and (c := paired({**runs_k, **mle}, "mle", rival, label)):
+                knob_pairs.append(c)
     sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
                      for k, _ in RIVALS[rival][2]} for rival in RIVALS}
-    result = dict(command=shlex.join(["python", "-m", "studies.rivals", *portable(argv)]), protocol=__doc__.split("The protocol")[1].strip(),
+    result = dict(command=shlex.join(["python", "-m", "studies.rivals", *portable(argv)]),
+                  protocol=__doc__.split("The protocol")[1].strip(),
                   selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best "
                                       "on the mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,
                                  finalists_valid_ppl={rival: {f"lr{lr:g} {k}".strip(): [
                                      study.valid_ppl(run_name(rival, lr, k, seed)) for seed in (0, 1, 2)]
                                      for lr, k in study.finalists(rival) or []} for rival in RIVALS},
-                                 knob_curve={rival: {k: dict(valid_ppl=[r["valid_ppl"] for r in rs],
-                                                             rare_isotropy=[r["isotropy_groups"]["rare"] for r in rs],
-                                                             isoscore=[r["isoscore"] for r in rs])
-                                                     for k, rs in knob_curve(runs, rival, selections[rival]).items()}
-                                             for rival in RIVALS if selections.get(rival)}),
+                                 knob_curve={rival: {k: {name: [compare.get(r, key) for r in rs] for name, key in (
+                                     ("valid_ppl", "valid_ppl"), ("rare_isotropy", "isotropy_groups.rare"),
+                                     ("isoscore", "isoscore"))} for k, rs in knob_curve(runs, rival, best).items()}
+                                     for rival, best in selections.items() if best}),
                   runs=runs, compare=comparisons, compare_knobs=knob_pairs)
     runlib.write_json(path, result)
     if runs:
         plot_pareto(runs, selections, os.path.splitext(path)[0] + ".png")
     print(f"wrote {path}: {len(runs)} runs, {len(comparisons)} comparisons with MLE")
-    return result
 
 
 def main(argv=None):

@@ -23,6 +23,7 @@ Every run is a train_lm.py run folder under OUT/runs (resumable: stop this scrip
 by eval.py into RUN/report/ once finished. Selections read validation only; test is read by eval.py for the table.
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -46,12 +47,9 @@ LRS = {"S": [4e-3, 8e-3, 1.6e-2], "M": [2e-3, 4e-3, 8e-3], "L": [1e-3, 2e-3, 4e-
 FRACTIONS = [0.25, 0.5, 1.0]
 SHARES = [0.1, 0.2, 0.4]
 SHARE_SETTING = dict(size="M", lr=4e-3)
-SELECTION_SEEDS = [0, 1, 2]  # every selection is on the mean valid PPL of these seeds (runs of one setting can split
-                             # into a good and a bad mode; one seed would select a mode, not a setting)
-SEEDS = [0, 1, 2]
+SEEDS = SELECTION_SEEDS = [0, 1, 2]  # selections on the mean valid PPL of these seeds: one seed would select a mode
 METHODS = ["mle", "agg"]
 HEADLINE_SHARE = 0.2  # the share of the conclusions under test (README's headline): AGG runs with it in every cell
-                      # too, at the lr selected for the selected share
 SECOND_CORPUS = dict(name="bible", size="M", flags=["--dataset", "bible-en"], cost=1.3)
 FULL_STEPS = 2400
 
@@ -60,29 +58,28 @@ def run_name(size, fraction, method, lr, seed, share=None):
     return f"{size}-f{fraction:g}-{method}" + (f"-r{share:g}" if share is not None else "") + f"-lr{lr:g}-s{seed}"
 
 
-def run_flags(size, fraction, method, lr, seed, share=None):
+def run_spec(size, fraction, method, lr, seed, share=None):  # (name, train_lm.py flags) of a run
     steps = round(FULL_STEPS * fraction)
     flags = ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", "--train-fraction", f"{fraction:g}",
              "--max-steps", str(steps), "--warmup", str(steps // 10), "--eval-interval", str(steps // 12)]
     flags += [x for k, v in SIZES[size].items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    return flags + (["--rare-share", f"{share:g}"] if share is not None else [])
+    return run_name(size, fraction, method, lr, seed, share), flags + (
+        ["--rare-share", f"{share:g}"] if share is not None else [])
 
 
 class Study:
-    """The runs of the study as far as the finished ones decide them (selections need their sweeps done). `prior`:
-    results files of this study (results/lm_scale.json, the corpus file): their runs count as finished and evaluated,
-    so the study continues on a machine without their run folders."""
+    """The runs of the study as far as the finished ones decide them; prior: its results files (their runs count)."""
     eval_args = ["--n-samples", "0"]  # eval.py flags of every run's evaluation
     label = "out/scale"  # the default --out, as the results' commands say
 
     def __init__(self, out, prior=()):
-        self.runs = os.path.join(out, "runs")
-        self.done = set()  # runs known finished (a finished run stays finished)
-        self.prior = {}
-        for path in prior:
-            if path and os.path.exists(path):
-                with open(path) as f:
-                    self.prior.update(json.load(f)["runs"])
+        self.runs, self.done, self.prior = os.path.join(out, "runs"), set(), {}  # done: runs known finished
+        for path in [p for p in prior if p and os.path.exists(p)]:
+            with open(path) as f:
+                self.prior.update(json.load(f)["runs"])
+
+    def folder(self, name):
+        return os.path.join(self.runs, name)
 
     def finished(self, name):
         if name not in self.done and (name in self.prior or runlib.finished(self.folder(name))):
@@ -93,29 +90,20 @@ class Study:
         return os.path.exists(os.path.join(self.folder(name), "report", "metrics.json")) or (
             name in self.prior and not os.path.exists(os.path.join(self.folder(name), "ckpt.pt")))
 
-    def folder(self, name):
-        return os.path.join(self.runs, name)
-
-    def valid_ppl(self, name):
-        """Valid PPL at the last step of a finished run, else None."""
+    def valid_ppl(self, name):  # at the last step of a finished run, else None
         folder = self.folder(name)
-        if not self.finished(name):
-            return None
-        if not os.path.exists(os.path.join(folder, "log.jsonl")):
+        if self.finished(name) and not os.path.exists(os.path.join(folder, "log.jsonl")):
             return self.prior[name]["valid_ppl"]
-        return ev.last_valid_ppl(folder, runlib.run_config(folder)["max_steps"])
+        return ev.last_valid_ppl(folder, runlib.run_config(folder)["max_steps"]) if self.finished(name) else None
 
     def select(self, candidates):
-        """(value, wanted runs) for candidates {value: [(name, flags) of each seed]}: the value of the lowest mean
-        valid PPL over its seeds once every candidate's runs finished (None before)."""
+        """(value of the lowest mean valid PPL once all ran, else None; wanted runs) of {value: [(name, flags)]}."""
         ppl = {v: [self.valid_ppl(name) for name, _f in specs] for v, specs in candidates.items()}
-        done = all(p is not None for ps in ppl.values() for p in ps)
-        best = min(ppl, key=lambda v: float(np.mean(ppl[v]))) if done else None
+        best = None if None in sum(ppl.values(), []) else min(ppl, key=lambda v: float(np.mean(ppl[v])))
         return best, [spec for specs in candidates.values() for spec in specs]
 
     def bracketed(self, values, spec):
-        """(selected value, wanted runs) over `values`, spec(value, seed) = (name, flags), seeds SELECTION_SEEDS; a
-        winner at the edge of the list extends it by a factor 2 beyond that edge (twice at most): bracketed."""
+        """select over values on SELECTION_SEEDS; a winner at an edge extends the list by a factor 2 (twice at most)."""
         values, wanted = list(values), []
         for _ in range(3):
             best, wanted = self.select({v: [spec(v, s) for s in SELECTION_SEEDS] for v in values})
@@ -125,40 +113,31 @@ class Study:
         return best, wanted
 
     def share(self):
-        s = SHARE_SETTING
-        return self.bracketed(SHARES, lambda sh, seed: (run_name(s["size"], 1.0, "agg", s["lr"], seed, sh),
-                                                        run_flags(s["size"], 1.0, "agg", s["lr"], seed, sh)))
+        size, lr = SHARE_SETTING["size"], SHARE_SETTING["lr"]
+        return self.bracketed(SHARES, lambda sh, seed: run_spec(size, 1.0, "agg", lr, seed, sh))
 
-    def lr(self, size, method, share):
-        """The selected lr of (size, method) and the sweep's runs."""
-        return self.bracketed(LRS[size], lambda lr, seed: (run_name(size, 1.0, method, lr, seed, share),
-                                                           run_flags(size, 1.0, method, lr, seed, share)))
+    def lr(self, size, method, share):  # the selected lr of (size, method) and the sweep's runs
+        return self.bracketed(LRS[size], lambda lr, seed: run_spec(size, 1.0, method, lr, seed, share))
 
     def plan(self):
         """[(name, flags, cost)] of every run wanted so far, and whether selections are still pending."""
         share, wanted = self.share()
-        runs = {name: (flags, COST[SHARE_SETTING["size"]]) for name, flags in wanted}
-        pending = share is None
-        for size in SIZES:
-            for method in METHODS:
-                if method == "agg" and share is None:
-                    continue
-                sh = share if method == "agg" else None
-                lr, sweep = self.lr(size, method, sh)
-                runs.update({name: (flags, COST[size]) for name, flags in sweep})
-                if lr is None:
-                    pending = True
-                    continue
-                for sh in (agg_shares(share) if method == "agg" else [None]):
-                    for fraction in FRACTIONS:
-                        for seed in SEEDS:
-                            runs[run_name(size, fraction, method, lr, seed, sh)] = (
-                                run_flags(size, fraction, method, lr, seed, sh), COST[size] * fraction)
-                    if size == SECOND_CORPUS["size"]:  # the same pair on the second corpus
-                        for seed in SEEDS:
-                            runs[f"{SECOND_CORPUS['name']}-" + run_name(size, 1.0, method, lr, seed, sh)] = (
-                                run_flags(size, 1.0, method, lr, seed, sh) + SECOND_CORPUS["flags"],
-                                SECOND_CORPUS["cost"])
+        runs, pending = {name: (flags, COST[SHARE_SETTING["size"]]) for name, flags in wanted}, share is None
+        for size, method in itertools.product(SIZES, METHODS):
+            if method == "agg" and share is None:
+                continue
+            lr, sweep = self.lr(size, method, share if method == "agg" else None)
+            runs.update({name: (flags, COST[size]) for name, flags in sweep})
+            if lr is None:
+                pending = True
+                continue
+            for sh in (sorted({share, HEADLINE_SHARE}) if method == "agg" else [None]):  # selected and headline
+                for fraction, seed in itertools.product(FRACTIONS, SEEDS):
+                    name, flags = run_spec(size, fraction, method, lr, seed, sh)
+                    runs[name] = (flags, COST[size] * fraction)
+                for seed in SEEDS if size == SECOND_CORPUS["size"] else []:  # the same pair on the second corpus
+                    name, flags = run_spec(size, 1.0, method, lr, seed, sh)
+                    runs[f"{SECOND_CORPUS['name']}-{name}"] = (flags + SECOND_CORPUS["flags"], SECOND_CORPUS["cost"])
         return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
 
     def selections(self):
@@ -167,42 +146,30 @@ class Study:
                                      for size in SIZES})
 
 
-def agg_shares(selected):
-    """AGG's shares in the cells: the one selected on validation and the headline's."""
-    return sorted({selected, HEADLINE_SHARE})
-
-
 def next_job(study, busy):
-    """The next job for studies.pool (name, command, its log), or None: an evaluation of a finished run first, then
-    the cheapest unfinished run."""
-    plan = [(name, flags) for name, flags, _cost in study.plan()[0] if name not in busy]
-    for name, _flags in plan:
+    """The next job for studies.pool (name, command, log), or None: evaluations first, then the cheapest run."""
+    plan = [(name, flags, study.folder(name)) for name, flags, _cost in study.plan()[0] if name not in busy]
+    for name, _flags, folder in plan:
         if study.finished(name) and not study.evaluated(name):
-            folder = study.folder(name)
             return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",
                           os.path.join(folder, "report"), *study.eval_args], folder + ".log"
-    for name, flags in plan:
+    for name, flags, folder in plan:
         if not study.finished(name):
-            folder = study.folder(name)
             resume = ["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []
             return name, [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume], \
                 folder + ".log"
-    return None
 
 
 def train(study, jobs, after=None):
-    """Keep `jobs` runs and evaluations going (studies.pool) until nothing is runnable, calling after() when one
-    ends (the results so far); SIGTERM / SIGINT stop them cleanly (each run checkpoints): a rerun continues."""
+    """Keep jobs runs and evaluations going (studies.pool) until nothing is runnable, calling after() when one ends."""
     os.makedirs(study.runs, exist_ok=True)
     pool.run(lambda busy: next_job(study, busy), jobs, after and (lambda _name: after()))
 
 
 # ---------------------------------------------------------------------------------------------------------- results
 def run_record(study, name, **extra):
-    """A finished, evaluated run of a study as its results record (studies.compare.run_record), the commands as a
-    user runs them (the runs in the default study.label/runs)."""
-    folder, label = study.folder(name), f"{study.label}/runs"
-    cfg = runlib.run_config(folder)
+    """A finished, evaluated run's results record (compare.run_record), the commands as run in study.label/runs."""
+    folder, label, cfg = study.folder(name), f"{study.label}/runs", runlib.run_config(study.folder(name))
     with open(os.path.join(folder, "report", "metrics.json")) as f:
         m = next(iter(json.load(f).values()))
     command = runlib.run_command(cfg, "train_lm.py").replace(os.path.relpath(study.runs, ROOT), label)
@@ -212,8 +179,7 @@ def run_record(study, name, **extra):
                                  *study.eval_args]))
 
 
-def scale_record(study, name):
-    """A run of this study: its record with its sizes."""
+def scale_record(study, name):  # a run of this study: its record with its sizes
     cfg = runlib.run_config(study.folder(name))
     V, d = cfg["vocab_size_actual"], cfg["d_model"]
     return run_record(study, name, size=next(k for k, v in SIZES.items() if all(cfg[f] == x for f, x in v.items())),
@@ -223,34 +189,25 @@ def scale_record(study, name):
 
 
 def paired_cell(runs):
-    """AGG against MLE in one (size, data) cell, paired by seed: total test PPL ratio, rare-group PPL ratio as they
-    are and with both calibrated (one bias on the rare logits fitted on valid, eval.py's rare_bias), the share of the
-    rare gap that calibrating both closes, I(W) and rare I(W) differences, Uniq difference."""
+    """AGG against MLE in one (size, data) cell, paired by seed: PPLs as they are and calibrated, I(W), Uniq."""
     by = {(r["method"], r["seed"]): r for r in runs}
     seeds = sorted(s for m, s in by if m == "agg" and ("mle", s) in by)
     pairs = [(by["mle", s], by["agg", s]) for s in seeds]
     if len(pairs) < 2:
         return None
-    log = lambda x: math.log(x)
-    quantities = {
-        "ppl_log_ratio": [log(a["ppl"] / b["ppl"]) for b, a in pairs],
-        "valid_ppl_log_ratio": [log(a["valid_ppl"] / b["valid_ppl"]) for b, a in pairs],
-        "rare_ppl_log_ratio": [log(a["ppl_groups"]["rare"] / b["ppl_groups"]["rare"]) for b, a in pairs],
-        "calibrated_rare_ppl_log_ratio": [log(a["rare_bias"]["ppl_groups"]["rare"] / b["rare_bias"]["ppl_groups"]["rare"])
-                                          for b, a in pairs],
-        "calibrated_ppl_log_ratio": [log(a["rare_bias"]["ppl"] / b["rare_bias"]["ppl"]) for b, a in pairs],
-        "gap_closed_by_calibration": [1 - log(b["rare_bias"]["ppl_groups"]["rare"] / a["rare_bias"]["ppl_groups"]["rare"])
-                                      / log(b["ppl_groups"]["rare"] / a["ppl_groups"]["rare"]) for b, a in pairs],
-        "isotropy_diff": [a["isotropy"] - b["isotropy"] for b, a in pairs],
-        "rare_isotropy_diff": [a["isotropy_groups"]["rare"] - b["isotropy_groups"]["rare"] for b, a in pairs],
-        "uniq_diff": [a["uniq"] - b["uniq"] for b, a in pairs],
-    }
+    ratio = lambda key: [math.log(compare.get(a, key) / compare.get(b, key)) for b, a in pairs]
+    diff = lambda key: [compare.get(a, key) - compare.get(b, key) for b, a in pairs]
+    rare, log = (lambda r: r["ppl_groups"]["rare"]), math.log
+    quantities = dict(
+        ppl_log_ratio=ratio("ppl"), valid_ppl_log_ratio=ratio("valid_ppl"), rare_ppl_log_ratio=ratio("ppl_groups.rare"),
+        calibrated_rare_ppl_log_ratio=ratio("rare_bias.ppl_groups.rare"),
+        calibrated_ppl_log_ratio=ratio("rare_bias.ppl"),
+        gap_closed_by_calibration=[1 - log(rare(b["rare_bias"]) / rare(a["rare_bias"])) / log(rare(b) / rare(a))
+                                   for b, a in pairs],
+        isotropy_diff=diff("isotropy"), rare_isotropy_diff=diff("isotropy_groups.rare"), uniq_diff=diff("uniq"))
     out = dict(seeds=seeds, **{k: compare.paired_interval(v) for k, v in quantities.items()})
-    for k in ("isotropy", "uniq"):
-        out[f"mle_{k}"] = [b[k] for b, _ in pairs]
-        out[f"agg_{k}"] = [a[k] for _, a in pairs]
-    out["mle_rare_isotropy"] = [b["isotropy_groups"]["rare"] for b, _ in pairs]
-    out["agg_rare_isotropy"] = [a["isotropy_groups"]["rare"] for _, a in pairs]
+    for k, key in (("isotropy", "isotropy"), ("uniq", "uniq"), ("rare_isotropy", "isotropy_groups.rare")):
+        out.update({f"{m}_{k}": [compare.get(r[i], key) for r in pairs] for i, m in enumerate(("mle", "agg"))})
     return out
 
 
@@ -259,37 +216,29 @@ PAPER_REGIME = dict(n_params_non_embedding=302e6, train_tokens=103e6)  # GPT-2 m
 
 
 def fit_trend(cells, key):
-    """OLS of the per-seed paired quantity on log10 non-embedding parameters and log10 training tokens, with the
-    coefficients' standard errors and 95% intervals, and the fit's prediction (with a 95% prediction interval) at the
-    paper's regime: an extrapolation over two to three decades, to be read as such."""
-    X, y = [], []
-    for c in cells:
-        for v in c[key]["diffs"]:
-            X.append([1.0, math.log10(c["n_params_non_embedding"]), math.log10(c["train_tokens"])])
-            y.append(v)
-    X, y = np.asarray(X), np.asarray(y)
+    """OLS of the per-seed paired quantity on log10 non-embedding parameters and log10 training tokens, and its
+    prediction at the paper's regime: an extrapolation over two to three decades, to be read as such."""
+    X = np.asarray([[1.0, math.log10(c["n_params_non_embedding"]), math.log10(c["train_tokens"])]
+                    for c in cells for _ in c[key]["diffs"]])
+    y = np.asarray([v for c in cells for v in c[key]["diffs"]])
     if len(y) <= 4 or np.linalg.matrix_rank(X) < 3:
         return None
     beta, *_ = np.linalg.lstsq(X, y, rcond=None)
-    dof = len(y) - 3
-    resid = y - X @ beta
+    dof, resid = len(y) - 3, y - X @ beta
     s2 = float(resid @ resid) / dof
     cov = s2 * np.linalg.inv(X.T @ X)
-    se = np.sqrt(np.diag(cov))
-    t = stats.t.ppf(0.975, dof)
+    se, t = np.sqrt(np.diag(cov)), stats.t.ppf(0.975, dof)
     x0 = np.array([1.0, math.log10(PAPER_REGIME["n_params_non_embedding"]), math.log10(PAPER_REGIME["train_tokens"])])
     pred, pred_se = float(x0 @ beta), float(np.sqrt(x0 @ cov @ x0 + s2))
-    names = ("intercept", "per_decade_params", "per_decade_tokens")
     return dict(model=f"{key} = a + b log10(non-embedding params) + c log10(train tokens), OLS over seeds",
                 n=len(y), residual_sd=math.sqrt(s2),
                 **{n: dict(value=float(b), se=float(e), ci95=[float(b - t * e), float(b + t * e)])
-                   for n, b, e in zip(names, beta, se)},
+                   for n, b, e in zip(("intercept", "per_decade_params", "per_decade_tokens"), beta, se)},
                 paper_regime=dict(PAPER_REGIME, prediction=pred, pi95=[pred - t * pred_se, pred + t * pred_se]))
 
 
 def plot_cells(cells, path, share):
-    """Each paired quantity against non-embedding parameters (a line per data size) and against training tokens (a
-    line per model size): mean over seeds with the paired 95% t interval; AGG at rare share `share`."""
+    """Each paired quantity against model size and against data size: mean over seeds and paired 95% t interval."""
     panels = [("ppl_log_ratio", "AGG / MLE test PPL", True), ("calibrated_rare_ppl_log_ratio",
               "AGG / MLE rare PPL, both calibrated", True), ("gap_closed_by_calibration",
               "share of the rare gap closed by calibrating both", False), ("rare_isotropy_diff",
@@ -298,16 +247,11 @@ def plot_cells(cells, path, share):
     for row, (x_key, line_key, x_label, line_label) in enumerate(
             [("n_params_non_embedding", "train_tokens", "non-embedding parameters", "{:,.0f} train tokens"),
              ("train_tokens", "n_params_non_embedding", "training tokens", "{:,.0f} non-emb. params")]):
-        for col, (key, title, ratio) in enumerate(panels):
-            ax = axes[row][col]
-            for line in sorted({c[line_key] for c in cells}):
+        for ax, (key, title, ratio) in zip(axes[row], panels):
+            for line in sorted({c[line_key] for c in cells if key in c}):
                 cs = sorted((c for c in cells if c[line_key] == line and key in c), key=lambda c: c[x_key])
-                if not cs:
-                    continue
-                f = (lambda v: math.exp(v)) if ratio else (lambda v: v)
-                mean = [f(c[key]["mean"]) for c in cs]
-                lo = [f(c[key]["t95"][0]) for c in cs]
-                hi = [f(c[key]["t95"][1]) for c in cs]
+                f = math.exp if ratio else (lambda v: v)
+                mean, lo, hi = ([f(v) for v in vs] for vs in zip(*((c[key]["mean"], *c[key]["t95"]) for c in cs)))
                 ax.errorbar([c[x_key] for c in cs], mean, yerr=[np.subtract(mean, lo), np.subtract(hi, mean)],
                             marker="o", capsize=3, label=line_label.format(line))
             ax.axhline(1.0 if ratio else 0.0, color="0.6", lw=0.8)
@@ -325,58 +269,49 @@ def plot_cells(cells, path, share):
 
 
 def write_results(study, path, argv, corpus_path=None):
-    """results JSON: every finished run, the selections with the valid PPL behind them, the paired cells, the fits."""
+    """results JSON: every finished run (also those an earlier selection asked for), the selections with the valid
+    PPL behind them, the paired cells, the fits."""
     plan, _ = study.plan()
-    # every finished run: those of the current plan, and those an earlier selection asked for (kept as evidence)
     names = {n for n, _f, _c in plan} | set(study.prior) | \
         {n for n in (os.listdir(study.runs) if os.path.isdir(study.runs) else ()) if not n.endswith(".log")}
     runs = {n: scale_record(study, n) if os.path.exists(os.path.join(study.folder(n), "report"))
             else study.prior[n] for n in sorted(names) if study.finished(n) and study.evaluated(n)}
     sel = study.selections()
-    share_runs = {name: study.valid_ppl(name) for name, _f in study.share()[1]}
-    lr_runs = {size: {m: {name: study.valid_ppl(name) for name, _f in
-                          study.lr(size, m, sel["share"] if m == "agg" else None)[1]} for m in METHODS
+    ppl = lambda specs: {name: study.valid_ppl(name) for name, _f in specs}
+    lr_runs = {size: {m: ppl(study.lr(size, m, sel["share"] if m == "agg" else None)[1]) for m in METHODS
                       if m == "mle" or sel["share"] is not None} for size in SIZES}
     corpus = {n: r for n, r in runs.items() if n.startswith(SECOND_CORPUS["name"] + "-")}
     runs = {n: r for n, r in runs.items() if n not in corpus}
-    shares = agg_shares(sel["share"]) if sel["share"] is not None else []
+    shares = sorted({sel["share"], HEADLINE_SHARE}) if sel["share"] is not None else []
     at = lambda rs, lrs, share: [r for r in rs if r["lr"] == lrs.get(r["method"]) and
                                  (r["method"] == "mle" or r["rare_share"] == share)]  # a pair's runs
     cells = []
-    for share in shares:
-        for size in SIZES:
-            for fraction in FRACTIONS:
-                lrs = sel["lr"][size]
-                members = at([r for r in runs.values() if r["size"] == size and r["train_fraction"] == fraction],
-                             lrs, share)
-                cell = paired_cell(members)
-                if cell is None:
-                    continue
-                first = members[0]
-                cells.append(dict(agg_share=share, size=size, train_fraction=fraction, train_tokens=first["train_tokens"],
-                                  n_params_non_embedding=first["n_params_non_embedding"], d_model=first["d_model"],
-                                  n_layer=first["n_layer"], lr=lrs, **cell))
+    for share, size, fraction in itertools.product(shares, SIZES, FRACTIONS):
+        members = at([r for r in runs.values() if r["size"] == size and r["train_fraction"] == fraction],
+                     sel["lr"][size], share)
+        if (cell := paired_cell(members)) is not None:
+            cells.append(dict(agg_share=share, size=size, train_fraction=fraction, **{k: members[0][k] for k in (
+                "train_tokens", "n_params_non_embedding", "d_model", "n_layer")}, lr=sel["lr"][size], **cell))
     of = lambda share: [c for c in cells if c["agg_share"] == share]
-    result = dict(command=shlex.join(["python", "-m", "studies.scale", *argv]), protocol=__doc__.split("The protocol")[1].strip(),
-                  selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data", share=sel["share"],
-                                 share_valid_ppl=share_runs, lr=sel["lr"],
-                                 lr_valid_ppl=lr_runs),
+    result = dict(command=shlex.join(["python", "-m", "studies.scale", *argv]),
+                  protocol=__doc__.split("The protocol")[1].strip(),
+                  selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data",
+                                 share=sel["share"], share_valid_ppl=ppl(study.share()[1]),
+                                 lr=sel["lr"], lr_valid_ppl=lr_runs),
                   runs=runs, compare=cells,  # one cell per (AGG share, size, data size)
                   fits={f"{share:g}": {k: fit_trend(of(share), k) for k in FIT_QUANTITIES}  # per AGG share
                         for share in shares if len(of(share)) >= 3})
     runlib.write_json(path, result)
-    for share in shares:
-        if of(share):
-            suffix = "" if share == sel["share"] else f"_share{share:g}"
-            plot_cells(of(share), os.path.splitext(path)[0] + suffix + ".png", share)
+    for share in [share for share in shares if of(share)]:  # the selected share's figure, and one per other share
+        suffix = "" if share == sel["share"] else f"_share{share:g}"
+        plot_cells(of(share), os.path.splitext(path)[0] + suffix + ".png", share)
     print(f"wrote {path}: {len(runs)} runs, {len(cells)} paired cells")
     if corpus_path and corpus:
         lrs = sel["lr"][SECOND_CORPUS["size"]]
         pairs = [dict(agg_share=share, **cell) for share in shares
                  if (cell := paired_cell(at(corpus.values(), lrs, share))) is not None]
-        runlib.write_json(corpus_path, dict(
-            command=result["command"], corpus=SECOND_CORPUS, selection=dict(share=sel["share"], lr=lrs),
-            runs=corpus, compare=pairs))
+        runlib.write_json(corpus_path, dict(command=result["command"], corpus=SECOND_CORPUS,
+                                            selection=dict(share=sel["share"], lr=lrs), runs=corpus, compare=pairs))
         print(f"wrote {corpus_path}: {len(corpus)} runs")
     return result
 
@@ -386,7 +321,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "out", "scale"))
     p.add_argument("--jobs", type=int, default=1, help="runs at once (2 on a 2-core CPU: one thread each)")
     p.add_argument("--no-train", action="store_true", help="train nothing: write the results of the finished runs")
-    p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and a figure beside it)")
+    p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and a figure)")
     p.add_argument("--corpus-results", default=None, metavar="FILE", help="write the second corpus's pair here")
     args = p.parse_args(argv)
     if args.jobs < 1:
