@@ -6,10 +6,9 @@
     torchrun --nproc_per_node 8 train_lm.py --dataset wikitext-103 --preset gpt2-medium --method agg
     python train_lm.py --out out/lm-agg-s0 --resume       # continue a run with its saved config
 
-Everything a run needs is in its --out folder: config.json (full config and provenance), log.jsonl (one JSON object
-per line: train and valid records), ckpt.pt (written atomically; --resume continues it exactly) and ckpt_best.pt.
-This file is the experiment: model, loss, loop. The corpora are data.py's, the life of a run is runlib.Run, the
-methods live in agg.py (this file feeds them hidden states, the tied weight and targets); eval.py reads the test split.
+A run's --out folder holds config.json (config and provenance), log.jsonl (train and valid records), ckpt.pt and
+ckpt_best.pt. This file is the experiment: model, loss, loop; the corpora are data.py's, the life of a run is
+runlib.Run, the methods are agg.py's (fed hidden states, the tied weight and targets); eval.py reads the test split.
 """
 import argparse
 import contextlib
@@ -276,8 +275,7 @@ def load_model(ck, device="cpu"):
 
 # --------------------------------------------------------------------------------------------------------- training
 def check_memory(cfg, V, B):
-    """Refuse a configuration whose activations cannot fit in this machine's memory (a clear message, no traceback
-    from a giant allocation). Estimate for a micro-batch of B sequences: attention scores, layer activations, logits."""
+    """Refuse a micro-batch of B sequences whose activations (attention scores, layers, logits) cannot fit in memory."""
     T, d = cfg["block_size"], cfg["d_model"]
     need = 4 * B * T * (cfg["n_layer"] * (cfg["n_head"] * T + 16 * d + 2 * cfg["d_ff"]) + V)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -289,10 +287,8 @@ def check_memory(cfg, V, B):
 
 def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
                scaler=runlib.NO_SCALER):
-    """One optimizer step on this process's sequences: method.observe once, gradient accumulation over micro-batches
-    (each micro-batch's mean loss weighted by its share of the step's targets), clipping at 1.0, the optimizer step
-    (through `scaler`: float16's loss scaling, else a no-op). Returns (mean loss, mean NLL over all ranks, the
-    method's stats of the last micro-batch); the scheduler is the caller's."""
+    """One optimizer step on this process's sequences; returns (mean loss, mean NLL over all ranks, the method's stats
+    of the last micro-batch). `scaler`: float16's loss scaling, else a no-op; the scheduler is the caller's."""
     method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
     loss_sum, nll_sum = 0.0, 0.0
     starts = list(range(0, len(x_all), micro_batch))
