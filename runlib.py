@@ -42,7 +42,7 @@ def add_run_flags(p, task):
     g.add_argument("--resume", action="store_true", help="continue OUT/ckpt.pt exactly, with its saved config")
     g.add_argument("--overwrite", action="store_true", help="start afresh in OUT (only a run's own files are removed)")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (also the LR schedule's length)")
-    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step (split a run into jobs)")
+    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step (split a run)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU); float16 adds loss scaling")
@@ -544,7 +544,7 @@ class Run:
             write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
             old = ((run_config(self.out) or {}).get("segments") or self.ck.get("provenance") or []) if resumed else []
             if resumed and not run_config(self.out):
-                print(f"warning: {self.out}/config.json is missing or unreadable: the provenance comes from the checkpoint")
+                print(f"warning: {self.out}/config.json is missing or unreadable: provenance from the checkpoint")
             prov = provenance(self.argv)
             self.segments = old + [dict({k: prov[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256")},
                                         start_step=self.step)]
@@ -581,7 +581,8 @@ class Run:
             os.makedirs(self.out, exist_ok=True)
             f = open(os.path.join(self.out, ".lock"), "a+")
         except OSError as e:
-            raise SystemExit(f"cannot write the run folder {self.out} ({e.strerror}): choose a writable --out") from None
+            raise SystemExit(f"cannot write the run folder {self.out} ({e.strerror}): choose a writable --out") \
+                from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -96,7 +96,7 @@ def build_parser():
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--snapshot-steps", type=lambda t: sorted({int(x) for x in t.split(",") if x}), default=[],
                    help="comma-separated steps at which to save the embedding matrix to OUT/snapshots/ "
-                        "(eval.py draws them as SVD projections over time, AGG Fig. 1)")
+                        "(studies.compare draws them as SVD projections over time, AGG Fig. 1)")
     return p
 
 
@@ -459,7 +459,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step:
                 run.log(dict(step=step, split="train", **rec, tokens_per_s=tokens_seen / max(1e-9, time.time() - t0),
                              lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
-            # snapshots of the embedding matrix for eval.py's SVD plots over time (AGG Fig. 1)
+            # snapshots of the embedding matrix for the SVD plots over time of studies.compare (AGG Fig. 1)
             if run.master and step in cfg["snapshot_steps"]:
                 os.makedirs(os.path.join(run.out, "snapshots"), exist_ok=True)
                 runlib.save_checkpoint(os.path.join(run.out, "snapshots", f"emb_{step}.pt"),
