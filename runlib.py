@@ -369,28 +369,32 @@ def provenance(argv):
 
 def run_command(saved, script):
     """The command that reproduces a run from its config.json: the first segment's flags, each overridden by the same
-    flag of a later segment (--resume dropped), paths relative to the repository, --lr / --warmup spelled out, and the
-    thread count. A run whose cosine schedule a later --max-steps moved is its segments, in order."""
+    flag of a later segment (--resume and --stop-at dropped), paths relative to the repository, --lr / --warmup
+    spelled out, and the thread count. A run whose result a later segment changed (another --dtype, or a --max-steps
+    that moved the cosine decay) is its segments, in order."""
     segments = saved.get("segments") or [saved]
-    if saved.get("schedule") == "cosine" and any(a.split("=")[0] == "--max-steps" for s in segments[1:]
-                                                 for a in s.get("argv") or []):
-        return " && ".join([run_command({**saved, "segments": segments[:1]}, script)] + [
-            shlex.join(["python", script, *[str(a) for a in s.get("argv") or [] if a != "--resume"], "--resume"])
-            for s in segments[1:]])
-    argv = {}  # flag -> [flag, values...] in order of first appearance, a later segment's value winning
-    for seg in segments:
-        groups = []
-        for a in seg.get("argv") or []:
-            groups.append([a]) if a.startswith("--") or not groups else groups[-1].append(a)
-        argv.update((g[0].split("=")[0], g) for g in groups if g[0] != "--resume")
-    argv = [os.path.relpath(a, ROOT) if os.path.isabs(a) else a for g in argv.values() for a in g]
+    later = {a.split("=")[0] for s in segments[1:] for a in s.get("argv") or []}
+
+    def words(segs, drop):  # [flag, values...] in order of first appearance, a later segment's value winning
+        flags = {}
+        for seg in segs:
+            groups = []
+            for a in seg.get("argv") or []:
+                groups.append([a]) if a.startswith("--") or not groups else groups[-1].append(a)
+            flags.update((g[0].split("=")[0], g) for g in groups if g[0].split("=")[0] not in drop)
+        return [os.path.relpath(a, ROOT) if os.path.isabs(a) else str(a) for g in flags.values() for a in g]
+    if "--dtype" in later or (saved.get("schedule") == "cosine" and "--max-steps" in later):
+        argv, rest = words(segments[:1], {"--resume"}), [words([s], {"--resume"}) + ["--resume"] for s in segments[1:]]
+    else:
+        argv, rest = words(segments, {"--resume", "--stop-at"}), []
     for key in ("lr", "warmup"):
         if "--" + key not in argv and saved.get(key) is not None:
             argv += ["--" + key, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
     threads = (saved.get("versions") or {}).get("threads")
     threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
     # every word shell-quoted, the thread count a number: a crafted config.json cannot put shell text in the command
-    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *map(str, argv)])
+    return " && ".join([(f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *argv])] +
+                       [shlex.join(["python", script, *r]) for r in rest])
 
 
 def flat(record, prefix=""):
@@ -577,6 +581,10 @@ class Run:
         the process ends); then remove our killed writes' NAME.tmpPID files and, for a new run, an old run's files."""
         if os.path.abspath(self.out) in Run.locks:  # this process holds it already
             return
+        for name in RUN_FILES + (".lock", "snapshots"):  # a link would lead our writes and deletes elsewhere
+            if os.path.islink(os.path.join(self.out, name)):
+                raise SystemExit(f"{os.path.join(self.out, name)} is a symbolic link: a run writes its own files in "
+                                 f"its folder only; remove the link (or choose another --out)")
         try:
             os.makedirs(self.out, exist_ok=True)
             f = open(os.path.join(self.out, ".lock"), "a+")
@@ -628,11 +636,12 @@ class Run:
             self.wandb.log(flat(record, record["split"] + "/"), step=record["step"])
 
     def log_valid(self, step, record):
-        """A validation record; a non-finite valid loss stops the run as diverged, before it is checkpointed."""
+        """A validation record; a non-finite valid loss or PPL stops the run as diverged, before it is checkpointed."""
         self.log(dict(step=step, split="valid", **record))
-        if not math.isfinite(record["loss"]):
-            raise SystemExit(f"step {step}: the valid loss is {record['loss']} (diverged); {self.ckpt_path} keeps the "
-                             f"last good checkpoint. Lower --lr or check the method's hyper-parameters")
+        if not (math.isfinite(record["loss"]) and math.isfinite(record["ppl"])):
+            raise SystemExit(f"step {step}: the valid loss is {record['loss']:.4g}, PPL {record['ppl']:.4g} (diverged); "
+                             f"{self.ckpt_path} keeps the last good checkpoint. Lower --lr or check the method's "
+                             f"hyper-parameters")
 
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
         """ckpt.pt, written atomically, with everything an exact resume needs (+ `extra`: the data position) and the

@@ -112,6 +112,32 @@ def test_divergence_keeps_the_last_good_checkpoint_and_nan_is_reported_as_nan(co
     assert agg.ppl_of(1e6, 1) == float("inf")
 
 
+@pytest.mark.parametrize("name", ["log.jsonl", ".lock", "snapshots"])
+def test_links_in_a_run_folder_are_refused_and_nothing_is_written_through_them(corpus, tmp_path, name):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    train_lm.main(lm_argv(corpus, out, steps=4) + ["--stop-at", "2"])
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("keep me")
+    target = elsewhere if name == "snapshots" else elsewhere / "precious"
+    if (out / name).is_dir():
+        shutil.rmtree(out / name)
+    elif (out / name).exists():
+        os.remove(out / name)
+    os.symlink(target, out / name)
+    for argv in (["--out", str(out), "--resume"], lm_argv(corpus, out, "--overwrite", "--snapshot-steps", "1")):
+        with pytest.raises(SystemExit, match=f"{name} is a symbolic link"):
+            train_lm.main(argv)
+    assert os.listdir(elsewhere) == ["precious"] and (elsewhere / "precious").read_text() == "keep me"
+
+
+def test_a_model_whose_valid_ppl_overflows_is_never_checkpointed(corpus, tmp_path):
+    argv = lm_argv(corpus, tmp_path / "big", steps=4)
+    argv[argv.index("--lr") + 1] = "1e4"  # the valid loss is finite (about 3e10), its PPL is not
+    with pytest.raises(SystemExit, match=r"step 2: the valid loss is .* PPL inf \(diverged\)"):
+        train_lm.main(argv)
+    assert not os.path.exists(tmp_path / "big" / "ckpt.pt")
+
+
 def test_a_changed_corpus_is_refused_on_resume_and_in_eval(corpus_writer, tmp_path):
     data = corpus_writer(str(tmp_path / "data"))
     argv = ["--data-dir", data, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
