@@ -93,8 +93,20 @@ def make_config(parser, resolve_config, fields):
     return resolve_config(args, set(fields))
 
 
-def check_run_flags(cfg, task):
-    """Fill the run's device, dtype and folder; check the flags both scripts share before anything is written."""
+def check_ranges(cfg, ranges):
+    """One line for the first flag outside its range: ranges {key: (lowest, highest or None)}, unset flags skipped."""
+    for key, (lo, hi) in ranges.items():
+        value = cfg.get(key)
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):  # nan fails both
+            raise SystemExit(f"--{key.replace('_', '-')} {value}: must be " + (f"in [{lo}, {hi}]" if hi is not None
+                                                                                  else f">= {lo}"))
+
+
+def check_run_flags(cfg, task, ranges):
+    """Fill the run's device, dtype and folder; check the flags (those both scripts share, and `ranges`, the
+    script's) before anything is written."""
+    check_ranges(cfg, dict(ranges, seed=(0, None), max_steps=(1, None), weight_decay=(0, None),
+                           embedding_weight_decay=(0, None), dropout=(0, 1)))
     cfg["device"] = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg["dtype"] = cfg.get("dtype") or ("bfloat16" if cfg["device"].startswith("cuda") else "float32")
     cfg["out"] = cfg["out"] or os.path.join(ROOT, "out", f"{task}-{cfg['method']}-s{cfg['seed']}")

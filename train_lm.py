@@ -116,13 +116,11 @@ def resolve_config(args, explicit=None):
                          f"{describe_source(cfg)} comes with its own splits")
     if not 0 < cfg["train_fraction"] <= 1:
         raise SystemExit(f"--train-fraction {cfg['train_fraction']}: must be in (0, 1]")
-    for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps",
-              "eval_interval", "log_interval", "vocab_size"):
-        if cfg[k] < (0 if k == "vocab_size" else 1):
-            raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
+    runlib.check_run_flags(cfg, "lm", dict({k: (1, None) for k in (
+        "n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "eval_interval",
+        "log_interval", "eval_tokens")}, vocab_size=(0, None)))
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
-    runlib.check_run_flags(cfg, "lm")
     return cfg
 
 

@@ -287,7 +287,13 @@ def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_falls_ba
                                           (["--method", "agps", "--rare-fraction", "1.5"],
                                            r"--method agps: .*rare_fraction must be a share .*\[0, 1\], got 1.5"),
                                           (["--method", "agg", "--window", "0"],
-                                           "--method agg: .*window must be >= 1")])
+                                           "--method agg: .*window must be >= 1"),
+                                          (["--weight-decay", "-0.1"], r"--weight-decay -0.1: must be >= 0"),
+                                          (["--embedding-weight-decay", "-1"], r"--embedding-weight-decay -1.0: must"),
+                                          (["--eval-tokens", "-5"], "--eval-tokens -5: must be >= 1"),
+                                          (["--dropout", "2"], r"--dropout 2.0: must be in \[0, 1\]"),
+                                          (["--seed", "-1"], "--seed -1: must be >= 0"),
+                                          (["--n-head", "0"], "--n-head 0: must be >= 1")])
 def test_bad_run_flags_end_in_one_line_before_anything_is_written(corpus, tmp_path, flags, match):
     if "cuda" in flags and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -342,7 +348,10 @@ def test_nmt_refuses_empty_data_and_bad_steps_and_keeps_one_writer(nmt_tiny, tmp
         train_nmt.main(["--data-dir", str(data), "--src", "en", "--tgt", "de", "--out", str(tmp_path / "o"),
                         "--device", "cpu", "--max-steps", "2"])
     for flags, match in ((["--max-steps", "0"], "--max-steps 0"), (["--max-steps", "4", "--stop-at", "0"], "--stop-at 0"),
-                         (["--max-steps", "4", "--stop-at", "-1"], "--stop-at -1"), (["--lr", "nan"], "--lr nan")):
+                         (["--max-steps", "4", "--stop-at", "-1"], "--stop-at -1"), (["--lr", "nan"], "--lr nan"),
+                         (["--max-len", "0"], "--max-len 0: must be >= 1"), (["--beam", "0"], "--beam 0"),
+                         (["--synthetic-size", "0"], "--synthetic-size 0"), (["--valid-bleu-sents", "-1"], "sents -1"),
+                         (["--label-smoothing", "1.5"], r"--label-smoothing 1.5: must be in \[0, 0.999\]")):
         with pytest.raises(SystemExit, match=match):
             train_nmt.main(["--out", str(tmp_path / "bad"), *nmt_tiny, *flags])
     assert not os.path.exists(tmp_path / "bad")
