@@ -42,7 +42,7 @@ def add_run_flags(p, task):
     g.add_argument("--resume", action="store_true", help="continue OUT/ckpt.pt exactly, with its saved config")
     g.add_argument("--overwrite", action="store_true", help="start afresh in OUT (only a run's own files are removed)")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (also the LR schedule's length)")
-    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step (split a run into jobs)")
+    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step (split a run)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU); float16 adds loss scaling")
@@ -93,8 +93,20 @@ def make_config(parser, resolve_config, fields):
     return resolve_config(args, set(fields))
 
 
-def check_run_flags(cfg, task):
-    """Fill the run's device, dtype and folder; check the flags both scripts share before anything is written."""
+def check_ranges(cfg, ranges):
+    """One line for the first flag outside its range: ranges {key: (lowest, highest or None)}, unset flags skipped."""
+    for key, (lo, hi) in ranges.items():
+        value = cfg.get(key)
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):  # nan fails both
+            raise SystemExit(f"--{key.replace('_', '-')} {value}: must be " + (f"in [{lo}, {hi}]" if hi is not None
+                                                                                  else f">= {lo}"))
+
+
+def check_run_flags(cfg, task, ranges):
+    """Fill the run's device, dtype and folder; check the flags (those both scripts share, and `ranges`, the
+    script's) before anything is written."""
+    check_ranges(cfg, dict(ranges, seed=(0, None), max_steps=(1, None), weight_decay=(0, None),
+                           embedding_weight_decay=(0, None), dropout=(0, 1)))
     cfg["device"] = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg["dtype"] = cfg.get("dtype") or ("bfloat16" if cfg["device"].startswith("cuda") else "float32")
     cfg["out"] = cfg["out"] or os.path.join(ROOT, "out", f"{task}-{cfg['method']}-s{cfg['seed']}")
@@ -369,28 +381,32 @@ def provenance(argv):
 
 def run_command(saved, script):
     """The command that reproduces a run from its config.json: the first segment's flags, each overridden by the same
-    flag of a later segment (--resume dropped), paths relative to the repository, --lr / --warmup spelled out, and the
-    thread count. A run whose cosine schedule a later --max-steps moved is its segments, in order."""
+    flag of a later segment (--resume and --stop-at dropped), paths relative to the repository, --lr / --warmup
+    spelled out, and the thread count. A run whose result a later segment changed (another --dtype, or a --max-steps
+    that moved the cosine decay) is its segments, in order."""
     segments = saved.get("segments") or [saved]
-    if saved.get("schedule") == "cosine" and any(a.split("=")[0] == "--max-steps" for s in segments[1:]
-                                                 for a in s.get("argv") or []):
-        return " && ".join([run_command({**saved, "segments": segments[:1]}, script)] + [
-            shlex.join(["python", script, *[str(a) for a in s.get("argv") or [] if a != "--resume"], "--resume"])
-            for s in segments[1:]])
-    argv = {}  # flag -> [flag, values...] in order of first appearance, a later segment's value winning
-    for seg in segments:
-        groups = []
-        for a in seg.get("argv") or []:
-            groups.append([a]) if a.startswith("--") or not groups else groups[-1].append(a)
-        argv.update((g[0].split("=")[0], g) for g in groups if g[0] != "--resume")
-    argv = [os.path.relpath(a, ROOT) if os.path.isabs(a) else a for g in argv.values() for a in g]
+    later = {a.split("=")[0] for s in segments[1:] for a in s.get("argv") or []}
+
+    def words(segs, drop):  # [flag, values...] in order of first appearance, a later segment's value winning
+        flags = {}
+        for seg in segs:
+            groups = []
+            for a in seg.get("argv") or []:
+                groups.append([a]) if a.startswith("--") or not groups else groups[-1].append(a)
+            flags.update((g[0].split("=")[0], g) for g in groups if g[0].split("=")[0] not in drop)
+        return [os.path.relpath(a, ROOT) if os.path.isabs(a) else str(a) for g in flags.values() for a in g]
+    if "--dtype" in later or (saved.get("schedule") == "cosine" and "--max-steps" in later):
+        argv, rest = words(segments[:1], {"--resume"}), [words([s], {"--resume"}) + ["--resume"] for s in segments[1:]]
+    else:
+        argv, rest = words(segments, {"--resume", "--stop-at"}), []
     for key in ("lr", "warmup"):
         if "--" + key not in argv and saved.get(key) is not None:
             argv += ["--" + key, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
     threads = (saved.get("versions") or {}).get("threads")
     threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
     # every word shell-quoted, the thread count a number: a crafted config.json cannot put shell text in the command
-    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *map(str, argv)])
+    return " && ".join([(f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *argv])] +
+                       [shlex.join(["python", script, *r]) for r in rest])
 
 
 def flat(record, prefix=""):
@@ -544,7 +560,7 @@ class Run:
             write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
             old = ((run_config(self.out) or {}).get("segments") or self.ck.get("provenance") or []) if resumed else []
             if resumed and not run_config(self.out):
-                print(f"warning: {self.out}/config.json is missing or unreadable: the provenance comes from the checkpoint")
+                print(f"warning: {self.out}/config.json is missing or unreadable: provenance from the checkpoint")
             prov = provenance(self.argv)
             self.segments = old + [dict({k: prov[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256")},
                                         start_step=self.step)]
@@ -577,11 +593,16 @@ class Run:
         the process ends); then remove our killed writes' NAME.tmpPID files and, for a new run, an old run's files."""
         if os.path.abspath(self.out) in Run.locks:  # this process holds it already
             return
+        for name in RUN_FILES + (".lock", "snapshots"):  # a link would lead our writes and deletes elsewhere
+            if os.path.islink(os.path.join(self.out, name)):
+                raise SystemExit(f"{os.path.join(self.out, name)} is a symbolic link: a run writes its own files in "
+                                 f"its folder only; remove the link (or choose another --out)")
         try:
             os.makedirs(self.out, exist_ok=True)
             f = open(os.path.join(self.out, ".lock"), "a+")
         except OSError as e:
-            raise SystemExit(f"cannot write the run folder {self.out} ({e.strerror}): choose a writable --out") from None
+            raise SystemExit(f"cannot write the run folder {self.out} ({e.strerror}): choose a writable --out") \
+                from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -627,11 +648,12 @@ class Run:
             self.wandb.log(flat(record, record["split"] + "/"), step=record["step"])
 
     def log_valid(self, step, record):
-        """A validation record; a non-finite valid loss stops the run as diverged, before it is checkpointed."""
+        """A validation record; a non-finite valid loss or PPL stops the run as diverged, before it is checkpointed."""
         self.log(dict(step=step, split="valid", **record))
-        if not math.isfinite(record["loss"]):
-            raise SystemExit(f"step {step}: the valid loss is {record['loss']} (diverged); {self.ckpt_path} keeps the "
-                             f"last good checkpoint. Lower --lr or check the method's hyper-parameters")
+        if not (math.isfinite(record["loss"]) and math.isfinite(record["ppl"])):
+            raise SystemExit(f"step {step}: the valid loss is {record['loss']:.4g}, PPL {record['ppl']:.4g} (diverged); "
+                             f"{self.ckpt_path} keeps the last good checkpoint. Lower --lr or check the method's "
+                             f"hyper-parameters")
 
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
         """ckpt.pt, written atomically, with everything an exact resume needs (+ `extra`: the data position) and the

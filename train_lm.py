@@ -6,10 +6,9 @@
     torchrun --nproc_per_node 8 train_lm.py --dataset wikitext-103 --preset gpt2-medium --method agg
     python train_lm.py --out out/lm-agg-s0 --resume       # continue a run with its saved config
 
-Everything a run needs is in its --out folder: config.json (full config and provenance), log.jsonl (one JSON object
-per line: train and valid records), ckpt.pt (written atomically; --resume continues it exactly) and ckpt_best.pt.
-This file is the experiment: model, loss, loop. The corpora are data.py's, the life of a run is runlib.Run, the
-methods live in agg.py (this file feeds them hidden states, the tied weight and targets); eval.py reads the test split.
+A run's --out folder holds config.json (config and provenance), log.jsonl (train and valid records), ckpt.pt and
+ckpt_best.pt. This file is the experiment: model, loss, loop; the corpora are data.py's, the life of a run is
+runlib.Run, the methods are agg.py's (fed hidden states, the tied weight and targets); eval.py reads the test split.
 """
 import argparse
 import contextlib
@@ -97,7 +96,7 @@ def build_parser():
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--snapshot-steps", type=lambda t: sorted({int(x) for x in t.split(",") if x}), default=[],
                    help="comma-separated steps at which to save the embedding matrix to OUT/snapshots/ "
-                        "(eval.py draws them as SVD projections over time, AGG Fig. 1)")
+                        "(studies.compare draws them as SVD projections over time, AGG Fig. 1)")
     return p
 
 
@@ -117,13 +116,11 @@ def resolve_config(args, explicit=None):
                          f"{describe_source(cfg)} comes with its own splits")
     if not 0 < cfg["train_fraction"] <= 1:
         raise SystemExit(f"--train-fraction {cfg['train_fraction']}: must be in (0, 1]")
-    for k in ("n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "max_steps",
-              "eval_interval", "log_interval", "vocab_size"):
-        if cfg[k] < (0 if k == "vocab_size" else 1):
-            raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be a positive integer")
+    runlib.check_run_flags(cfg, "lm", dict({k: (1, None) for k in (
+        "n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "eval_interval",
+        "log_interval", "eval_tokens")}, vocab_size=(0, None)))
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
-    runlib.check_run_flags(cfg, "lm")
     return cfg
 
 
@@ -276,8 +273,7 @@ def load_model(ck, device="cpu"):
 
 # --------------------------------------------------------------------------------------------------------- training
 def check_memory(cfg, V, B):
-    """Refuse a configuration whose activations cannot fit in this machine's memory (a clear message, no traceback
-    from a giant allocation). Estimate for a micro-batch of B sequences: attention scores, layer activations, logits."""
+    """Refuse a micro-batch of B sequences whose activations (attention scores, layers, logits) cannot fit in memory."""
     T, d = cfg["block_size"], cfg["d_model"]
     need = 4 * B * T * (cfg["n_layer"] * (cfg["n_head"] * T + 16 * d + 2 * cfg["d_ff"]) + V)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -289,10 +285,8 @@ def check_memory(cfg, V, B):
 
 def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
                scaler=runlib.NO_SCALER):
-    """One optimizer step on this process's sequences: method.observe once, gradient accumulation over micro-batches
-    (each micro-batch's mean loss weighted by its share of the step's targets), clipping at 1.0, the optimizer step
-    (through `scaler`: float16's loss scaling, else a no-op). Returns (mean loss, mean NLL over all ranks, the
-    method's stats of the last micro-batch); the scheduler is the caller's."""
+    """One optimizer step on this process's sequences; returns (mean loss, mean NLL over all ranks, the method's stats
+    of the last micro-batch). `scaler`: float16's loss scaling, else a no-op; the scheduler is the caller's."""
     method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
     loss_sum, nll_sum = 0.0, 0.0
     starts = list(range(0, len(x_all), micro_batch))
@@ -463,7 +457,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step:
                 run.log(dict(step=step, split="train", **rec, tokens_per_s=tokens_seen / max(1e-9, time.time() - t0),
                              lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
-            # snapshots of the embedding matrix for eval.py's SVD plots over time (AGG Fig. 1)
+            # snapshots of the embedding matrix for the SVD plots over time of studies.compare (AGG Fig. 1)
             if run.master and step in cfg["snapshot_steps"]:
                 os.makedirs(os.path.join(run.out, "snapshots"), exist_ok=True)
                 runlib.save_checkpoint(os.path.join(run.out, "snapshots", f"emb_{step}.pt"),

@@ -127,11 +127,10 @@ def resolve_config(args, explicit=None):
         cfg["rare_rule"] = cfg["rare_rule"] or "official"
     elif cfg["rare_rule"]:
         raise SystemExit(f"--rare-rule is for the AGG family (its dynamic rare group), not --method {cfg['method']}")
-    for k in ("max_steps", "eval_interval", "save_interval", "log_interval", "tokens_per_step", "micro_tokens",
-              "vocab_size", "keep_last"):
-        if cfg[k] < (k != "keep_last"):
-            raise SystemExit(f"--{k.replace('_', '-')} {cfg[k]}: must be an integer >= {int(k != 'keep_last')}")
-    runlib.check_run_flags(cfg, "nmt")
+    runlib.check_run_flags(cfg, "nmt", dict({k: (1, None) for k in (
+        "eval_interval", "save_interval", "log_interval", "tokens_per_step", "micro_tokens", "vocab_size", "max_len",
+        "synthetic_size", "beam", "enc_layers", "dec_layers", "d_model", "n_head", "d_ff")},
+        keep_last=(0, None), valid_bleu_sents=(0, None), label_smoothing=(0, 0.999), lenpen=(0, None)))
     return cfg
 
 

@@ -1,27 +1,21 @@
 """What each method of agg.py costs next to MLE, measured in one run. From the repository root:
 
-    python -m studies.bench --threads 1   # T=4096, d=512, V in {8192, 32768, 50304} + chunked head + train_lm tokens/s
-                                          # (~1 h on 2 CPU cores; on a GPU machine the head adds CUDA rows)
+    python -m studies.bench --threads 1   # T=4096, d=512, V in {8192, 32768, 50304}, chunked head, lm: ~1 h on 2 cores
     python -m studies.bench --quick       # one small V, few repeats: a spot check in about a minute
-    python -m studies.bench --plan paper-6l   # what a preset of train_lm.py / train_nmt.py costs, by formula
 
-Sections (--sections), each interleaving its candidates (the order rotates every round) with ratios vs MLE's rows:
-  head     observe() + loss() + backward() of the loss head (hidden (T, d) -> grads wrt hidden and the tied weight)
-           for every agg.METHODS entry, `official-ref` (studies.official: three logit matrices, dense T x V gates,
-           T x T counting) and `torch-ce` (F.cross_entropy(h @ W.T, y)): median and min-max wall and CPU time, and
-           peak memory (CUDA max_memory_allocated; on CPU the peak RSS above the set-up of a fresh process per case);
-  chunked  the chunk_size option of loss() at large vocabularies: peak head memory ~ chunk x V instead of T x V;
-  lm       tokens/s of train_lm.py's training step per method (cpu preset on CPU).
-On a machine shared with other jobs use --threads 1 and read the CPU-time column (process CPU time does not count
-the time other jobs hold the cores); timings on a shared machine are noisy: compare rows of one run only.
-Writes OUT/bench.md (the printed tables) and OUT/bench.json (--out OUT, default out/bench):
-  {"cases": [{"method", "V", "device", "ms", "ms_ratio_vs_mle", "peak_mb", "mem_ratio_vs_mle"}, ...],
-   "spread": [{"method", "V", "device", "ms_min", "ms_max", "samples_ms", "cpu_ms", "cpu_ratio_vs_mle",
-               "cpu_samples_ms"}, ...], "chunked": [...], "lm": {...}, "meta": {...}}
-(ms: median wall-clock ms of one step; peak_mb: peak memory of one step above its set-up.)
+Sections (--sections), each interleaving its candidates (the order rotates every round), with ratios vs MLE:
+  head     observe() + loss() + backward() of the head for every agg.METHODS entry, `official-ref` (studies.official)
+           and `torch-ce` (F.cross_entropy(h @ W.T, y)): wall and CPU time (median, min-max), peak memory (CUDA
+           max_memory_allocated; on CPU the peak RSS above the set-up of a fresh process per case);
+  chunked  loss()'s chunk_size at large vocabularies: peak head memory ~ chunk x V instead of T x V;
+  lm       tokens/s of train_lm.py's training step per method (cpu preset).
+On a shared machine use --threads 1 and read the CPU-time column; compare rows of one run only.
+Writes OUT/bench.md (the tables) and OUT/bench.json: {"cases": [{"method", "V", "device", "ms", "ms_ratio_vs_mle",
+"peak_mb", "mem_ratio_vs_mle"}], "spread": [{"method", "V", "device", "ms_min", "ms_max", "samples_ms", "cpu_ms",
+"cpu_ratio_vs_mle", "cpu_samples_ms"}], "chunked", "lm", "meta"} (ms: median ms of a step; peak_mb above set-up).
 """
 import argparse
-import functools
+import contextlib
 import gc
 import hashlib
 import multiprocessing as mp
@@ -30,6 +24,7 @@ import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -38,18 +33,14 @@ from tqdm import tqdm
 import agg
 import runlib
 import train_lm
-import train_nmt
 from data import prepare_lm
 from studies.official import OfficialAGGRef
 
-EXTRA = ["official-ref", "torch-ce"]  # candidates that are not agg.METHODS entries
+NAMES = list(agg.METHODS) + ["official-ref", "torch-ce"]  # the candidates: agg.py's methods and two baselines
 SPECIAL_IDS = [0]  # never rare (like pad/eos)
 
 
-class TorchCE:
-    """Plain PyTorch: F.cross_entropy(h @ W.T, y) (logits, log-softmax and its gradient: ~3 T x V buffers)."""
-    name = "torch-ce"
-
+class TorchCE:  # plain PyTorch: F.cross_entropy(h @ W.T, y) (logits, log-softmax and its gradient: ~3 T x V)
     def observe(self, targets):
         pass
 
@@ -57,13 +48,9 @@ class TorchCE:
         return F.cross_entropy((hidden @ weight.T).reshape(-1, weight.shape[0]).float(), targets.reshape(-1))
 
 
-# -------------------------------------------------------------------------------------------------- the loss head
 def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, n_batches=4):
-    """Inputs shared by all candidates of one (V, device), deterministic in `seed` (rebuilt in memory children).
-    Targets ~ Zipf(1.1) over the vocabulary, shaped (T / seq_len, seq_len) (ul needs (B, T)). `window` previous steps
-    fill the counters of agg / official-ref; their token counts stand in for the training counts of the static-group
-    methods. alpha is chosen so that about `rare_fraction` of the vocabulary is rare, from the counts the counters
-    will hold."""
+    """Inputs of all candidates of one (V, device): Zipf(1.1) targets, (T / seq_len, seq_len) (ul needs (B, T)); a
+    history of `window` steps for the counters (its counts are the static methods'); alpha makes ~rare_fraction rare."""
     g = torch.Generator().manual_seed(seed)
     p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
     p = (p / p.sum()).float()
@@ -85,33 +72,23 @@ def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, n_batches=4
                 rare_fraction=rare_fraction)
 
 
-def build_candidate(name, data):
-    """The method object of candidate `name`, its counters filled with data['history']."""
-    V = data["weight"].shape[0]
-    if name == "official-ref":
-        m = OfficialAGGRef(V, alpha=data["alpha"], window=data["window"], special_ids=SPECIAL_IDS)
-        m.prefill(data["history"])
-        return m
-    if name == "torch-ce":
-        return TorchCE()
-    family = agg.agg_family(name)
-    hp = dict(alpha=data["alpha"], window=data["window"]) if family else {}
-    if "rare_fraction" in agg.METHODS[name].defaults:
-        hp.update(rare_fraction=data["rare_fraction"])
-    m = agg.build_method(name, vocab_size=V, counts=data["counts"], special_ids=SPECIAL_IDS, **hp)
-    for y in data["history"] if family else []:
-        m.observe(y)
-    return m
-
-
 class Runner:
-    """One candidate: its own leaf tensors (sharing storage with the data), its method, one step = observe + loss +
-    backward, on the next batch of targets."""
+    """One candidate: its method (counters filled with the history), its own leaf tensors (sharing storage with the
+    data: freeze-rare hooks its weight); one step = observe + loss + backward on the next batch of targets."""
 
     def __init__(self, name, data, chunk_size=None):
-        self.name, self.chunk_size = name, chunk_size
-        self.method = build_candidate(name, data)
-        self.hidden = data["hidden"].detach().requires_grad_()  # own leaves: freeze-rare hooks its weight
+        self.name, self.chunk_size, V = name, chunk_size, data["weight"].shape[0]
+        if name == "official-ref":
+            self.method = OfficialAGGRef(V, alpha=data["alpha"], window=data["window"], special_ids=SPECIAL_IDS)
+            self.method.prefill(data["history"])
+        elif name == "torch-ce":
+            self.method = TorchCE()
+        else:
+            hp = {k: data[k] for k in ("alpha", "window", "rare_fraction") if k in agg.METHODS[name].defaults}
+            self.method = agg.build_method(name, vocab_size=V, counts=data["counts"], special_ids=SPECIAL_IDS, **hp)
+            for y in data["history"] if agg.agg_family(name) else []:
+                self.method.observe(y)
+        self.hidden = data["hidden"].detach().requires_grad_()
         self.weight = data["weight"].detach().requires_grad_()
         self.batches, self.i = data["batches"], 0
 
@@ -120,15 +97,23 @@ class Runner:
         if y is None:
             y, self.i = self.batches[self.i % len(self.batches)], self.i + 1
         self.method.observe(y)  # once per optimizer step: part of each step's cost
-        kw = {"chunk_size": self.chunk_size} if self.chunk_size else {}
-        loss = self.method.loss(self.hidden if hidden is None else hidden, self.weight, y, **kw)
+        loss = self.method.loss(self.hidden if hidden is None else hidden, self.weight, y, chunk_size=self.chunk_size)
         loss.backward()
         return loss
 
+    def timed(self, device):
+        """(wall ms, process CPU ms) of one step; the CPU time leaves out the time other jobs hold the cores."""
+        sync = torch.cuda.synchronize if device.startswith("cuda") else lambda device: None
+        sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.step()
+        sync(device)
+        self.hidden.grad = self.weight.grad = None
+        return 1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)
+
 
 def interleave(names, rounds, warmup, run, desc):
-    """run(name, round) for each name in each of warmup + rounds rounds, the order rotating every round: {name: [what
-    run returned in each round after the warm-up]}."""
+    """{name: [run(name, round) of each round after the warm-up]}, the order of the names rotating every round."""
     out = {n: [] for n in names}
     with tqdm(total=(warmup + rounds) * len(names), desc=desc, leave=False, file=sys.stderr) as bar:
         for r in range(warmup + rounds):
@@ -139,39 +124,18 @@ def interleave(names, rounds, warmup, run, desc):
     return out
 
 
-def timed_step(runner, device):
-    """(wall ms, process CPU ms) of one step. On CPU the process CPU time does not count the time other jobs hold the
-    cores (with 1 thread it is the step's own work); wall time is the `ms` of bench.json."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda device: None
-    sync(device)
-    t0, c0 = time.perf_counter(), time.process_time()
-    runner.step()
-    sync(device)
-    ms = 1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)
-    runner.hidden.grad = runner.weight.grad = None
-    return ms
-
-
-# --------------------------------------------------------------- peak memory: CUDA in process, CPU in a fresh process
 def _cpu_peak_child(spec, conn):
-    """In a fresh process: build the case, warm up on a few positions, then the peak RSS of one full step above its
-    set-up (VmHWM, reset to the current RSS by /proc/self/clear_refs on Linux >= 4.0)."""
-    def status_kb(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    """Send the peak RSS of one step above its set-up (VmHWM, reset by /proc/self/clear_refs on Linux >= 4.0)."""
+    status_kb = lambda key: next(int(r.split()[1]) for r in open("/proc/self/status") if r.startswith(key + ":"))
     try:
         torch.set_num_threads(spec.pop("threads"))
         name, chunk_size = spec.pop("method"), spec.pop("chunk_size")
-        data = make_data(device="cpu", **spec)
-        runner = Runner(name, data, chunk_size)
+        runner = Runner(name, make_data(device="cpu", **spec), chunk_size)
         runner.step(hidden=runner.hidden[:1, :16], y=runner.batches[0][:1, :16])  # every code path, a small allocation
         runner.hidden.grad = runner.weight.grad = None
         gc.collect()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
         base = status_kb("VmRSS")
         runner.step()
         conn.send({"peak_mb": max(status_kb("VmHWM") - base, 0) / 1024})
@@ -181,31 +145,17 @@ def _cpu_peak_child(spec, conn):
         conn.close()
 
 
-@functools.cache
-def mp_context():
-    """forkserver with torch + agg preloaded: every case gets a fresh process without paying torch's import."""
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["torch", "agg"])
-    return ctx
-
-
-def cpu_peak_mb(method, V, T, d, seq_len, seed, rare_fraction, window, chunk_size=None):
-    """Peak RSS (MB) of one step of `method` above its set-up, in a fresh process."""
-    spec = dict(method=method, V=V, T=T, d=d, seq_len=seq_len, seed=seed, rare_fraction=rare_fraction,
-                window=window, chunk_size=chunk_size, threads=torch.get_num_threads())
-    parent, child = mp_context().Pipe(duplex=False)
-    proc = mp_context().Process(target=_cpu_peak_child, args=(spec, child))
-    # A fixed glibc mmap threshold: every buffer >= 1 MiB is its own mapping, returned to the OS when freed, so the
-    # peak RSS counts live tensors (glibc's dynamic threshold would keep some freed buffers resident, at random).
-    # Set while the process (or the forkserver, on its first use) starts.
-    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(2 ** 20)
-    try:
+def cpu_peak_mb(method, chunk_size=None, **data):
+    """Peak RSS (MB) of one step of `method` on make_data(**data) above its set-up, in a fresh process (forkserver)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "agg"])
+    spec = dict(data, method=method, chunk_size=chunk_size, threads=torch.get_num_threads())
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_cpu_peak_child, args=(spec, child))
+    # A fixed glibc mmap threshold (read as the process or its server starts): every buffer >= 1 MiB is its own
+    # mapping, unmapped when freed, so the peak RSS counts live tensors, not the freed buffers glibc keeps at random.
+    with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2 ** 20)):
         proc.start()
-    finally:
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        os.environ.update({} if old is None else {"MALLOC_MMAP_THRESHOLD_": old})
     child.close()
     try:
         out = parent.recv()
@@ -213,29 +163,24 @@ def cpu_peak_mb(method, V, T, d, seq_len, seed, rare_fraction, window, chunk_siz
         out = {"error": "the child process died; out of memory? Try a smaller --tokens / --vocab, or --no-memory"}
     proc.join()
     if "error" in out:
-        raise RuntimeError(f"peak memory of {method} at V={V}: {out['error']} (exit code {proc.exitcode})")
+        raise RuntimeError(f"peak memory of {method} at V={data['V']}: {out['error']} (exit code {proc.exitcode})")
     return out["peak_mb"]
 
 
-def peak_mb(runner, device, V, T, d, seq_len, args):
+def peak_mb(runner, device, data):
     """Peak memory (MB) of one step of `runner` above its set-up: CUDA max_memory_allocated, or cpu_peak_mb."""
     if device == "cpu":
-        return cpu_peak_mb(runner.name, V, T, d, seq_len, args.seed, args.rare_fraction, args.window,
-                           runner.chunk_size)
+        return cpu_peak_mb(runner.name, runner.chunk_size, **data)
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    runner.step()
-    torch.cuda.synchronize(device)
-    runner.hidden.grad = runner.weight.grad = None
+    runner.timed(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
 
 
-# ------------------------------------------------------------------------------------------------------- sections
 def table(title, header, rows):
-    """A markdown table under a title line."""
     return "\n".join([title, "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
                      + ["| " + " | ".join(r) + " |" for r in rows])
 
@@ -245,52 +190,49 @@ def fmt(x, spec):
 
 
 def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
-    """Time the candidates ((method, chunk_size) pairs) interleaved on one data set, then measure their peak memory:
-    (the data's alpha and rare shares, {candidate: ([wall ms], [CPU ms], peak MB or None)})."""
-    data = make_data(V, T, d, seq_len, args.seed, args.rare_fraction, args.window, device)
-    info = dict(alpha=data["alpha"], rare_vocab=data["rare_vocab"], rare_rows=data["rare_rows"],
+    """Time the (method, chunk_size) candidates interleaved on one data set, then measure their peak memory:
+    ({V, device, alpha, rare shares, load}, {candidate: ([wall ms], [CPU ms], peak MB or None)})."""
+    spec = dict(V=V, T=T, d=d, seq_len=seq_len, seed=args.seed, rare_fraction=args.rare_fraction, window=args.window)
+    data = make_data(device=device, **spec)
+    info = dict(V=V, device=device, alpha=data["alpha"], rare_vocab=data["rare_vocab"], rare_rows=data["rare_rows"],
                 load_before=os.getloadavg())
     runners = {(m, c): Runner(m, data, c) for m, c in candidates}
-    timed = interleave(list(runners), repeats, warmup, lambda k, r: timed_step(runners[k], device),
-                       f"{desc} {device} V={V}")
-    peaks = {k: None if args.no_memory else peak_mb(runners[k], device, V, T, d, seq_len, args)
+    timed = interleave(list(runners), repeats, warmup, lambda k, r: runners[k].timed(device), f"{desc} {device} V={V}")
+    peaks = {k: None if args.no_memory else peak_mb(runners[k], device, spec)
              for k in tqdm(runners, desc=f"memory {device} V={V}", leave=False, file=sys.stderr)}
     del runners, data
     gc.collect()
-    return info, {k: ([t[0] for t in timed[k]], [t[1] for t in timed[k]], peaks[k]) for k in timed}
+    return dict(info, load_after=os.getloadavg()), {k: ([t[0] for t in v], [t[1] for t in v], peaks[k])
+                                                    for k, v in timed.items()}
 
 
-def bench_head(args, devices, log, cases, spread, info, save=lambda: None):
-    """The method table: appends to cases, spread and info (one entry per (device, V)), save() after each group."""
-    names = args.methods
+def bench_head(args, devices, log, result, save):
+    """The method table of each (device, V): rows of result's cases and spread, an entry of its meta's head_groups."""
     for device in devices:
         for V in args.vocab:
-            group, res = measure(args, device, V, args.tokens, args.d_model, args.seq_len, [(n, None) for n in names],
-                                 args.repeats, args.warmup, "head")
-            info.append(i := dict(V=V, device=device, **group, load_after=os.getloadavg()))
-            ms, cpu_ms = ({n: statistics.median(res[n, None][j]) for n in names} for j in (0, 1))
-            peak = {n: res[n, None][2] for n in names}
-            for n in names:
-                wall, cpu = res[n, None][:2]
-                cases.append(dict(method=n, V=V, device=device, ms=round(ms[n], 3),
-                                  ms_ratio_vs_mle=round(ms[n] / ms["mle"], 4),
-                                  peak_mb=None if peak[n] is None else round(peak[n], 2),
-                                  mem_ratio_vs_mle=round(peak[n] / peak["mle"], 4) if peak["mle"] else None))
-                spread.append(dict(method=n, V=V, device=device, ms_min=round(min(wall), 3), ms_max=round(max(wall), 3),
-                                   samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms[n], 3),
-                                   cpu_ratio_vs_mle=round(cpu_ms[n] / cpu_ms["mle"], 4),
-                                   cpu_samples_ms=[round(x, 3) for x in cpu]))
-            rows = list(zip(cases[-len(names):], spread[-len(names):]))
-            mle_min = spread[-len(names) + names.index("mle")]["ms_min"]
+            i, res = measure(args, device, V, args.tokens, args.d_model, args.seq_len,
+                             [(n, None) for n in args.methods], args.repeats, args.warmup, "head")
+            result["meta"]["head_groups"].append(i)
+            med = {n: (statistics.median(res[n, None][0]), statistics.median(res[n, None][1])) for n in args.methods}
+            (mle_wall, _, mle_peak), rows = res["mle", None], []
+            for n in args.methods:
+                (wall, cpu, peak), (ms, cpu_ms) = res[n, None], med[n]
+                result["cases"].append(c := dict(
+                    method=n, V=V, device=device, ms=round(ms, 3), ms_ratio_vs_mle=round(ms / med["mle"][0], 4),
+                    peak_mb=None if peak is None else round(peak, 2),
+                    mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
+                result["spread"].append(s := dict(
+                    method=n, V=V, device=device, ms_min=round(min(wall), 3), ms_max=round(max(wall), 3),
+                    samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms, 3),
+                    cpu_ratio_vs_mle=round(cpu_ms / med["mle"][1], 4), cpu_samples_ms=[round(x, 3) for x in cpu]))
+                rows.append([n, f"{ms:.0f} ({min(wall):.0f}-{max(wall):.0f})", f"{c['ms_ratio_vs_mle']:.2f}x "
+                             f"({min(wall) / min(mle_wall):.2f}x)", f"{s['cpu_ratio_vs_mle']:.2f}x",
+                             fmt(c["peak_mb"], "{:.0f}"), fmt(c["mem_ratio_vs_mle"], "{:.2f}x")])
             log(table(f"\nhead: T={args.tokens}, d={args.d_model}, V={V}, {device}; alpha={i['alpha']:.4g}: rare vocab "
                       f"{100 * i['rare_vocab']:.1f}%, rare-target rows {100 * i['rare_rows']:.1f}%; median of "
                       f"{args.repeats} (min-max); load average {i['load_before'][0]:.1f} -> {i['load_after'][0]:.1f}",
                       ["method", "ms: median (min-max)", "time vs MLE: median (min)", "CPU time vs MLE", "peak MB",
-                       "memory vs MLE"],
-                      [[c["method"], f"{c['ms']:.0f} ({s['ms_min']:.0f}-{s['ms_max']:.0f})",
-                        f"{fmt(c['ms_ratio_vs_mle'], '{:.2f}x')} ({fmt(s['ms_min'] / mle_min, '{:.2f}x')})",
-                        fmt(s["cpu_ratio_vs_mle"], "{:.2f}x"), fmt(c["peak_mb"], "{:.0f}"),
-                        fmt(c["mem_ratio_vs_mle"], "{:.2f}x")] for c, s in rows]))
+                       "memory vs MLE"], rows))
             save()
 
 
@@ -305,28 +247,20 @@ def bench_chunked(args, devices, log):
                           peak_mb=None if peak is None else round(peak, 2),
                           logits_mb=round((c or T) * V * 4 / 2 ** 20, 2),  # one float32 rows x V buffer
                           weight_grad_mb=round(V * d * 4 / 2 ** 20, 2)) for (m, c), (wall, _, peak) in res.items()]
-    if rows:
-        log(table("\nchunked head (chunk_size of loss()): peak MB above set-up; one rows x V float32 buffer = logits MB",
-                  ["method", "V", "T", "d", "chunk_size", "ms", "peak MB", "logits MB", "weight grad MB"],
-                  [[r["method"], str(r["V"]), str(r["T"]), str(r["d"]), str(r["chunk_size"] or "none (T)"),
-                    f"{r['ms']:.0f}", fmt(r["peak_mb"], "{:.0f}"), f"{r['logits_mb']:.0f}",
-                    f"{r['weight_grad_mb']:.0f}"] for r in rows]))
+    log(table("\nchunked head (chunk_size of loss()): peak MB above set-up; one rows x V float32 buffer = logits MB",
+              ["method", "V", "T", "d", "chunk_size", "ms", "peak MB", "logits MB", "weight grad MB"],
+              [[r["method"], *(str(r[k]) for k in "VTd"), str(r["chunk_size"] or "none (T)"),
+                *(fmt(r[k], "{:.0f}") for k in ("ms", "peak_mb", "logits_mb", "weight_grad_mb"))] for r in rows]))
     return rows
 
 
-class LMTrainer:
-    """One method's model + optimizer + method, stepped by train_lm.train_step: the training step of train_lm.py's
-    main loop (observe, micro-batches of features -> method.loss -> backward, clip, AdamW step)."""
-
-    def __init__(self, cfg, V, counts, special, **sizes):
-        torch.manual_seed(0)  # same initial model for every method
-        self.model = train_lm.build_model(cfg, V).train()
-        self.method, _ = runlib.build_method(cfg, {}, vocab_size=V, counts=counts, special_ids=special, **sizes)
-        self.opt, self.cfg, self.autocast = runlib.make_optimizer(self.model, cfg), cfg, runlib.autocast(cfg)
-
-    def step(self, x_all, y_all):
-        train_lm.train_step(self.model, self.model, self.method, self.opt, x_all, y_all, self.cfg["micro_batch"],
-                            self.autocast)
+def lm_trainer(cfg, V, counts, special, **sizes):
+    """(model, method, step(x, y)): one method's training step of train_lm.py (train_lm.train_step, AdamW)."""
+    torch.manual_seed(0)  # same initial model for every method
+    model = train_lm.build_model(cfg, V).train()
+    method, _ = runlib.build_method(cfg, {}, vocab_size=V, counts=counts, special_ids=special, **sizes)
+    opt, ac = runlib.make_optimizer(model, cfg), runlib.autocast(cfg)
+    return model, method, lambda x, y: train_lm.train_step(model, model, method, opt, x, y, cfg["micro_batch"], ac)
 
 
 def bench_lm(args, log):
@@ -348,32 +282,29 @@ def bench_lm(args, log):
     seqs_per_step = max(1, round(tps / block))
     n_windows = (len(ids) - 1) // block
     steps_per_epoch = n_windows / seqs_per_step
-    windows = ids[:n_windows * block + 1]
 
     def batch(step):  # consecutive windows (the cost does not depend on the shuffling)
         starts = [((step * seqs_per_step + i) % n_windows) * block for i in range(seqs_per_step)]
-        t = torch.stack([windows[s:s + block + 1] for s in starts])
+        t = torch.stack([ids[s:s + block + 1] for s in starts])
         return t[:, :-1], t[:, 1:]
 
     names = ["mle"] + [m for m in args.lm_methods if m != "mle"]
-    trainers = {}
-    K = max(1, int(round(steps_per_epoch)))
+    trainers, rare, K = {}, {}, max(1, int(round(steps_per_epoch)))
     for name in names:
-        trainers[name] = LMTrainer(dict(cfg, method=name, alpha=args.lm_alpha if agg.agg_family(name) else None), V,
-                                   counts, special, steps_per_epoch=steps_per_epoch, tokens_per_step=tps)
-        for s in range(K if "window" in trainers[name].method.hparams else 0):  # a full window, as after epoch 1
-            trainers[name].method.observe(batch(s)[1])
-    rare = {n: float(t.method.rare_mask().double().mean()) for n, t in trainers.items()
-            if t.method.rare_mask() is not None}
-    rounds, step = [], K
-    for r in range(1 + args.lm_rounds):  # round 0: warm-up, one step
-        rounds.append([batch(step + i) for i in range(args.lm_steps if r else 1)])
-        step += len(rounds[-1])
+        alpha = args.lm_alpha if agg.agg_family(name) else None
+        _, method, trainers[name] = lm_trainer(dict(cfg, method=name, alpha=alpha), V, counts, special,
+                                               steps_per_epoch=steps_per_epoch, tokens_per_step=tps)
+        for s in range(K if "window" in method.hparams else 0):  # a full window, as after epoch 1
+            method.observe(batch(s)[1])
+        if method.rare_mask() is not None:
+            rare[name] = float(method.rare_mask().double().mean())
+    rounds = [[batch(K)]] + [[batch(K + 1 + r * args.lm_steps + i) for i in range(args.lm_steps)]
+                             for r in range(args.lm_rounds)]  # round 0: the warm-up, one step
 
     def tokens_per_s(name, r):
         t0 = time.perf_counter()
         for x, y in rounds[r]:
-            trainers[name].step(x, y)
+            trainers[name](x, y)
         return len(rounds[r]) * seqs_per_step * block / (time.perf_counter() - t0)
     samples = interleave(names, args.lm_rounds, 1, tokens_per_s, "lm steps")
     med = {n: statistics.median(s) for n, s in samples.items()}
@@ -391,54 +322,18 @@ def bench_lm(args, log):
     return res
 
 
-# ----------------------------------------------------------------------------------------------------- by formula
-def plan(task, preset, gpus=1, tflops=100.0, mfu=0.4):
-    """What a preset costs, by formula: parameters (counted on the meta device), training FLOPs per token
-    6 N + 12 L d T (Kaplan et al. 2020: forward + backward of every weight, plus attention scores over a context of
-    T), the run's tokens and FLOPs, memory per GPU (16 bytes per parameter for fp32 weights, gradients and Adam's two
-    moments; activations ~34 d bytes per token and layer in bf16 (Korthikanti et al. 2022, no recomputation) for a
-    micro-batch; the head's fp32 logits buffer, micro-batch tokens x V x 4 bytes), and hours at gpus x tflops x mfu."""
-    script = train_lm if task == "lm" else train_nmt
-    cfg = dict(script.PRESETS[preset])
-    with torch.device("meta"):
-        model = script.build_model(cfg, cfg["vocab_size"])
-    if task == "lm":
-        layers, ctx, micro = cfg["n_layer"], cfg["block_size"], cfg["micro_batch"] * cfg["block_size"]
-    else:
-        layers, ctx, micro = cfg["enc_layers"] + cfg["dec_layers"], cfg["max_len"] // 2, cfg["micro_tokens"]
-    n = sum(p.numel() for p in model.parameters())
-    d, V = cfg["d_model"], cfg["vocab_size"]
-    flops_token = 6 * n + 12 * layers * d * ctx
-    tokens = cfg["max_steps"] * cfg["tokens_per_step"]
-    total = flops_token * tokens
-    mem = 16 * n + 34 * d * layers * micro + 4 * micro * V
-    hours = total / (gpus * tflops * 1e12 * mfu) / 3600
-    return dict(task=task, preset=preset, params=n, flops_per_token=flops_token, tokens=tokens, flops=total,
-                memory_per_gpu_gb=mem / 1e9, gpus=gpus, tflops=tflops, mfu=mfu, hours=hours,
-                micro_batch_tokens=micro, steps=cfg["max_steps"])
-
-
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m studies.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/bench", help="folder for bench.json")
-    p.add_argument("--results", default=None, metavar="FILE",
-                   help="also write bench.json's content to FILE (the figures RESULTS.md quotes, in results/)")
-    p.add_argument("--plan", default=None, metavar="PRESET",
-                   help="print what a preset of train_lm.py / train_nmt.py costs (parameters, FLOPs, tokens, memory "
-                        "per GPU, hours) instead of timing anything")
-    p.add_argument("--gpus", type=int, default=1, help="--plan: number of GPUs")
-    p.add_argument("--tflops", type=float, default=312.0, help="--plan: peak TFLOP/s per GPU (A100 bf16: 312)")
-    p.add_argument("--mfu", type=float, default=0.4, help="--plan: model FLOPs utilisation")
-    p.add_argument("--quick", action="store_true",
-                   help="one V (8192), T=1024, d=128, 2 repeats, a small chunked case, no lm: under a minute")
+    p.add_argument("--results", default=None, metavar="FILE", help="also write bench.json's content to FILE")
+    p.add_argument("--quick", action="store_true", help="one V (8192), T=1024, d=128, small chunked case, no lm")
     p.add_argument("--sections", default="head,chunked,lm", help="comma list of head, chunked, lm")
-    p.add_argument("--device", default=None, help="cpu | cuda | cpu,cuda (default: cpu, plus cuda if available)")
-    p.add_argument("--methods", nargs="+", default=list(agg.METHODS) + EXTRA,
+    p.add_argument("--device", default="cpu,cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cpu,cuda")
+    p.add_argument("--methods", nargs="+", default=NAMES, choices=NAMES, metavar="NAME",
                    help="candidates (agg.METHODS names, official-ref, torch-ce); mle is always added")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default torch's; on a busy machine 1 thread is steadier)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
     g = p.add_argument_group("head")
     g.add_argument("--vocab", type=int, nargs="+", default=[8192, 32768, 50304])
     g.add_argument("--tokens", type=int, default=4096, help="T: positions per step")
@@ -446,8 +341,7 @@ def build_parser():
     g.add_argument("--seq-len", type=int, default=1024, help="targets are (T / seq-len, seq-len): ul needs (B, T)")
     g.add_argument("--repeats", type=int, default=3, help="timed runs per candidate (after --warmup)")
     g.add_argument("--warmup", type=int, default=1)
-    g.add_argument("--rare-fraction", type=float, default=0.2,
-                   help="share of the vocabulary in the rare group (sets agg's alpha and the static methods')")
+    g.add_argument("--rare-fraction", type=float, default=0.2, help="share of the vocabulary in the rare group")
     g.add_argument("--window", type=int, default=200, help="AGG counter memory K (steps of synthetic history)")
     g.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     g = p.add_argument_group("chunked")
@@ -455,12 +349,11 @@ def build_parser():
     g.add_argument("--chunk-tokens", type=int, default=1024)
     g.add_argument("--chunk-d", type=int, default=256)
     g.add_argument("--chunk-sizes", type=int, nargs="+", default=[0, 512, 128], help="0 = unchunked (T x V)")
-    g.add_argument("--chunk-methods", nargs="+", default=["mle", "agg"])
+    g.add_argument("--chunk-methods", nargs="+", default=["mle", "agg"], choices=NAMES, metavar="NAME")
     g.add_argument("--chunk-repeats", type=int, default=2)
     g = p.add_argument_group("lm")
-    g.add_argument("--lm-methods", nargs="+", default=list(agg.METHODS))
-    g.add_argument("--lm-alpha", type=float, default=0.075,
-                   help="AGG alpha for the lm section (~12%% of the vocabulary rare at 4k tokens per step)")
+    g.add_argument("--lm-methods", nargs="+", default=list(agg.METHODS), choices=list(agg.METHODS), metavar="NAME")
+    g.add_argument("--lm-alpha", type=float, default=0.075, help="AGG alpha (~12%% of the vocabulary rare)")
     g.add_argument("--lm-steps", type=int, default=3, help="timed training steps per method per round")
     g.add_argument("--lm-rounds", type=int, default=3, help="interleaved rounds (after one warm-up step each)")
     return p
@@ -475,41 +368,21 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.plan:
-        if args.plan not in train_lm.PRESETS and args.plan not in train_nmt.PRESETS:
-            parser.error(f"--plan {args.plan}: not a preset of train_lm.py or train_nmt.py")
-        p = plan("lm" if args.plan in train_lm.PRESETS else "nmt", args.plan, args.gpus, args.tflops, args.mfu)
-        print(f"{p['task']} preset {p['preset']}: {p['params'] / 1e6:.1f}M parameters, "
-              f"{p['flops_per_token'] / 1e9:.2f} GFLOPs per training token, {p['steps']} steps x "
-              f"{p['tokens'] // p['steps']} tokens = {p['tokens'] / 1e9:.2f}B tokens, {p['flops']:.2e} FLOPs; "
-              f"~{p['memory_per_gpu_gb']:.1f} GB per GPU at {p['micro_batch_tokens']} tokens per micro-batch; "
-              f"{p['hours']:.1f} h on {p['gpus']} GPU(s) at {p['tflops']:g} TFLOP/s x MFU {p['mfu']:g}")
-        return p
     if args.quick:  # quick values, unless a flag was given explicitly
-        explicit = runlib.explicit_flags(build_parser(), argv)
-        vars(args).update({k: v for k, v in QUICK.items() if k not in explicit})
+        vars(args).update({k: v for k, v in QUICK.items() if k not in runlib.explicit_flags(parser, argv)})
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    for flag, given, valid in (("--sections", sections, ["head", "chunked", "lm"]),
-                               ("--methods", args.methods, list(agg.METHODS) + EXTRA),
-                               ("--lm-methods", args.lm_methods, list(agg.METHODS))):
-        bad = [x for x in given if x not in valid]
-        if bad:
-            parser.error(f"{flag}: unknown {bad}; valid: {', '.join(valid)}")
+    if bad := [s for s in sections if s not in ("head", "chunked", "lm")]:
+        parser.error(f"--sections: unknown {bad}; valid: head, chunked, lm")
     if args.tokens % args.seq_len:
         parser.error(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
     args.methods = ["mle"] + [m for m in args.methods if m != "mle"]
-    devices = [d.strip() for d in args.device.split(",")] if args.device else \
-        ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = [d.strip() for d in args.device.split(",")]
     if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = []
-
-    def log(s):
-        report.append(s)
-        print(s, flush=True)
-
+    log = lambda s: (report.append(s), print(s, flush=True))
     meta = dict(command="python -m studies.bench " + " ".join(argv), torch=torch.__version__,
                 threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                 cuda=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
@@ -530,7 +403,7 @@ def main(argv=None):
 
     t0 = time.time()
     if "head" in sections:
-        bench_head(args, devices, log, result["cases"], result["spread"], meta["head_groups"], save)
+        bench_head(args, devices, log, result, save)
     if "chunked" in sections:
         result["chunked"] = bench_chunked(args, devices, log)
         save()

@@ -2,19 +2,16 @@
 tables. From the repository root:
 
     python -m studies.grid                                   # cpu preset, every method, seeds 0 1 2 -> out/grid/
-    python -m studies.grid --methods mle agg --seeds 0       # a part of the grid
-    python -m studies.grid --jobs 2                          # two runs at once, one thread each (faster on a CPU)
+    python -m studies.grid --methods mle agg --seeds 0 --jobs 2      # a part of the grid, two one-thread runs at once
     python -m studies.grid --no-train                        # the tables of the runs finished so far
     python -m studies.grid --methods mle agg --lrs 5e-4 1e-3 2e-3 --seeds 0 1 --out out/sweep   # a learning-rate sweep
     python -m studies.grid --methods cosreg --sweep gamma 0.3 1 3 --seeds 0 --out out/peers-gamma  # a method's knob
     python -m studies.grid --out out/grid-6l -- --dataset wikitext-103 --preset paper-6l    # the same grid on a GPU
 
-Flags after `--` go to every train_lm.py run. A finished run (its ckpt.pt at the last step) is skipped, a stopped one
-resumed, one made with other training flags refused: stop and rerun the grid at any time. Writes OUT/runs/METHOD-sSEED/,
-OUT/report/ (studies.compare) and OUT/tables.md: the analogues of AGG Tables 1-2, 3, 4, 7-8, 9, 10 and the peers of
-Table 6, mean +- std over seeds. With --lrs / --warmups / --sweep the runs are METHOD-lrLR[-wuN][-FLAG=V]-sSEED and
-OUT/sweep.json lists every run's valid and test PPL and each method's setting with the lowest mean valid PPL (the
-selection never looks at test).
+Flags after `--` go to every train_lm.py run. A finished run is skipped, a stopped one resumed, one made with other
+training flags refused. Writes OUT/runs/METHOD[-lrLR][-wuN][-FLAG=V]-sSEED/, OUT/report/ (studies.compare) and
+OUT/tables.md: AGG Tables 1-2, 3, 4, 7-8, 9, 10 and Table 6's peers, mean +- std over seeds. A sweep (--lrs,
+--warmups, --sweep) also writes OUT/sweep.json: each run's valid and test PPL, each method's lowest mean valid PPL.
 """
 import argparse
 import json
@@ -51,15 +48,13 @@ HEADERS = {"ppl": "PPL", "uniq": "Uniq", "isotropy": "I(W)", "mean_cosine": "mea
               for g in ("freq", "med", "rare")}}
 
 
-def run_dir(out, method, seed, lr=None, warmup=None, knob=None):
-    """OUT/runs/METHOD[-lrLR][-wuN][-FLAG=V]-sSEED; knob = (flag, value) of a --sweep."""
+def run_dir(out, method, seed, lr=None, warmup=None, knob=None):  # knob: (flag, value) of a --sweep
     setting = (f"-lr{lr:g}" if lr is not None else "") + (f"-wu{warmup}" if warmup is not None else "") \
         + (f"-{knob[0]}={knob[1]:g}" if knob is not None else "")  # :g names 1 and 1.0 alike
     return os.path.join(out, "runs", f"{method}{setting}-s{seed}")
 
 
-def settings(args):
-    """(lr, warmup, knob) triples of the grid: None = the preset's; knob = (flag, value) of --sweep."""
+def settings(args):  # (lr, warmup, knob) of each setting; None: the preset's
     knobs = [(args.sweep[0], v) for v in args.sweep[1]] if args.sweep else [None]
     return [(lr, wu, k) for lr in (args.lrs or [None]) for wu in (args.warmups or [None]) for k in knobs]
 
@@ -71,8 +66,7 @@ def parse_sweep(words, methods):
     flag = words[0].lstrip("-")
     if flag in keys:
         key, typ = keys[flag], agg.HPARAMS[keys[flag]][0]
-        without = [m for m in methods if key not in agg.METHODS[m].defaults]
-        if without:
+        if without := [m for m in methods if key not in agg.METHODS[m].defaults]:
             raise SystemExit(f"grid: --sweep {flag}: {', '.join(without)} do not take --{flag}; give --methods that do")
     else:
         action = next((a for a in train_lm.build_parser()._actions if f"--{flag}" in a.option_strings), None)
@@ -100,38 +94,16 @@ def train_command(args, extra, method, seed, lr=None, wu=None, knob=None):
 
 
 def check_flags(folder, cmd):
-    """Refuse the run in `folder` when it was started with other training settings than `cmd` (flags that only steer
-    an invocation, such as --stop-at or --device, aside): a grid never tabulates or continues such a run."""
+    """Refuse the run in `folder` when it was started with other training settings than `cmd` (steering flags such as
+    --stop-at or --device aside): a grid never tabulates or continues such a run."""
     saved, ckpt = runlib.run_config(folder), os.path.join(folder, "ckpt.pt")
-    if saved:
-        was = (saved.get("segments") or [saved])[0].get("argv")
-    else:  # no config.json, or a damaged one: the checkpoint's copy of the provenance
-        prov = runlib.load_checkpoint(ckpt).get("provenance") if os.path.exists(ckpt) else None
-        was = prov[0].get("argv") if prov else None
-    parse = lambda argv: vars(train_lm.build_parser().parse_args(argv))
-    a, b = (parse(was), parse(cmd[2:])) if was else ({}, {})
-    diff = sorted(k for k in a if k not in train_lm.RUN_CONTROL and a[k] != b[k])
-    if diff:
+    if not saved and os.path.exists(ckpt):  # no config.json, or a damaged one: the checkpoint's copy of the provenance
+        saved = {"segments": runlib.load_checkpoint(ckpt).get("provenance")}
+    was = saved and (saved.get("segments") or [saved])[0].get("argv")
+    a, b = (vars(train_lm.build_parser().parse_args(argv)) for argv in (was, cmd[2:])) if was else ({}, {})
+    if diff := sorted(k for k in a if k not in train_lm.RUN_CONTROL and a[k] != b[k]):
         raise SystemExit(f"grid: {folder} was trained with " + ", ".join(f"{k}={a[k]!r} (now {b[k]!r})" for k in diff)
                          + ": give another --out for other flags, or delete the run to redo it")
-
-
-def train_all(args, extra):
-    """Train the unfinished runs, seed-major, `args.jobs` at a time (studies.pool: with several jobs each run writes
-    its output to OUT/runs/NAME.log; SIGTERM / SIGINT stop the runs with checkpoints). Every run's flags are checked
-    before any starts."""
-    todo = [train_command(args, extra, m, s, *st) for s in args.seeds for st in settings(args) for m in args.methods]
-    queue = []
-    for i, (folder, cmd) in enumerate(todo):
-        check_flags(folder, cmd)
-        name = f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
-        if runlib.finished(folder):
-            print(f"{name}: done, skipped")
-        else:
-            queue.append((f"{name}: {'resuming' if '--resume' in cmd else 'training'}", cmd,
-                          folder + ".log" if args.jobs > 1 else None))
-    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    pool.run(lambda busy: queue.pop(0) if queue else None, args.jobs)
 
 
 def cell(summary, method, key):
@@ -159,9 +131,8 @@ def write_tables(summary, path, command):
 
 
 def sweep_table(metrics, command, key=None):
-    """{"command", "runs": [{method, lr, warmup, [key,] seed, valid_ppl, test_ppl, ...}], "settings": [mean valid/test
-    PPL per method, lr, warm-up (and the swept hyper-parameter `key`)], "selected": {method: the setting with the
-    lowest mean valid PPL}}."""
+    """{"command", "runs": [{method, lr, warmup, [key,] seed, valid_ppl, test_ppl, ...}], "settings": [mean valid and
+    test PPL per method, lr, warm-up (, key)], "selected": {method: the setting with the lowest mean valid PPL}}."""
     runs, by = [], {}
     for m in metrics.values():
         cfg = runlib.run_config(m["out_dir"])
@@ -192,40 +163,43 @@ def main(argv=None):
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "grid"))
     p.add_argument("--eval-args", default="", help="studies.compare flags, e.g. '--checkpoint best --n-samples 0'")
-    p.add_argument("--jobs", type=int, default=1, help="runs trained at once (default 1); on a CPU, 2 one-thread runs "
-                   "train faster than 1 two-thread run")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once (on a CPU 2 one-thread runs are faster)")
     p.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
                    help="a learning-rate sweep: every method x seed at each of these (default: the preset's lr)")
     p.add_argument("--warmups", nargs="+", type=int, default=None, metavar="N",
                    help="a warm-up sweep: every method x seed at each of these warm-up lengths (default: the preset's)")
     p.add_argument("--sweep", nargs="+", default=None, metavar=("FLAG", "V"),
-                   help="a sweep of one method hyper-parameter: every method x seed at each value, e.g. "
-                        "--sweep gamma 0.3 1 3 (the methods must all take it)")
-    p.add_argument("--no-train", action="store_true",
-                   help="train nothing: evaluate the grid's finished runs only (n per method says how many)")
+                   help="every method x seed at each value of a method hyper-parameter or numeric train_lm.py flag")
+    p.add_argument("--no-train", action="store_true", help="train nothing: evaluate the grid's finished runs only")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
-    key = None
-    if args.sweep:
-        flag, key, values = parse_sweep(args.sweep, args.methods)
-        args.sweep = (flag, values)
-    if args.no_train:  # the finished runs, when made with the grid's flags
-        runs = [train_command(args, extra, m, sd, *st) for m in args.methods for st in settings(args)
-                for sd in args.seeds]
-        done = {f: runlib.finished(f) for f, _ in runs}
-        folders = [f for f, _ in runs if done[f]]
-        for folder, cmd in runs:
+    flag, key, values = parse_sweep(args.sweep, args.methods) if args.sweep else (None, None, None)
+    args.sweep = (flag, values) if args.sweep else None
+    runs = {(m, s, st): train_command(args, extra, m, s, *st) for m in args.methods for st in settings(args)
+            for s in args.seeds}
+    done = {f: runlib.finished(f) for f, _ in runs.values()}
+    folders = [f for f in done if done[f] or not args.no_train]  # --no-train: the finished runs only
+    for folder, cmd in runs.values():  # before any run starts
+        if folder in folders:
+            check_flags(folder, cmd)
+    if not folders:
+        raise SystemExit(f"grid: no finished run in {args.out}/runs; run studies.grid without --no-train first")
+    if len(folders) < len(runs):
+        print(f"grid: {len(runs) - len(folders)} runs not finished, left out: "
+              + " ".join(os.path.basename(f) for f in done if not done[f]))
+    if not args.no_train:  # seed-major, --jobs at a time (studies.pool; with several jobs each run writes NAME.log)
+        todo = [runs[m, s, st] for s in args.seeds for st in settings(args) for m in args.methods]
+        queue = []
+        for i, (folder, cmd) in enumerate(todo):
+            name = f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
             if done[folder]:
-                check_flags(folder, cmd)
-        if not folders:
-            raise SystemExit(f"grid: no finished run in {args.out}/runs; run studies.grid without --no-train first")
-        if len(folders) < len(runs):
-            print(f"grid: {len(runs) - len(folders)} runs not finished, left out: "
-                  + " ".join(os.path.basename(f) for f, _ in runs if not done[f]))
-    else:
-        train_all(args, extra)
-        folders = [run_dir(args.out, m, s, *st) for m in args.methods for st in settings(args) for s in args.seeds]
+                print(f"{name}: done, skipped")
+            else:
+                queue.append((f"{name}: {'resuming' if '--resume' in cmd else 'training'}", cmd,
+                              folder + ".log" if args.jobs > 1 else None))
+        os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+        pool.run(lambda busy: queue.pop(0) if queue else None, args.jobs)
     report = os.path.join(args.out, "report")
     cmd = [sys.executable, "-m", "studies.compare", *folders, "--out", report, *args.eval_args.split()]
     if subprocess.run(cmd).returncode:

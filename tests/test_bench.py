@@ -7,8 +7,6 @@ import torch
 import torch.nn.functional as F
 
 import agg
-import train_lm
-import train_nmt
 from studies import bench, official
 
 
@@ -99,7 +97,7 @@ def test_make_data_rare_share_and_shapes():
     assert data["hidden"].shape == (16, 64, 8) and data["batches"][0].shape == (16, 64)
     assert 0.15 < data["rare_vocab"] < 0.25  # close to the asked 20%
     assert 0 < data["rare_rows"] < 0.1  # Zipf: rare tokens are a small share of the targets
-    m = bench.build_candidate("agg", data)
+    m = bench.Runner("agg", data).method
     assert abs(float(m.rare_mask().double().mean()) - data["rare_vocab"]) < 0.02  # agg sees that rare group
 
 
@@ -153,33 +151,21 @@ def test_lm_trainer_runs_train_lm_step():
     cfg = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, dropout=0.0, block_size=8, weight_decay=0.01, lr=1e-2,
                micro_batch=2, device="cpu", dtype="float32")
     V = 50
-    t = bench.LMTrainer(dict(cfg, method="agg", alpha=0.5, window=3), V, torch.arange(V), [0])
+    model, method, step = bench.lm_trainer(dict(cfg, method="agg", alpha=0.5, window=3), V, torch.arange(V), [0])
     x = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(0))
     y = torch.roll(x, -1, dims=1)
-    before = t.model.tok_emb.weight.detach().clone()
-    t.step(x, y)
-    t.step(x, y)
-    assert t.method.steps == 2
-    assert not torch.equal(before, t.model.tok_emb.weight.detach())
-
-
-def test_plan_counts_the_presets_parameters_and_does_the_arithmetic():
-    p = bench.plan("nmt", "base", gpus=8, tflops=100.0, mfu=0.5)
-    assert round(p["params"] / 1e6, 1) == 63.1  # the Transformer base of the papers
-    cfg = train_nmt.PRESETS["base"]
-    assert p["tokens"] == cfg["max_steps"] * cfg["tokens_per_step"]
-    assert p["flops_per_token"] == 6 * p["params"] + 12 * 12 * 512 * 128
-    assert p["hours"] == pytest.approx(p["flops"] / (8 * 100e12 * 0.5) / 3600)
-    assert round(bench.plan("lm", "gpt2-medium")["params"] / 1e6, 1) == 348.7
-    built = train_lm.build_model(train_lm.PRESETS["cpu"], train_lm.PRESETS["cpu"]["vocab_size"])
-    assert bench.main(["--plan", "cpu"])["params"] == sum(q.numel() for q in built.parameters())
+    before = model.tok_emb.weight.detach().clone()
+    step(x, y)
+    step(x, y)
+    assert method.steps == 2
+    assert not torch.equal(before, model.tok_emb.weight.detach())
 
 
 def test_flag_mistakes_are_one_line_errors(capsys):
     for argv, message in ((["--tokens", "100", "--seq-len", "64"], "--tokens 100 must be a multiple of --seq-len 64"),
-                          (["--methods", "mle", "agq"], "--methods: unknown ['agq']"),
-                          (["--sections", "head,lm2"], "--sections: unknown ['lm2']"),
-                          (["--plan", "tiny"], "--plan tiny: not a preset")):
+                          (["--methods", "mle", "agq"], "--methods: invalid choice: 'agq'"),
+                          (["--lm-methods", "official-ref"], "--lm-methods: invalid choice: 'official-ref'"),
+                          (["--sections", "head,lm2"], "--sections: unknown ['lm2']")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert message in capsys.readouterr().err

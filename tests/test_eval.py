@@ -284,6 +284,12 @@ def test_the_command_of_a_resumed_run_reproduces_it():
     plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
     assert runlib.run_command(plain, "train_lm.py") == ("python train_lm.py --method agg --seed 1 --out out/a "
                                                         "--lr 0.004 --warmup 200")
+    split = dict(plain, segments=[{"argv": segs[0]["argv"] + ["--stop-at", "4"]}, plain["segments"][1]])
+    assert runlib.run_command(split, "train_lm.py") == runlib.run_command(plain, "train_lm.py")  # trains the whole run
+    dtype = dict(split, segments=[split["segments"][0], {"argv": ["--out", "out/a", "--resume", "--dtype", "bfloat16"]}])
+    assert runlib.run_command(dtype, "train_lm.py") == (
+        "python train_lm.py --method agg --seed 1 --out out/a --stop-at 4 --lr 0.004 --warmup 200 && "
+        "python train_lm.py --out out/a --dtype bfloat16 --resume")  # float32 to step 4, then bfloat16
 
 
 def test_evaluation_builds_no_autograd_graph(runs):

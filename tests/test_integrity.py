@@ -112,6 +112,32 @@ def test_divergence_keeps_the_last_good_checkpoint_and_nan_is_reported_as_nan(co
     assert agg.ppl_of(1e6, 1) == float("inf")
 
 
+@pytest.mark.parametrize("name", ["log.jsonl", ".lock", "snapshots"])
+def test_links_in_a_run_folder_are_refused_and_nothing_is_written_through_them(corpus, tmp_path, name):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    train_lm.main(lm_argv(corpus, out, steps=4) + ["--stop-at", "2"])
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("keep me")
+    target = elsewhere if name == "snapshots" else elsewhere / "precious"
+    if (out / name).is_dir():
+        shutil.rmtree(out / name)
+    elif (out / name).exists():
+        os.remove(out / name)
+    os.symlink(target, out / name)
+    for argv in (["--out", str(out), "--resume"], lm_argv(corpus, out, "--overwrite", "--snapshot-steps", "1")):
+        with pytest.raises(SystemExit, match=f"{name} is a symbolic link"):
+            train_lm.main(argv)
+    assert os.listdir(elsewhere) == ["precious"] and (elsewhere / "precious").read_text() == "keep me"
+
+
+def test_a_model_whose_valid_ppl_overflows_is_never_checkpointed(corpus, tmp_path):
+    argv = lm_argv(corpus, tmp_path / "big", steps=4)
+    argv[argv.index("--lr") + 1] = "1e4"  # the valid loss is finite (about 3e10), its PPL is not
+    with pytest.raises(SystemExit, match=r"step 2: the valid loss is .* PPL inf \(diverged\)"):
+        train_lm.main(argv)
+    assert not os.path.exists(tmp_path / "big" / "ckpt.pt")
+
+
 def test_a_changed_corpus_is_refused_on_resume_and_in_eval(corpus_writer, tmp_path):
     data = corpus_writer(str(tmp_path / "data"))
     argv = ["--data-dir", data, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
@@ -261,7 +287,13 @@ def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_falls_ba
                                           (["--method", "agps", "--rare-fraction", "1.5"],
                                            r"--method agps: .*rare_fraction must be a share .*\[0, 1\], got 1.5"),
                                           (["--method", "agg", "--window", "0"],
-                                           "--method agg: .*window must be >= 1")])
+                                           "--method agg: .*window must be >= 1"),
+                                          (["--weight-decay", "-0.1"], r"--weight-decay -0.1: must be >= 0"),
+                                          (["--embedding-weight-decay", "-1"], r"--embedding-weight-decay -1.0: must"),
+                                          (["--eval-tokens", "-5"], "--eval-tokens -5: must be >= 1"),
+                                          (["--dropout", "2"], r"--dropout 2.0: must be in \[0, 1\]"),
+                                          (["--seed", "-1"], "--seed -1: must be >= 0"),
+                                          (["--n-head", "0"], "--n-head 0: must be >= 1")])
 def test_bad_run_flags_end_in_one_line_before_anything_is_written(corpus, tmp_path, flags, match):
     if "cuda" in flags and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -316,7 +348,10 @@ def test_nmt_refuses_empty_data_and_bad_steps_and_keeps_one_writer(nmt_tiny, tmp
         train_nmt.main(["--data-dir", str(data), "--src", "en", "--tgt", "de", "--out", str(tmp_path / "o"),
                         "--device", "cpu", "--max-steps", "2"])
     for flags, match in ((["--max-steps", "0"], "--max-steps 0"), (["--max-steps", "4", "--stop-at", "0"], "--stop-at 0"),
-                         (["--max-steps", "4", "--stop-at", "-1"], "--stop-at -1"), (["--lr", "nan"], "--lr nan")):
+                         (["--max-steps", "4", "--stop-at", "-1"], "--stop-at -1"), (["--lr", "nan"], "--lr nan"),
+                         (["--max-len", "0"], "--max-len 0: must be >= 1"), (["--beam", "0"], "--beam 0"),
+                         (["--synthetic-size", "0"], "--synthetic-size 0"), (["--valid-bleu-sents", "-1"], "sents -1"),
+                         (["--label-smoothing", "1.5"], r"--label-smoothing 1.5: must be in \[0, 0.999\]")):
         with pytest.raises(SystemExit, match=match):
             train_nmt.main(["--out", str(tmp_path / "bad"), *nmt_tiny, *flags])
     assert not os.path.exists(tmp_path / "bad")

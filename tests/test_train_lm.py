@@ -430,7 +430,7 @@ def _prepare(data, cache, lm_tiny, queue):
 
 
 def test_runs_started_together_build_one_whole_cache(corpus_writer, tmp_path, lm_tiny):
-    """Two processes preparing the same corpus at once (grid.py --jobs 2 on a fresh clone) end with one complete
+    """Two processes preparing the same corpus at once (studies.grid --jobs 2, a fresh clone) end with one complete
     cache and no temporary folders."""
     import multiprocessing as mp
     data = corpus_writer(str(tmp_path / "data"), n_lines=(3000, 30, 30))

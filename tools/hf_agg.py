@@ -3,22 +3,15 @@
     python -m tools.hf_agg --method agg --max-steps 300      # a small GPT-2 from scratch on the offline corpus
     python -m tools.hf_agg --method agg --resume             # continue from the last checkpoint in --out
 
-Copy `AGGTrainer` and `last_complete_checkpoint` (and agg.py) into your own code: they need agg.py only (main, the
-demo, reads this repository's corpus). What it does, and why:
-- hidden states in: the model runs without labels and returns its last hidden state (the input of the tied lm_head);
-  `logits_to_keep=1` where the model takes it, so the model does not also compute the full T x V logits;
-- label shift: position t predicts labels[t + 1], as the model's own loss does (-100 = ignored);
-- observe once per optimizer step: `get_batch_samples` collects all micro-batches of a step, so AGG's counter sees
-  every target of the step exactly once, whatever the gradient accumulation;
-- loss scale: each micro-batch's mean loss is weighted by its share of the step's valid targets, so the gradient is
-  the mean over all valid targets of the optimizer step (under DDP, over all ranks' targets), exactly;
-- after each optimizer step: `method.after_step` on the output weight (freeze-rare restores its frozen rows, center
-  and agg+center subtract the mean row), through a TrainerCallback's on_step_end;
-- method state: saved as `agg_method.pt` in every Trainer checkpoint and restored on resume (AGG's window);
-- `method.stats` (nll, rare_fraction, ...) are added to the Trainer's logs as `agg/...`;
-- the model's own logit transform is kept: lm_head's bias and a logit scale (Cohere's logit_scale, Granite's
-  logits_scaling) are applied; final-logit soft-capping (Gemma 2) is not linear in the weight and is refused;
-- resume takes the newest checkpoint that holds the method's state and says why it skipped a newer one.
+Copy everything above main (and agg.py) into your own code: it needs agg.py only (main, the demo, reads this
+repository's corpus). AGGTrainer:
+- runs the model without labels (`logits_to_keep=1` where it takes it: no full T x V logits) and gives its last hidden
+  state, shifted as in the model's own loss (t predicts labels[t + 1], -100 ignored), to `method.loss`;
+- observes the targets once per optimizer step (`get_batch_samples` holds all its micro-batches) and weights each
+  micro-batch's mean loss by its share of the step's valid targets (all ranks'): the gradient is the step's mean;
+- after each optimizer step calls `method.after_step` on the output weight (freeze-rare, center); saves the method's
+  state (AGG's window) as `agg_method.pt` in every checkpoint and resumes from the newest checkpoint holding it;
+- logs `method.stats` as `agg/...`; keeps lm_head's bias and a logit scale; refuses final-logit soft-capping.
 """
 import argparse
 import glob
@@ -44,8 +37,7 @@ class AGGTrainer(Trainer):
 
     def __init__(self, *args, method, **kwargs):
         super().__init__(*args, **kwargs)
-        self.method = method
-        self.logit_scale = logit_scale(self.model)
+        self.method, self.logit_scale = method, logit_scale(self.model)
         self._step_targets = None  # valid targets in the current optimizer step, all ranks
         self.add_callback(AfterStep(self))
 
@@ -59,22 +51,19 @@ class AGGTrainer(Trainer):
         return batch_samples, num_items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
+        labels, inputs = inputs["labels"], {k: v for k, v in inputs.items() if k != "labels"}
         unwrapped = self.accelerator.unwrap_model(model)
         if "logits_to_keep" in inspect.signature(unwrapped.forward).parameters:
             inputs["logits_to_keep"] = 1
         outputs = model(**inputs, output_hidden_states=True)
-        hidden = outputs.hidden_states[-1][:, :-1]  # the input of lm_head, shifted: position t predicts t + 1
-        targets = labels[:, 1:]
+        hidden, targets = outputs.hidden_states[-1][:, :-1], labels[:, 1:]  # lm_head's input; t predicts t + 1
         head = unwrapped.get_output_embeddings()  # tied with the input embedding
         bias = getattr(head, "bias", None)
         if self.logit_scale != 1.0:  # logits = scale * (h W^T + b): scale the features and the bias
             hidden, bias = hidden * self.logit_scale, None if bias is None else bias * self.logit_scale
         loss = self.method.loss(hidden, head.weight, targets, ignore_index=-100, bias=bias)
-        if model.training and self._step_targets:
-            share = (targets != -100).sum() / self._step_targets
-            loss = loss * share * self.args.world_size  # DDP averages gradients over ranks
+        if model.training and self._step_targets:  # its share of the step's targets, x ranks (DDP averages)
+            loss = loss * ((targets != -100).sum() / self._step_targets) * self.args.world_size
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs, *args, **kwargs):
@@ -94,15 +83,12 @@ class AGGTrainer(Trainer):
         if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, METHOD_STATE)
             if not os.path.exists(path):
-                raise ValueError(f"{path} is missing: the checkpoint was not written by AGGTrainer, so the method's "
-                                 f"state (AGG's window) cannot be restored")
+                raise ValueError(f"{path} is missing: not an AGGTrainer checkpoint; the method's state is not in it")
             self.method.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
 
-class AfterStep(TrainerCallback):
-    """method.after_step(output weight) after every optimizer step (on_step_end follows optimizer.step)."""
-
+class AfterStep(TrainerCallback):  # method.after_step(output weight): on_step_end follows optimizer.step
     def __init__(self, trainer):
         self.trainer = trainer
 
@@ -113,14 +99,11 @@ class AfterStep(TrainerCallback):
 
 def logit_scale(model):
     """The factor the model applies to h W^T (+ b) to get its logits: 1, Cohere's logit_scale, or 1 / Granite's
-    logits_scaling. A model whose logits are not linear in W (Gemma 2's final-logit soft-capping) is refused: the
-    gated head would train it on another loss than its own."""
+    logits_scaling. Logits not linear in W (soft-capping) are refused: the head would train another loss."""
     cfg = model.config
-    cap = getattr(cfg, "final_logit_softcapping", None)
-    if cap:
+    if cap := getattr(cfg, "final_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__}: config.final_logit_softcapping={cap} squashes the logits with tanh, "
-                         f"which AGGTrainer's head (logits = h W^T + b) does not reproduce; set "
-                         f"final_logit_softcapping=None to train it with an agg.py method")
+                         f"which AGGTrainer's head (h W^T + b) does not; set it to None to train with agg.py")
     scale = float(getattr(cfg, "logit_scale", None) or 1.0)
     if getattr(cfg, "logits_scaling", None):
         scale /= float(cfg.logits_scaling)
@@ -128,19 +111,17 @@ def logit_scale(model):
 
 
 def last_complete_checkpoint(output_dir):
-    """The newest checkpoint-N folder of output_dir that holds the method's state (None when there is none); a newer
-    one without it (the run was killed between the Trainer's save and the method's) is skipped, with a message."""
+    """The newest checkpoint-N of output_dir that holds the method's state, or None; a newer one without it (the run
+    stopped between the Trainer's save and the method's) is skipped, with a message."""
     found = sorted(((int(m.group(1)), d) for d in glob.glob(os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*"))
                     if (m := re.search(r"-(\d+)$", d)) and os.path.isdir(d)), reverse=True)
     for step, folder in found:
         if os.path.exists(os.path.join(folder, METHOD_STATE)):
             return folder
-        print(f"AGGTrainer: skipping {folder}: it has no {METHOD_STATE} (the run stopped while saving it); "
-              f"resuming from an earlier checkpoint")
+        print(f"AGGTrainer: skipping {folder}: it has no {METHOD_STATE} (the run stopped while saving it)")
     return None
 
 
-# ------------------------------------------------------------------------------------------------- runnable example
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.hf_agg", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,20 +137,19 @@ def main(argv=None):
     p.add_argument("--report-to", default="none", help="experiment logging of the HF Trainer: none, tensorboard, wandb")
     args = p.parse_args(argv)
     data = prepare_lm(train_lm.make_config(device="cpu"))
-    V, ids, T = data["vocab_size"], data["ids"]["train"], args.block_size
+    V, ids, T, seqs = data["vocab_size"], data["ids"]["train"], args.block_size, args.batch * args.accum
     blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4,
                                        bos_token_id=data["eos_id"], eos_token_id=data["eos_id"]))
     method = agg.build_method(args.method, V, counts=data["counts"], special_ids=[data["eos_id"], data["pad_id"]],
-                              steps_per_epoch=len(blocks) / (args.batch * args.accum),
-                              tokens_per_step=args.batch * args.accum * T,
+                              steps_per_epoch=len(blocks) / seqs, tokens_per_step=seqs * T,
                               rare_share=args.rare_share if agg.agg_family(args.method) else None)
-    training_args = TrainingArguments(output_dir=args.out, max_steps=args.max_steps, seed=args.seed,
-                                      per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
-                                      learning_rate=2e-3, warmup_steps=30, lr_scheduler_type="cosine",
-                                      weight_decay=0.01, logging_steps=10, save_steps=100, report_to=args.report_to,
-                                      use_cpu=not torch.cuda.is_available())
+    training_args = TrainingArguments(
+        output_dir=args.out, max_steps=args.max_steps, seed=args.seed, per_device_train_batch_size=args.batch,
+        learning_rate=2e-3, gradient_accumulation_steps=args.accum, warmup_steps=30, lr_scheduler_type="cosine",
+        weight_decay=0.01, logging_steps=10, save_steps=100, report_to=args.report_to,
+        use_cpu=not torch.cuda.is_available())
     trainer = AGGTrainer(model=model, args=training_args, method=method,
                          train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
     trainer.train(resume_from_checkpoint=True if args.resume else None)

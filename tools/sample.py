@@ -5,8 +5,7 @@ repository root:
     python -m tools.sample out/nmt-agg-s0 --file sentences.en          # one translation per line (or stdin)
     python -m tools.sample out/lm-agg-s0 --export-hf out/hf-lm-agg     # a transformers GPT2LMHeadModel
 
-The run folder holds what is needed: ckpt.pt (or ckpt_best.pt with --checkpoint best), config.json and
-tokenizer.json (a folder without tokenizer.json rebuilds it from the run's data cache).
+A run folder holds ckpt.pt (ckpt_best.pt: --checkpoint best), config.json and tokenizer.json (or its data cache's).
 """
 import argparse
 import os
@@ -14,6 +13,7 @@ import sys
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 import data
 import runlib
@@ -25,15 +25,13 @@ EOT = data.LM_EOS  # <|endoftext|>: the end of each paragraph in an LM's trainin
 
 def load(run, checkpoint, device):
     """(model, tokenizer, config) of a run: its checkpoint, and its tokenizer.json (or its data cache's)."""
-    from tokenizers import Tokenizer
     ck = runlib.load_checkpoint(runlib.checkpoint_file(run, checkpoint))
     model = (train_lm if ck["task"] == "lm" else train_nmt).load_model(ck, device)
     cfg = dict(ck["config"], device=device)
-    if os.path.exists(os.path.join(run, "tokenizer.json")):
-        return model, Tokenizer.from_file(os.path.join(run, "tokenizer.json")), cfg
-    quiet = lambda *a, **k: None
-    return model, (data.prepare_lm(cfg, quiet)["tokenizer"] if cfg["task"] == "lm" else
-                   data.prepare_nmt(cfg, quiet).tokenizer), cfg
+    path, quiet = os.path.join(run, "tokenizer.json"), lambda *a, **k: None
+    tok = Tokenizer.from_file(path) if os.path.exists(path) else data.prepare_lm(cfg, quiet)["tokenizer"] \
+        if cfg["task"] == "lm" else data.prepare_nmt(cfg, quiet).tokenizer
+    return model, tok, cfg
 
 
 def sample_lm(args, model, tok, cfg):
@@ -52,46 +50,36 @@ def translate_nmt(args, model, tok, cfg):
     src = [np.asarray(tok.encode(line.strip()).ids, dtype=np.int64) for line in lines]
     hyps = train_nmt.translate(model, src, args.device, beam=args.beam, lenpen=cfg["lenpen"])
     out = [tok.decode([int(i) for i in h if i > train_nmt.UNK], skip_special_tokens=True).strip() for h in hyps]
-    for line in out:
-        print(line)
+    print("".join(line + "\n" for line in out), end="")
     return out
 
 
 def export_hf(args, model, tok, cfg):
-    """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings. DIR
-    must be a new or empty folder, never a run folder (its config.json and tokenizer.json would be replaced)."""
+    """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
     if model.lm_head is not None or model.out_bias is not None:
         raise SystemExit(f"{args.run} was trained with {'--untie' if model.lm_head is not None else '--output-bias'}, "
                          f"which GPT-2 (tied embeddings, no output bias) has no place for; export a run without it")
     sd = model.cpu().state_dict()
     V, d = sd["tok_emb.weight"].shape
-    # the model's own end-of-text id as bos, eos and pad (GPT-2's defaults, 50256, are not this vocabulary's), so
-    # generate() stops where the model ends a text
+    # the model's own end-of-text id as bos, eos and pad (not GPT-2's 50256): generate() stops where a text ends
     eos = tok.token_to_id(EOT)
     if eos is None or not 0 <= eos < V:
-        raise SystemExit(f"{args.run}: its tokenizer has no {EOT} token inside the model's {V} rows; export a run "
-                         f"trained by train_lm.py")
+        raise SystemExit(f"{args.run}: its tokenizer has no {EOT} among the model's {V} rows; export a train_lm.py run")
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=cfg["block_size"], n_embd=d, n_layer=cfg["n_layer"],
                                     n_head=cfg["n_head"], n_inner=cfg["d_ff"], activation_function="gelu",
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
                                     tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos))
-    hf.generation_config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    new = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
-           "transformer.ln_f.weight": sd["ln_f.weight"], "transformer.ln_f.bias": sd["ln_f.bias"]}
+    new = {"wte.weight": sd["tok_emb.weight"], "wpe.weight": sd["pos_emb.weight"], "ln_f.weight": sd["ln_f.weight"],
+           "ln_f.bias": sd["ln_f.bias"]}
     names = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0",
              "mlp.c_proj": "mlp.2"}  # GPT-2's names: ours
     for i in range(cfg["n_layer"]):
-        for theirs, mine in names.items():
+        for theirs, mine in names.items():  # nn.Linear stores (out, in), GPT-2's Conv1D (in, out)
             w = sd[f"blocks.{i}.{mine}.weight"]
-            # nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out)
-            new[f"transformer.h.{i}.{theirs}.weight"] = w if theirs.startswith("ln") else w.T
-            new[f"transformer.h.{i}.{theirs}.bias"] = sd[f"blocks.{i}.{mine}.bias"]
-    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
-    missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "lm_head.weight"))]
-    if missing or unexpected:
-        raise SystemExit(f"export: the model does not map onto GPT-2 (missing {missing}, unexpected {unexpected})")
-    hf.tie_weights()
+            new[f"h.{i}.{theirs}.weight"] = w if theirs.startswith("ln") else w.T
+            new[f"h.{i}.{theirs}.bias"] = sd[f"blocks.{i}.{mine}.bias"]
+    hf.transformer.load_state_dict({k: v.contiguous() for k, v in new.items()})
     hf.save_pretrained(args.export_hf)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT).save_pretrained(
         args.export_hf)
@@ -122,10 +110,9 @@ def main(argv=None):
         raise SystemExit(f"{path}: no checkpoint; pass a run folder written by train_lm.py or train_nmt.py")
     out = args.export_hf
     if out and os.path.exists(out) and (os.path.isfile(out) or os.listdir(out)):  # never write into a run folder
-        what = ("is a file" if os.path.isfile(out) else
-                "a run folder, whose config.json and tokenizer.json the export would replace"
-                if os.path.exists(os.path.join(out, "ckpt.pt")) or runlib.run_config(out) else
-                f"not empty ({len(os.listdir(out))} entries)")
+        what = "is a file" if os.path.isfile(out) else "a run folder, whose config.json and tokenizer.json the " \
+            "export would replace" if os.path.exists(os.path.join(out, "ckpt.pt")) or runlib.run_config(out) else \
+            f"not empty ({len(os.listdir(out))} entries)"
         raise SystemExit(f"--export-hf {out}: {what}; give a new or empty folder, e.g. {os.path.normpath(out)}-hf")
     model, tok, cfg = load(args.run, args.checkpoint, args.device)
     if out and cfg["task"] != "lm":
