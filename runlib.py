@@ -12,7 +12,6 @@ import os
 import platform
 import random
 import re
-import shlex
 import signal
 import subprocess
 
@@ -281,12 +280,6 @@ def load_state(model, ck, path):
     return model
 
 
-def finished(folder):
-    """True when the run folder's checkpoint holds its last step."""
-    path = os.path.join(folder, "ckpt.pt")
-    return os.path.exists(path) and (ck := load_checkpoint(path))["step"] >= ck["config"]["max_steps"]
-
-
 def rng_state():
     """Every RNG of this process as tensors and plain values (loadable with weights_only=True)."""
     key, state, pos, has_gauss, gauss = np.random.get_state()
@@ -377,36 +370,6 @@ def provenance(argv):
     with open(agg.__file__, "rb") as f:
         agg_sha = hashlib.sha256(f.read()).hexdigest()
     return dict(versions=versions, git_commit=commit, git_dirty=dirty, argv=list(argv), agg_sha256=agg_sha)
-
-
-def run_command(saved, script):
-    """The command that reproduces a run from its config.json: the first segment's flags, each overridden by the same
-    flag of a later segment (--resume and --stop-at dropped), paths relative to the repository, --lr / --warmup
-    spelled out, and the thread count. A run whose result a later segment changed (another --dtype, or a --max-steps
-    that moved the cosine decay) is its segments, in order."""
-    segments = saved.get("segments") or [saved]
-    later = {a.split("=")[0] for s in segments[1:] for a in s.get("argv") or []}
-
-    def words(segs, drop):  # [flag, values...] in order of first appearance, a later segment's value winning
-        flags = {}
-        for seg in segs:
-            groups = []
-            for a in seg.get("argv") or []:
-                groups.append([a]) if a.startswith("--") or not groups else groups[-1].append(a)
-            flags.update((g[0].split("=")[0], g) for g in groups if g[0].split("=")[0] not in drop)
-        return [os.path.relpath(a, ROOT) if os.path.isabs(a) else str(a) for g in flags.values() for a in g]
-    if "--dtype" in later or (saved.get("schedule") == "cosine" and "--max-steps" in later):
-        argv, rest = words(segments[:1], {"--resume"}), [words([s], {"--resume"}) + ["--resume"] for s in segments[1:]]
-    else:
-        argv, rest = words(segments, {"--resume", "--stop-at"}), []
-    for key in ("lr", "warmup"):
-        if "--" + key not in argv and saved.get(key) is not None:
-            argv += ["--" + key, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
-    threads = (saved.get("versions") or {}).get("threads")
-    threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
-    # every word shell-quoted, the thread count a number: a crafted config.json cannot put shell text in the command
-    return " && ".join([(f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *argv])] +
-                       [shlex.join(["python", script, *r]) for r in rest])
 
 
 def flat(record, prefix=""):
@@ -565,7 +528,7 @@ class Run:
             self.segments = old + [dict({k: prov[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256")},
                                         start_step=self.step)]
             if old and old[-1].get("agg_sha256") not in (None, prov["agg_sha256"]):
-                print(f"warning: agg.py changed since this run's last segment: the run continues with the new code")
+                print("warning: agg.py changed since this run's last segment: the run continues with the new code")
             prov.update({k: self.segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in self.segments[0]})
             write_json(os.path.join(self.out, "config.json"), dict(self.cfg, **prov, segments=self.segments,
                                                                    world_size=self.world, **info,

@@ -264,13 +264,43 @@ RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_step
             "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")
 
 
+def run_command(saved, script):
+    """The command that reproduces a run from its config.json: the first segment's flags, each overridden by the same
+    flag of a later segment (--resume and --stop-at dropped), paths relative to the repository, --lr / --warmup
+    spelled out, and the thread count. A run whose result a later segment changed (another --dtype, or a --max-steps
+    that moved the cosine decay) is its segments, in order."""
+    segments = saved.get("segments") or [saved]
+    later = {a.split("=")[0] for s in segments[1:] for a in s.get("argv") or []}
+
+    def words(segs, drop):  # [flag, values...] in order of first appearance, a later segment's value winning
+        flags = {}
+        for seg in segs:
+            groups = []
+            for a in seg.get("argv") or []:
+                groups.append([a]) if a.startswith("--") or not groups else groups[-1].append(a)
+            flags.update((g[0].split("=")[0], g) for g in groups if g[0].split("=")[0] not in drop)
+        return [os.path.relpath(a, runlib.ROOT) if os.path.isabs(a) else str(a) for g in flags.values() for a in g]
+    if "--dtype" in later or (saved.get("schedule") == "cosine" and "--max-steps" in later):
+        argv, rest = words(segments[:1], {"--resume"}), [words([s], {"--resume"}) + ["--resume"] for s in segments[1:]]
+    else:
+        argv, rest = words(segments, {"--resume", "--stop-at"}), []
+    for key in ("lr", "warmup"):
+        if "--" + key not in argv and saved.get(key) is not None:
+            argv += ["--" + key, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
+    threads = (saved.get("versions") or {}).get("threads")
+    threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
+    # every word shell-quoted, the thread count a number: a crafted config.json cannot put shell text in the command
+    return " && ".join([(f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", script, *argv])] +
+                       [shlex.join(["python", script, *r]) for r in rest])
+
+
 def run_record(m, cfg, **extra):
     """One run of a results file (every study's schema): metrics, settings, provenance and its training command."""
     versions = cfg.get("versions") or {}
     record = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
                   threads=versions.get("threads"), cpu_capability=versions.get("cpu_capability"),
                   kernels=versions.get("kernels"),
-                  command=runlib.run_command(cfg, "train_lm.py" if cfg.get("task", "lm") == "lm" else "train_nmt.py"))
+                  command=run_command(cfg, "train_lm.py" if cfg.get("task", "lm") == "lm" else "train_nmt.py"))
     return dict(record, **extra)
 
 

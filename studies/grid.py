@@ -23,7 +23,7 @@ import sys
 import agg
 import runlib
 import train_lm
-from studies import pool
+from studies import compare, pool
 
 ROOT = runlib.ROOT
 METHODS = ["mle", "agg", "agg-no-g1", "agg-no-g2", "agg-static", "ul", "ul+agg", "agps", "freeze-rare", "freeze-b",
@@ -140,7 +140,7 @@ def sweep_table(metrics, command, key=None):
                          seed=m["seed"], step=m["step"],
                          valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
                          isotropy=m["isotropy"], run=os.path.relpath(m["out_dir"], ROOT),
-                         command=runlib.run_command(cfg, "train_lm.py"),
+                         command=compare.run_command(cfg, "train_lm.py"),
                          threads=cfg.get("versions", {}).get("threads"), git_commit=cfg.get("git_commit")))
         by.setdefault((runs[-1]["method"], cfg["lr"], cfg["warmup"], runs[-1].get(key)), []).append(runs[-1])
     table = [dict(method=k[0], lr=k[1], warmup=k[2], **({key: k[3]} if key else {}), n=len(rs),
@@ -178,7 +178,7 @@ def main(argv=None):
     args.sweep = (flag, values) if args.sweep else None
     runs = {(m, s, st): train_command(args, extra, m, s, *st) for m in args.methods for st in settings(args)
             for s in args.seeds}
-    done = {f: runlib.finished(f) for f, _ in runs.values()}
+    done = {f: pool.finished(f) for f, _ in runs.values()}
     folders = [f for f in done if done[f] or not args.no_train]  # --no-train: the finished runs only
     for folder, cmd in runs.values():  # before any run starts
         if folder in folders:

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import time
 
+import runlib
+
 
 def run(next_job, jobs, after=None):
     """Keep `jobs` commands running until next_job has no more. next_job(busy) returns (name, argv, log path or None)
@@ -58,3 +60,9 @@ def run(next_job, jobs, after=None):
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def finished(folder):
+    """True when the run folder's checkpoint holds its last step."""
+    path = os.path.join(folder, "ckpt.pt")
+    return os.path.exists(path) and (ck := runlib.load_checkpoint(path))["step"] >= ck["config"]["max_steps"]

@@ -82,7 +82,7 @@ class Study:
         return os.path.join(self.runs, name)
 
     def finished(self, name):
-        if name not in self.done and (name in self.prior or runlib.finished(self.folder(name))):
+        if name not in self.done and (name in self.prior or pool.finished(self.folder(name))):
             self.done.add(name)
         return name in self.done
 
@@ -172,7 +172,7 @@ def run_record(study, name, **extra):
     folder, label, cfg = study.folder(name), f"{study.label}/runs", runlib.run_config(study.folder(name))
     with open(os.path.join(folder, "report", "metrics.json")) as f:
         m = next(iter(json.load(f).values()))
-    command = runlib.run_command(cfg, "train_lm.py").replace(os.path.relpath(study.runs, ROOT), label)
+    command = compare.run_command(cfg, "train_lm.py").replace(os.path.relpath(study.runs, ROOT), label)
     return compare.run_record(
         m, cfg, **extra, command=command,
         eval_command=shlex.join(["python", "eval.py", f"{label}/{name}", "--out", f"{label}/{name}/report",

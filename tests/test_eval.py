@@ -14,6 +14,7 @@ import data as data_py
 import eval as ev
 import runlib
 import train_lm
+from studies import compare
 
 KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "isotropy_groups", "mean_cosine",
         "word_similarity"]
@@ -251,11 +252,11 @@ def test_rare_token_recall_clips_counts_per_sentence():
 def test_a_crafted_config_json_puts_no_shell_text_in_the_command():
     saved = {"segments": [{"argv": ["--method", "agg", "--out", "; rm -rf /", "--seed", "$(reboot)"]}], "lr": 1e-3,
              "warmup": "5; rm -rf ~", "schedule": "cosine", "versions": {"threads": "1; rm -rf /"}}
-    cmd = runlib.run_command(saved, "train_lm.py")
+    cmd = compare.run_command(saved, "train_lm.py")
     assert shlex.split(cmd) == ["python", "train_lm.py", "--method", "agg", "--out", "; rm -rf /", "--seed",
                                 "$(reboot)", "--lr", "0.001", "--warmup", "5; rm -rf ~"]  # each one word, none run
     saved["versions"]["threads"] = 2
-    assert runlib.run_command(saved, "train_lm.py").startswith("OMP_NUM_THREADS=2 python train_lm.py ")
+    assert compare.run_command(saved, "train_lm.py").startswith("OMP_NUM_THREADS=2 python train_lm.py ")
 
 
 def test_average_last_below_zero_is_refused(runs, tmp_path):
@@ -268,26 +269,25 @@ def test_average_last_below_zero_is_refused(runs, tmp_path):
 def test_the_command_of_a_resumed_run_reproduces_it():
     """A run continued in a new folder to a longer --max-steps: one command under inverse-sqrt (the same run, see
     test_resume_equals_uninterrupted), its segments in order under cosine (the decay moved with --max-steps)."""
-    import runlib
     segs = [{"argv": ["--method", "agg", "--seed", "1", "--out", "out/a"]},
             {"argv": ["--out", "out/b", "--resume", "--max-steps", "10000"]}]
     saved = {"segments": segs, "lr": 4e-3, "warmup": 200, "out": "out/b"}
-    cmd = runlib.run_command(dict(saved, schedule="inverse-sqrt"), "train_nmt.py")
+    cmd = compare.run_command(dict(saved, schedule="inverse-sqrt"), "train_nmt.py")
     assert cmd == "python train_nmt.py --method agg --seed 1 --out out/b --max-steps 10000 --lr 0.004 --warmup 200"
-    cmd = runlib.run_command(dict(saved, schedule="cosine"), "train_lm.py")
+    cmd = compare.run_command(dict(saved, schedule="cosine"), "train_lm.py")
     assert cmd.split(" && ")[1] == "python train_lm.py --out out/b --max-steps 10000 --resume"
     eq = dict(saved, schedule="inverse-sqrt", segments=[{"argv": ["--method", "agg", "--max-steps", "5000"]},
                                                          {"argv": ["--resume", "--max-steps=10000"]}])
-    assert runlib.run_command(eq, "train_nmt.py").startswith("python train_nmt.py --method agg --max-steps=10000 --lr")
+    assert compare.run_command(eq, "train_nmt.py").startswith("python train_nmt.py --method agg --max-steps=10000 --lr")
     spaced = dict(saved, schedule="cosine", segments=[{"argv": ["--method", "agg", "--out", "out/my run"]}])
-    assert shlex.split(runlib.run_command(spaced, "train_lm.py"))[4:6] == ["--out", "out/my run"]
+    assert shlex.split(compare.run_command(spaced, "train_lm.py"))[4:6] == ["--out", "out/my run"]
     plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
-    assert runlib.run_command(plain, "train_lm.py") == ("python train_lm.py --method agg --seed 1 --out out/a "
+    assert compare.run_command(plain, "train_lm.py") == ("python train_lm.py --method agg --seed 1 --out out/a "
                                                         "--lr 0.004 --warmup 200")
     split = dict(plain, segments=[{"argv": segs[0]["argv"] + ["--stop-at", "4"]}, plain["segments"][1]])
-    assert runlib.run_command(split, "train_lm.py") == runlib.run_command(plain, "train_lm.py")  # trains the whole run
+    assert compare.run_command(split, "train_lm.py") == compare.run_command(plain, "train_lm.py")  # trains the whole run
     dtype = dict(split, segments=[split["segments"][0], {"argv": ["--out", "out/a", "--resume", "--dtype", "bfloat16"]}])
-    assert runlib.run_command(dtype, "train_lm.py") == (
+    assert compare.run_command(dtype, "train_lm.py") == (
         "python train_lm.py --method agg --seed 1 --out out/a --stop-at 4 --lr 0.004 --warmup 200 && "
         "python train_lm.py --out out/a --dtype bfloat16 --resume")  # float32 to step 4, then bfloat16
 

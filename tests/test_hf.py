@@ -1,9 +1,6 @@
 """tools.hf_agg.AGGTrainer against transformers itself: `mle` equals GPT-2's own loss and gradients, gradient
 accumulation gives the gradient of one big batch exactly, stop + resume gives the uninterrupted run."""
 import inspect
-import os
-import subprocess
-import sys
 
 import pytest
 import torch

@@ -3,6 +3,7 @@ preemption, divergence, a changed corpus, --overwrite, damaged checkpoints, prov
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
