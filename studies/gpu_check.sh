@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU paths measured on one lent H100 / H200 (issue 60), in one command of at most 8 minutes -> gpu.json:
+# The GPU paths measured on one lent H100 / H200, in one command of at most 8 minutes -> gpu.json:
 #   head        studies.bench's head section on CUDA, float32 and bfloat16, V 44,256 and 50,304, T 8,192, d 1,024:
 #               mle, agg, the gated peers, center, zloss, ul, ul+agg and torch-ce (time and peak memory)
 #   eager / compile   throughput of train_lm.py --preset gpt2-medium / paper-6l and train_nmt.py --preset base, bf16,
