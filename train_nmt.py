@@ -421,26 +421,6 @@ def bleu(hyps, refs, tgt, tokenize=None):
     return score.score, str(metric.get_signature())
 
 
-def paired_bleu(base_hyps, cand_hyps, refs, tgt, tokenize=None, n_boot=1000, seed=0):
-    """Paired bootstrap of corpus BLEU over test sentences (Koehn 2004; sacrebleu's paired test resamples the same
-    way): both systems scored on the same resampled sentences, from sacrebleu's per-sentence statistics.
-    Returns {base, cand, diff (cand - base), boot95 of the difference, p (two-sided: share of resamples whose
-    difference has the other sign, doubled), n_boot, sentences}."""
-    import sacrebleu
-    metric = sacrebleu.BLEU(tokenize=tokenize or BLEU_TOKENIZE.get(tgt, "13a"))
-    stats = [np.asarray(metric._extract_corpus_statistics(h, [refs]), dtype=np.int64) for h in (base_hyps, cand_hyps)]
-
-    def score(st):
-        return metric._compute_score_from_stats(st.sum(0).tolist()).score
-    base, cand = score(stats[0]), score(stats[1])
-    rng = np.random.default_rng(seed)
-    diffs = np.array([score(stats[1][i]) - score(stats[0][i])
-                      for i in (rng.integers(0, len(refs), len(refs)) for _ in range(n_boot))])
-    other_side = float(np.mean(diffs <= 0) if cand > base else np.mean(diffs >= 0))
-    return dict(base=base, cand=cand, diff=cand - base, boot95=np.percentile(diffs, [2.5, 97.5]).tolist(),
-                p=min(1.0, 2 * other_side), n_boot=n_boot, sentences=len(refs))
-
-
 TOK_COMPOUND_PROTOCOL = ("tokenized BLEU: Moses tokenizer (-a), case-sensitive, compound splitting ##AT##-##AT## "
                          "(Vaswani et al.; fairseq compound_split_bleu.sh), the protocol of AGG Table 6 for WMT14 en-de")
 

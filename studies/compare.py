@@ -193,7 +193,7 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
             top=[dict(token=tokens[int(ids[j])], targets=int(count[j]), share=float(gap[j]) / total)
                  for j in order[:10].tolist()])
     if texts and all(b in texts and c in texts for b, c in labels):
-        out["bleu_paired_bootstrap"] = [dict(seed=s, **train_nmt.paired_bleu(
+        out["bleu_paired_bootstrap"] = [dict(seed=s, **paired_bleu(
             texts[b]["hyps"], texts[c]["hyps"], texts[b]["refs"], None, texts[b]["bleu_tokenize"], seed=seed))
             for s, (b, c) in zip(seeds, labels)]
     out.update(calibration_and_equivalence(pairs, out["metrics"]))
@@ -262,6 +262,26 @@ RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_pp
 RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams", "optimizer",
             "untie", "weight_decay", "embedding_weight_decay", "dataset", "train_fraction",
             "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")
+
+
+def paired_bleu(base_hyps, cand_hyps, refs, tgt, tokenize=None, n_boot=1000, seed=0):
+    """Paired bootstrap of corpus BLEU over test sentences (Koehn 2004; sacrebleu's paired test resamples the same
+    way): both systems scored on the same resampled sentences, from sacrebleu's per-sentence statistics.
+    Returns {base, cand, diff (cand - base), boot95 of the difference, p (two-sided: share of resamples whose
+    difference has the other sign, doubled), n_boot, sentences}."""
+    import sacrebleu
+    metric = sacrebleu.BLEU(tokenize=tokenize or train_nmt.BLEU_TOKENIZE.get(tgt, "13a"))
+    stats = [np.asarray(metric._extract_corpus_statistics(h, [refs]), dtype=np.int64) for h in (base_hyps, cand_hyps)]
+
+    def score(st):
+        return metric._compute_score_from_stats(st.sum(0).tolist()).score
+    base, cand = score(stats[0]), score(stats[1])
+    rng = np.random.default_rng(seed)
+    diffs = np.array([score(stats[1][i]) - score(stats[0][i])
+                      for i in (rng.integers(0, len(refs), len(refs)) for _ in range(n_boot))])
+    other_side = float(np.mean(diffs <= 0) if cand > base else np.mean(diffs >= 0))
+    return dict(base=base, cand=cand, diff=cand - base, boot95=np.percentile(diffs, [2.5, 97.5]).tolist(),
+                p=min(1.0, 2 * other_side), n_boot=n_boot, sentences=len(refs))
 
 
 def run_command(saved, script):

@@ -349,3 +349,14 @@ def test_articles_are_the_bootstrap_units_of_the_rare_ppl_ratio():
     lo, hi = res["ratio_article_boot95"]
     assert lo == pytest.approx(math.exp(-8 / 16)) and hi == pytest.approx(1.0)  # both articles from 0, both from 1
 
+
+def test_paired_bleu_matches_sacrebleu_and_detects_a_real_difference():
+    import sacrebleu
+    refs = [f"the cat number {i} sat on the mat today" for i in range(60)]
+    good = list(refs)
+    bad = [r.replace("sat on", "ran under") if i % 2 else r for i, r in enumerate(refs)]
+    res = compare.paired_bleu(bad, good, refs, "en", n_boot=300)
+    assert res["base"] == pytest.approx(sacrebleu.corpus_bleu(bad, [refs]).score)
+    assert res["cand"] == pytest.approx(100.0) and res["diff"] > 0 and res["boot95"][0] > 0 and res["p"] < 0.01
+    same = compare.paired_bleu(good, good, refs, "en", n_boot=100)
+    assert same["diff"] == 0 and same["boot95"] == [0.0, 0.0]
