@@ -662,6 +662,11 @@ def main(argv=None):
         raise SystemExit("--add goes with --reanalyse FILE (the results file the runs join)")
     if not args.out_dirs:
         raise SystemExit("give run folders (or --reanalyse RESULTS.json)")
+    for d in [d for i, d in enumerate(args.out_dirs) if os.path.realpath(d) in map(os.path.realpath,
+                                                                                   args.out_dirs[:i])][:1]:
+        raise SystemExit(f"{d}: this run folder is given twice (under two paths): each run once")
+    for base, cand in [pair for pair in args.compare if pair[0] == pair[1]][:1]:
+        raise SystemExit(f"--compare {base} {cand}: compare two different variants")
     configs = ev.read_configs(args)  # a bad folder or flag fails before any long work
     variants = variant_names(configs)
     names = list(dict.fromkeys(variants[d] for d in args.out_dirs))  # in the order given

@@ -245,6 +245,11 @@ def test_a_run_saved_before_a_flag_existed_is_the_same_variant_as_its_default():
 def test_compare_names_are_checked_before_any_evaluation(runs, tmp_path):
     with pytest.raises(SystemExit, match="no run of variant 'nope'; variants here: agg, mle"):
         compare.main([runs["mle"], runs["agg"], "--out", str(tmp_path / "r"), "--compare", "mle", "nope"])
+    with pytest.raises(SystemExit, match="--compare mle mle: compare two different variants"):
+        compare.main([runs["mle"], runs["agg"], "--out", str(tmp_path / "r"), "--compare", "mle", "mle"])
+    twice = os.path.join(runs["mle"], "..", os.path.basename(runs["mle"]))  # one folder under a second path
+    with pytest.raises(SystemExit, match="this run folder is given twice"):
+        compare.main([runs["mle"], runs["agg"], twice, "--out", str(tmp_path / "r")])
     assert not (tmp_path / "r" / "metrics.json").exists()
 
 

@@ -84,3 +84,12 @@ def test_an_nmt_run_translates_a_file(nmt_tiny, tmp_path, capsys):
         sample.main([str(tmp_path / "none")])
     with pytest.raises(SystemExit, match=r"ckpt_best.pt: no checkpoint"):  # NMT runs keep no best checkpoint
         sample.main([out, "--checkpoint", "best"])
+
+
+@pytest.mark.parametrize("flags, match", [(["--temperature", "inf"], r"--temperature inf: must be in \[0, 100\]"),
+                                          (["--temperature", "-1"], "--temperature -1.0"),
+                                          (["--beam", "0"], "--beam 0: must be >= 1"),
+                                          (["--top-k", "-3"], "--top-k -3: must be >= 0")])
+def test_bad_sampling_flags_end_in_one_line(lm_folder, flags, match):
+    with pytest.raises(SystemExit, match=match):
+        sample.main([lm_folder, "--device", "cpu", *flags])

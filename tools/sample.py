@@ -103,8 +103,10 @@ def main(argv=None):
     p.add_argument("--beam", type=int, default=4, help="NMT: beam size (1: greedy)")
     p.add_argument("--export-hf", default=None, metavar="DIR", help="LM: write the model as a transformers GPT-2")
     args = p.parse_args(argv)
-    if args.temperature < 0 or args.num_samples < 1 or args.max_new_tokens < 0:
-        p.error("--temperature must be >= 0, --num-samples >= 1, --max-new-tokens >= 0")
+    runlib.check_ranges(vars(args), dict(temperature=(0, 100), num_samples=(1, None), max_new_tokens=(0, None),
+                                         top_k=(0, None), beam=(1, None), seed=(0, None)))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     path = runlib.checkpoint_file(args.run, args.checkpoint)
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no checkpoint; pass a run folder written by train_lm.py or train_nmt.py")
