@@ -75,7 +75,7 @@ def replica_name(lr, seed, host):
 class Rivals(scale.Study):
     """The rivals' runs as far as the finished sweeps decide them."""
     eval_args = ["--n-samples", "5"]  # greedy and sampled continuations for seq-rep-4 and distinct-n
-    label = "out/rivals"
+    label, name = "out/rivals", "rivals"
     host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count): replicas are made here
 
     def kernels(self, name):  # the host kernels a run recorded (config.json, else the results file), or None

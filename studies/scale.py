@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import sys
 
@@ -70,13 +71,17 @@ def run_spec(size, fraction, method, lr, seed, share=None):  # (name, train_lm.p
 class Study:
     """The runs of the study as far as the finished ones decide them; prior: its results files (their runs count)."""
     eval_args = ["--n-samples", "0"]  # eval.py flags of every run's evaluation
-    label = "out/scale"  # the default --out, as the results' commands say
+    label, name = "out/scale", "scale"  # the default --out, as the results' commands say; the study's module
 
     def __init__(self, out, prior=()):
         self.runs, self.done, self.prior = os.path.join(out, "runs"), set(), {}  # done: runs known finished
         for path in [p for p in prior if p and os.path.exists(p)]:
             with open(path) as f:
-                self.prior.update(json.load(f)["runs"])
+                saved = json.load(f)
+            if not re.search(rf"\b{self.name}\.py\b|studies\.{self.name}\b", saved.get("command", self.name + ".py")):
+                raise SystemExit(f"{path} is not a results file of studies.{self.name} (its command: "
+                                 f"{saved['command'][:80]}): give the study its own --results file")
+            self.prior.update(saved["runs"])
 
     def folder(self, name):
         return os.path.join(self.runs, name)

@@ -247,3 +247,19 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert run["eval_command"] == f"python eval.py out/rivals/runs/{run_name} --out out/rivals/runs/{run_name}/report " \
                                   "--n-samples 5" and run["knob"] == "z0.01" and run["isoscore"] == 0.2
     assert os.path.getsize(tmp_path / "lm_rivals.png") > 10000
+
+
+def test_a_study_refuses_a_results_file_that_is_not_its_own(tmp_path):
+    """A results file of another study or of studies.compare is never taken in (and so never rewritten)."""
+    path = tmp_path / "lm_headline.json"
+    path.write_text(json.dumps(dict(command="python eval.py out/a out/b --results results/lm_headline.json",
+                                    runs={"mle-s0": dict(valid_ppl=1.0)})))
+    before = path.read_text()
+    for study in (scale.Study, rivals.Rivals):
+        with pytest.raises(SystemExit, match=r"lm_headline.json is not a results file of studies\.(scale|rivals)"):
+            study(str(tmp_path / "out"), prior=[str(path)])
+    assert path.read_text() == before
+    bible = json.load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+                                        "lm_bible.json")))  # the study's own files are taken in
+    path.write_text(json.dumps(bible))
+    assert scale.Study(str(tmp_path / "out"), prior=[str(path)]).prior.keys() == bible["runs"].keys()
