@@ -319,7 +319,10 @@ def run_record(m, cfg, **extra):
     versions = cfg.get("versions") or {}
     record = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
                   threads=versions.get("threads"), cpu_capability=versions.get("cpu_capability"),
-                  kernels=versions.get("kernels"),
+                  kernels=versions.get("kernels"), task=cfg.get("task", "lm"), data_fingerprint=cfg.get(
+                      "data_fingerprint"), vocab_size_actual=cfg.get("vocab_size_actual"),
+                  segments=[{k: seg.get(k) for k in ("start_step", "git_commit", "git_dirty", "agg_sha256")}
+                            for seg in cfg.get("segments") or []],
                   command=run_command(cfg, "train_lm.py" if cfg.get("task", "lm") == "lm" else "train_nmt.py"))
     return dict(record, **extra)
 
@@ -346,7 +349,10 @@ def record_config(record):
     """The part of a config that pair_difference reads, from a results record (threads: else its command's)."""
     threads = re.match(r"OMP_NUM_THREADS=(\d+) ", record.get("command") or "")
     threads = record["threads"] if record.get("threads") is not None else threads and int(threads.group(1))
-    return dict(seed=record["seed"], versions=dict(threads=threads, kernels=record.get("kernels")))
+    task = record.get("task") or ("nmt" if "train_nmt.py" in (record.get("command") or "") else "lm")
+    return dict(seed=record["seed"], task=task, data_fingerprint=record.get("data_fingerprint"),
+                vocab_size_actual=record.get("vocab_size_actual"), versions=dict(threads=threads,
+                                                                                 kernels=record.get("kernels")))
 
 
 def variant_of(record, variants):
@@ -372,6 +378,12 @@ def reanalyse(path, add=()):
     for other in add:
         with open(other) as f:
             more = json.load(f)
+        first = dict(record_config(next(iter(runs.values()))), versions={})  # one task and one corpus a file
+        for k, problem in [(k, pair_difference(first, dict(record_config(r), versions={})))
+                           for k, r in more["runs"].items()]:
+            if problem:
+                raise SystemExit(f"--add {other}: its run {k} and the runs of {path} differ in {problem}: a results "
+                                 f"file holds one task and one corpus")
         known = {variant(r) for r in runs.values()}
         more["runs"] = {k: dict(r, variant=variant(runs[k]) if k in runs else variant_of(r, known))  # a rerun keeps its
                         for k, r in more["runs"].items()}

@@ -365,3 +365,13 @@ def test_paired_bleu_matches_sacrebleu_and_detects_a_real_difference():
     assert res["cand"] == pytest.approx(100.0) and res["diff"] > 0 and res["boot95"][0] > 0 and res["p"] < 0.01
     same = compare.paired_bleu(good, good, refs, "en", n_boot=100)
     assert same["diff"] == 0 and same["boot95"] == [0.0, 0.0]
+
+
+def test_a_reanalysis_never_pairs_runs_of_another_task(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lm = tmp_path / "lm.json"
+    lm.write_text(open(os.path.join(root, "results", "lm_headline.json")).read())
+    before = lm.read_text()
+    with pytest.raises(SystemExit, match=r"nmt_table.json: its run .* differ in task \(lm vs nmt\)"):
+        compare.main(["--reanalyse", str(lm), "--add", os.path.join(root, "results", "nmt_table.json")])
+    assert lm.read_text() == before
