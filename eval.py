@@ -493,6 +493,8 @@ def read_configs(args):
     if args.average_last < 0:
         raise SystemExit(f"--average-last {args.average_last}: give the number of snapshots to average, >= 1 "
                          f"(0: the last checkpoint)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     configs = {}
     for d in args.out_dirs:
         path = runlib.checkpoint_file(d, args.checkpoint)

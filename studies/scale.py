@@ -104,7 +104,8 @@ class Study:
     def select(self, candidates):
         """(value of the lowest mean valid PPL once all ran, else None; wanted runs) of {value: [(name, flags)]}."""
         ppl = {v: [self.valid_ppl(name) for name, _f in specs] for v, specs in candidates.items()}
-        best = None if None in sum(ppl.values(), []) else min(ppl, key=lambda v: float(np.mean(ppl[v])))
+        mean = lambda v: float(np.nan_to_num(np.mean(ppl[v]), nan=np.inf))  # a diverged run (NaN) never wins
+        best = None if None in sum(ppl.values(), []) else min(ppl, key=mean)
         return best, [spec for specs in candidates.values() for spec in specs]
 
     def bracketed(self, values, spec):

@@ -299,3 +299,10 @@ def test_temperature_is_the_nll_optimum_over_a_fresh_pass_per_step():
     nll = lambda b: F.cross_entropy(b * logits.double(), y).item()
     assert nll(beta) <= min(nll(float(b)) for b in torch.linspace(beta - 0.2, beta + 0.2, 81)) + 1e-9
     assert beta < 1 and nll(beta) < nll(1.0) and 2 <= len(passes) < 30
+
+
+def test_device_cuda_without_cuda_ends_in_one_line(runs, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit, match="--device cuda: CUDA is not available on this machine; use --device cpu"):
+        ev.main([runs["mle"], "--out", str(tmp_path / "r"), "--device", "cuda"])

@@ -263,3 +263,13 @@ def test_a_study_refuses_a_results_file_that_is_not_its_own(tmp_path):
                                         "lm_bible.json")))  # the study's own files are taken in
     path.write_text(json.dumps(bible))
     assert scale.Study(str(tmp_path / "out"), prior=[str(path)]).prior.keys() == bible["runs"].keys()
+
+
+def test_a_diverged_run_never_wins_a_selection(tmp_path):
+    path = tmp_path / "lm_scale.json"
+    runs = {"a-s0": dict(valid_ppl=float("nan")), "a-s1": dict(valid_ppl=90.0), "b-s0": dict(valid_ppl=120.0),
+            "b-s1": dict(valid_ppl=121.0)}
+    path.write_text(json.dumps(dict(runs=runs)))
+    study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    best, _ = study.select({"a": [("a-s0", []), ("a-s1", [])], "b": [("b-s0", []), ("b-s1", [])]})
+    assert best == "b"  # a's mean is NaN: a diverged seed, not the lowest PPL
