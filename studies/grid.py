@@ -93,19 +93,6 @@ def train_command(args, extra, method, seed, lr=None, wu=None, knob=None):
                     *([f"--{knob[0]}", f"{knob[1]:g}"] if knob is not None else [])]
 
 
-def check_flags(folder, cmd):
-    """Refuse the run in `folder` when it was started with other training settings than `cmd` (steering flags such as
-    --stop-at or --device aside): a grid never tabulates or continues such a run."""
-    saved, ckpt = runlib.run_config(folder), os.path.join(folder, "ckpt.pt")
-    if not saved and os.path.exists(ckpt):  # no config.json, or a damaged one: the checkpoint's copy of the provenance
-        saved = {"segments": runlib.load_checkpoint(ckpt).get("provenance")}
-    was = saved and (saved.get("segments") or [saved])[0].get("argv")
-    a, b = (vars(train_lm.build_parser().parse_args(argv)) for argv in (was, cmd[2:])) if was else ({}, {})
-    if diff := sorted(k for k in a if k not in train_lm.RUN_CONTROL and a[k] != b[k]):
-        raise SystemExit(f"grid: {folder} was trained with " + ", ".join(f"{k}={a[k]!r} (now {b[k]!r})" for k in diff)
-                         + ": give another --out for other flags, or delete the run to redo it")
-
-
 def cell(summary, method, key):
     node = summary.get(method)
     for part in key.split("."):
@@ -182,7 +169,7 @@ def main(argv=None):
     folders = [f for f in done if done[f] or not args.no_train]  # --no-train: the finished runs only
     for folder, cmd in runs.values():  # before any run starts
         if folder in folders:
-            check_flags(folder, cmd)
+            pool.check_flags(folder, cmd[2:])
     if not folders:
         raise SystemExit(f"grid: no finished run in {args.out}/runs; run studies.grid without --no-train first")
     if len(folders) < len(runs):

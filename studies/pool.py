@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import runlib
+import train_lm
 
 
 def run(next_job, jobs, after=None):
@@ -66,3 +67,16 @@ def finished(folder):
     """True when the run folder's checkpoint holds its last step."""
     path = os.path.join(folder, "ckpt.pt")
     return os.path.exists(path) and (ck := runlib.load_checkpoint(path))["step"] >= ck["config"]["max_steps"]
+
+
+def check_flags(folder, flags):
+    """Refuse the run in `folder` when it was started with other training settings than train_lm.py `flags`
+    (steering flags such as --stop-at or --device aside): a study never tabulates or continues such a run."""
+    saved, ckpt = runlib.run_config(folder), os.path.join(folder, "ckpt.pt")
+    if not saved and os.path.exists(ckpt):  # no config.json, or a damaged one: the checkpoint's copy of the provenance
+        saved = {"segments": runlib.load_checkpoint(ckpt).get("provenance")}
+    was = saved and (saved.get("segments") or [saved])[0].get("argv")
+    a, b = (vars(train_lm.build_parser().parse_args(argv)) for argv in (was, flags)) if was else ({}, {})
+    if diff := sorted(k for k in a if k not in train_lm.RUN_CONTROL and a[k] != b[k]):
+        raise SystemExit(f"{folder} was trained with " + ", ".join(f"{k}={a[k]!r} (now {b[k]!r})" for k in diff)
+                         + ": give another --out for other flags, or delete the run to redo it")

@@ -74,7 +74,7 @@ class Study:
     label, name = "out/scale", "scale"  # the default --out, as the results' commands say; the study's module
 
     def __init__(self, out, prior=()):
-        self.runs, self.done, self.prior = os.path.join(out, "runs"), set(), {}  # done: runs known finished
+        self.runs, self.done, self.prior, self.checked = os.path.join(out, "runs"), set(), {}, set()
         for path in [p for p in prior if p and os.path.exists(p)]:
             with open(path) as f:
                 saved = json.load(f)
@@ -85,6 +85,11 @@ class Study:
 
     def folder(self, name):
         return os.path.join(self.runs, name)
+
+    def check(self, name, flags):  # a run folder made with other flags than its name stands for is refused
+        if name not in self.checked and os.path.exists(os.path.join(self.folder(name), "ckpt.pt")):
+            pool.check_flags(self.folder(name), flags)
+        self.checked.add(name)
 
     def finished(self, name):
         if name not in self.done and (name in self.prior or pool.finished(self.folder(name))):
@@ -103,6 +108,8 @@ class Study:
 
     def select(self, candidates):
         """(value of the lowest mean valid PPL once all ran, else None; wanted runs) of {value: [(name, flags)]}."""
+        for name, flags in (spec for specs in candidates.values() for spec in specs):
+            self.check(name, flags)
         ppl = {v: [self.valid_ppl(name) for name, _f in specs] for v, specs in candidates.items()}
         mean = lambda v: float(np.nan_to_num(np.mean(ppl[v]), nan=np.inf))  # a diverged run (NaN) never wins
         best = None if None in sum(ppl.values(), []) else min(ppl, key=mean)
@@ -155,6 +162,8 @@ class Study:
 def next_job(study, busy):
     """The next job for studies.pool (name, command, log), or None: evaluations first, then the cheapest run."""
     plan = [(name, flags, study.folder(name)) for name, flags, _cost in study.plan()[0] if name not in busy]
+    for name, flags, folder in plan:
+        study.check(name, flags)
     for name, _flags, folder in plan:
         if study.finished(name) and not study.evaluated(name):
             return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",

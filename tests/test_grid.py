@@ -150,11 +150,11 @@ def test_a_finished_run_with_other_flags_is_refused(corpus, lm_tiny, tmp_path):
         grid.main(["--methods", "mle", "--seeds", "0", "--out", str(tmp_path), "--", *flags, "--dropout", "0.3"])
     cmd = [sys.executable, "train_lm.py", "--method", "mle", "--seed", "0", "--out", str(tmp_path / "runs" / "mle-s0"),
            *flags, "--device", "cpu", "--stop-at", "1"]
-    grid.check_flags(str(tmp_path / "runs" / "mle-s0"), cmd)  # steering flags do not count: no refusal
+    pool.check_flags(str(tmp_path / "runs" / "mle-s0"), cmd[2:])  # steering flags do not count: no refusal
     # --no-train tabulates finished runs only when they were made with the grid's flags
     with pytest.raises(SystemExit, match="dropout=None \\(now 0.3\\)"):
         grid.main(["--methods", "mle", "--seeds", "0", "--out", str(tmp_path), "--no-train", "--", *flags,
                    "--dropout", "0.3"])
     os.remove(tmp_path / "runs" / "mle-s0" / "config.json")  # lost: the checkpoint's provenance still tells
     with pytest.raises(SystemExit, match="dropout=None \\(now 0.3\\)"):
-        grid.check_flags(str(tmp_path / "runs" / "mle-s0"), cmd + ["--dropout", "0.3"])
+        pool.check_flags(str(tmp_path / "runs" / "mle-s0"), cmd[2:] + ["--dropout", "0.3"])

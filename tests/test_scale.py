@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import data as data_py
 import train_lm
@@ -13,8 +14,7 @@ from studies import rivals, scale
 
 
 def fake_run(study, name, valid_ppl, steps=10):
-    """A finished run folder as scale.py reads it: config.json, a last valid record, a checkpoint at max_steps."""
-    import torch
+    """A finished run folder as studies.scale reads it: config.json, a last valid record, a checkpoint at max_steps."""
     folder = study.folder(name)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -273,3 +273,17 @@ def test_a_diverged_run_never_wins_a_selection(tmp_path):
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
     best, _ = study.select({"a": [("a-s0", []), ("a-s1", [])], "b": [("b-s0", []), ("b-s1", [])]})
     assert best == "b"  # a's mean is NaN: a diverged seed, not the lowest PPL
+
+
+def test_a_run_folder_made_with_other_flags_is_refused(tmp_path):
+    """A finished run trained at lr 0.05 in the folder of the lr 0.004 setting never becomes that setting's run."""
+    study = scale.Study(str(tmp_path))
+    name, flags = scale.run_spec("M", 1.0, "mle", 4e-3, 0)
+    wrong = flags[:flags.index("--lr") + 1] + ["0.05"] + flags[flags.index("--lr") + 2:]
+    os.makedirs(study.folder(name))
+    with open(os.path.join(study.folder(name), "config.json"), "w") as f:
+        json.dump(dict(task="lm", max_steps=2400, segments=[dict(argv=wrong + ["--out", study.folder(name)])]), f)
+    torch.save(dict(step=2400, config=dict(max_steps=2400, task="lm"), model={}), study.folder(name) + "/ckpt.pt")
+    with pytest.raises(SystemExit, match=r"was trained with lr=0.05 \(now 0.004\)"):
+        study.select({4e-3: [(name, flags)]})
+    study.check(name, wrong)  # the flags it was made with: no refusal
