@@ -50,7 +50,7 @@ PRESETS = {
 AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), language modelling
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_batch", "eval_tokens", "snapshot_steps"}  # see runlib.RUN_CONTROL
+RUN_CONTROL = runlib.RUN_CONTROL | {"eval_tokens", "snapshot_steps"}  # see runlib.RUN_CONTROL
 CKPT_FORMAT = "train_lm/1"
 
 

@@ -53,9 +53,9 @@ PRESETS["big"] = dict(PRESETS["base"], d_model=1024, n_head=16, d_ff=4096, dropo
 # (alpha about 0.087 here), as train_lm.py's cpu preset.
 AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
-# run control (see runlib.RUN_CONTROL): besides the shared keys, accumulation, decoding and how often to save
-RUN_CONTROL = runlib.RUN_CONTROL | {"micro_tokens", "beam", "lenpen", "valid_bleu_sents", "bleu_tokenize",
-                                    "keep_last", "save_interval"}
+# run control (see runlib.RUN_CONTROL): besides the shared keys, decoding and how often to save
+RUN_CONTROL = runlib.RUN_CONTROL | {"beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "keep_last",
+                                    "save_interval"}
 
 
 # ------------------------------------------------------------------------------------------------------------ config

@@ -49,30 +49,26 @@ def hashes(path):
 res = {}
 tmp = tempfile.mkdtemp()
 data = write_corpus(os.path.join(tmp, "data"))
-lm = [("mle",), ("agg",), ("ul+agg",), ("agps",), ("frage",), ("center",), ("zloss",), ("cosreg",), ("freeze-rare",),
-      ("mle", "--optimizer", "coupled-adam"), ("agg", "--untie"), ("agg", "--output-bias")]
-for m in lm:
-    name = "lm " + " ".join(m)
-    base = ["--data-dir", data, "--cache-dir", os.path.join(tmp, "cache"), *LM_TINY, "--method", *m, "--seed", "3",
-            "--max-steps", "6", "--eval-interval", "3"]
-    a, b = os.path.join(tmp, name.replace(" ", "_") + "_a"), os.path.join(tmp, name.replace(" ", "_") + "_b")
-    run("train_lm.py", base + ["--out", a])
-    run("train_lm.py", base + ["--out", b, "--stop-at", "3"])
-    run("train_lm.py", ["--out", b, "--resume"])
-    res[name] = hashes(os.path.join(a, "ckpt.pt"))
-    res[name + " (resumed)"] = hashes(os.path.join(b, "ckpt.pt"))
+
+
+def pin(name, script, base):
+    """A run straight through and the same run stopped at step 3 and resumed: both hashed."""
+    a, b = (os.path.join(tmp, name.replace(" ", "_") + end) for end in ("_a", "_b"))
+    run(script, base + ["--out", a])
+    run(script, base + ["--out", b, "--stop-at", "3"])
+    run(script, ["--out", b, "--resume"])
+    res[name], res[name + " (resumed)"] = hashes(os.path.join(a, "ckpt.pt")), hashes(os.path.join(b, "ckpt.pt"))
     print(name, res[name]["model"], res[name + " (resumed)"]["model"], flush=True)
+
+
+steps = ["--seed", "3", "--max-steps", "6", "--eval-interval", "3"]
+for m in [("mle",), ("agg",), ("ul+agg",), ("agps",), ("frage",), ("center",), ("zloss",), ("cosreg",),
+          ("freeze-rare",), ("mle", "--optimizer", "coupled-adam"), ("agg", "--untie"), ("agg", "--output-bias")]:
+    pin("lm " + " ".join(m), "train_lm.py", ["--data-dir", data, "--cache-dir", os.path.join(tmp, "cache"), *LM_TINY,
+                                              "--method", *m, *steps])
 for m in ["mle", "agg", "frage"]:
-    name = "nmt " + m
-    base = [*NMT_TINY, "--synthetic-size", "300", "--method", m, "--seed", "3", "--max-steps", "6",
-            "--eval-interval", "3", "--cache-dir", os.path.join(tmp, "nmtcache")]
-    a, b = os.path.join(tmp, m + "_nmt_a"), os.path.join(tmp, m + "_nmt_b")
-    run("train_nmt.py", base + ["--out", a])
-    run("train_nmt.py", base + ["--out", b, "--stop-at", "3"])
-    run("train_nmt.py", ["--out", b, "--resume"])
-    res[name] = hashes(os.path.join(a, "ckpt.pt"))
-    res[name + " (resumed)"] = hashes(os.path.join(b, "ckpt.pt"))
-    print(name, res[name]["model"], res[name + " (resumed)"]["model"], flush=True)
+    pin("nmt " + m, "train_nmt.py", [*NMT_TINY, "--synthetic-size", "300", "--method", m, *steps, "--cache-dir",
+                                     os.path.join(tmp, "nmtcache")])
 # the data caches the runs above built
 for cache in sorted(glob.glob(os.path.join(tmp, "*cache", "*"))):
     h = hashlib.sha256()

@@ -134,6 +134,8 @@ def test_mismatched_checkpoint_gives_clear_error(lm_run, tmp_path):
     assert "d_model=16" in msg and "d_model=32" in msg and "config.json" in msg and "ckpt.pt" in msg
     with pytest.raises(SystemExit, match="method='agg'.*method='mle'"):
         lm_run(tmp_path / "m", "--method", "mle", "--resume", steps=4)
+    with pytest.raises(SystemExit, match="micro_batch=4 but this run asks for micro_batch=2"):  # it changes the sums
+        lm_run(tmp_path / "m", "--method", "agg", "--micro-batch", "2", "--resume", steps=4)
     with pytest.raises(SystemExit, match="already exists: pass --resume"):
         lm_run(tmp_path / "m", "--method", "agg", steps=4)
     ck = torch.load(tmp_path / "m" / "ckpt.pt", weights_only=True)
