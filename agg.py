@@ -18,7 +18,7 @@ Papers (equations are cited by paper and number):
   AGPS   Yu et al. 2021, "Rare Words Degenerate All Words" (Eq. 13-15, Algorithm 1)
   CosReg Gao et al. 2019, "Representation Degeneration Problem in Training NLG Models" (Eq. 6)
   FRAGE  Gong et al. 2018, "FRAGE: Frequency-Agnostic Word Representation" (Eq. 2-5)
-  UL     Welleck et al. 2020, "Neural Text Generation with Unlikelihood Training" (token-level; Sec. 5.2 sequence-level)
+  UL     Welleck et al. 2020, "Neural Text Generation with Unlikelihood Training" (token-level)
   Center Bis et al. 2021, "Too Much in Common: Shifting of Embeddings in Transformer Language Models"; Stollenwerk
          et al. 2026, "Output Embedding Centering for Stable LLM Pretraining" (arXiv 2601.02031: mu-centering, mu-loss)
   z-loss Chowdhery et al. 2022, "PaLM" (Sec. 5, z_loss = 1e-4 log^2 Z); Team OLMo 2024, "2 OLMo 2 Furious"
@@ -798,34 +798,6 @@ def gradient_parts(hidden, weight, targets, rare, gates=(None, None, None), igno
     b = (p[~to_rare].T @ h[~to_rare]).double()
     c = (p[to_rare].T @ h[to_rare]).double()
     return torch.stack([a.norm(dim=1), b.norm(dim=1), c.norm(dim=1)], dim=1) / max(n, 1)
-
-
-def repeated_ngram_mask(tokens, n=4):
-    """(B, L) token ids -> (B, L) bool: True at every token of an n-gram that already occurred earlier in its row.
-    These are the candidates of sequence-level unlikelihood (Welleck et al. 2020 Sec. 5.2, C^repeat-n)."""
-    B, L = tokens.shape
-    mask = torch.zeros(B, L, dtype=torch.bool, device=tokens.device)
-    if L < n:
-        return mask
-    grams = tokens.unfold(1, n, 1)  # (B, G, n), G = L - n + 1 n-grams, the j-th starts at token j
-    same = (grams[:, :, None, :] == grams[:, None, :, :]).all(-1)  # [b, j, i]: n-gram j == n-gram i
-    repeat = same.tril(-1).any(-1)  # n-gram j occurred at some i < j
-    G = repeat.shape[1]
-    for k in range(n):
-        mask[:, k:k + G] |= repeat
-    return mask
-
-
-def sequence_unlikelihood(logits, tokens, n=4):
-    """Sequence-level unlikelihood (Welleck et al. 2020 Sec. 5.2) of a model's own continuation: logits (B, L, V) are
-    the model's predictions of tokens (B, L); every token inside a repeated n-gram is pushed down by -log(1 - p).
-    Summed over those tokens, divided by all B * L tokens. Returns (loss, share of tokens penalised)."""
-    mask = repeated_ngram_mask(tokens, n)
-    logp = F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
-    p = logp.gather(-1, tokens[..., None]).squeeze(-1).exp()
-    penalty = -torch.log((1 - p).clamp(min=1e-20))
-    return (penalty * mask).sum() / tokens.numel(), mask.float().mean()
-
 
 
 METHODS = {cls.name: cls for cls in [

@@ -644,37 +644,6 @@ def literal_repeat_mask(row, n):
     return mask
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_repeated_ngram_mask_matches_the_literal_definition(n):
-    g = torch.Generator().manual_seed(n)
-    tokens = torch.randint(0, 3, (6, 17), generator=g)  # 3 symbols: plenty of repeats
-    expected = torch.tensor([literal_repeat_mask(r, n) for r in tokens.tolist()], dtype=torch.bool)
-    assert torch.equal(agg.repeated_ngram_mask(tokens, n), expected)
-    assert torch.equal(agg.repeated_ngram_mask(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]]), 3),
-                       torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool))
-    assert not agg.repeated_ngram_mask(tokens[:, :n], n).any()  # one n-gram (or none: L < n) never repeats
-    assert not agg.repeated_ngram_mask(tokens[:, :n - 1], n).any()
-
-
-def test_sequence_unlikelihood_value_and_closed_form_gradient():
-    torch.manual_seed(0)
-    tokens = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 0], [0, 1, 2, 3, 4, 0, 2, 1, 3]])  # row 1: no repeated 4-gram
-    logits = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
-    loss, share = agg.sequence_unlikelihood(logits, tokens, 4)
-    p = torch.softmax(logits.detach(), -1)
-    px = p.gather(-1, tokens[..., None]).squeeze(-1)
-    mask = torch.zeros(2, 9)
-    mask[0, 4:8] = 1
-    assert share.item() == pytest.approx(4 / 18)
-    torch.testing.assert_close(loss, (-torch.log(1 - px) * mask).sum() / 18)
-    loss.backward()
-    # d(-log(1 - p_x))/dz_v = p_x (1[v = x] - p_v) / (1 - p_x), on the masked tokens only
-    onehot = F.one_hot(tokens, 5).double()
-    expected = (mask * px / (1 - px))[..., None] * (onehot - p) / 18
-    torch.testing.assert_close(logits.grad, expected)
-    assert not logits.grad[1].any()
-
-
 def test_unlikelihood_keeps_float64():
     y = torch.tensor([[3, 1, 3, 2]])
     h, w = torch.randn(1, 4, D, dtype=torch.float64), torch.randn(5, D, dtype=torch.float64)
