@@ -45,13 +45,14 @@ class GatedSoftmaxCE(torch.autograd.Function):
                      group_gate[k]   if row i is a group row and k != y_i
                      1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
     A gate of None means all ones; the gate scales G in place (no T x V gate tensor). An output bias (V,) gets the
-    plain gradient sum_i G_i. z_coef > 0 adds the z-loss z_coef (log Z_i)^2 per position. Returns the means of
+    plain gradient sum_i G_i. z_coef > 0 adds the z-loss z_coef (log Z_i)^2 per position. softcap C: the logits are
+    C tanh(logits / C) (Gemma 2's soft-capping), G times its derivative 1 - tanh^2 everywhere. Returns the means of
     (loss, nll, rare-set probability, (log Z)^2). Gradients are computed during forward, `chunk_size` rows at a time
     (peak memory: one chunk x V buffer, not the ~3 T x V of F.cross_entropy); backward only scales them."""
 
     @staticmethod
     def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad,
-                center=False, bias=None, z_coef=0.0):
+                center=False, bias=None, z_coef=0.0, softcap=None):
         n, device = h.shape[0], h.device.type
         # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
         mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
@@ -68,7 +69,8 @@ class GatedSoftmaxCE(torch.autograd.Function):
             for s in range(0, n, step):
                 rows = slice(s, s + step)
                 sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols, cut(grad_h, rows),
-                                    grad_w, col_gate, cut(group_rows, rows), group_gate, mean_h, b_acc, grad_b, z_coef)
+                                    grad_w, col_gate, cut(group_rows, rows), group_gate, mean_h, b_acc, grad_b, z_coef,
+                                    softcap)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         loss, nll, rare_mass, log_z2 = (sums / max(n, 1)).unbind()
@@ -83,11 +85,11 @@ class GatedSoftmaxCE(torch.autograd.Function):
                "backward (retain_graph=True does not keep them)", RuntimeError)
         (grad_h, grad_w, grad_b), ctx.grads = ctx.grads, None  # free the buffers
         return (grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None, None,
-                None if grad_b is None else grad_b.mul_(grad_loss), None)
+                None if grad_b is None else grad_b.mul_(grad_loss), None, None)
 
 
 def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate,
-                mean_h=None, bias=None, grad_b=None, z_coef=0.0):
+                mean_h=None, bias=None, grad_b=None, z_coef=0.0, softcap=None):
     """One chunk of GatedSoftmaxCE: the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows; writes
     its rows of grad_h, adds to grad_w. mean_h (d,): gate only the push along the mean feature (agg-centered): row i,
     column k gives G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
@@ -95,6 +97,10 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
     logits = (hs @ w_mm.T).to(acc_dtype)
     if bias is not None:
         logits += bias
+    if softcap:  # soft-capping: logits C tanh(s / C), whose derivative 1 - tanh^2 scales G below
+        logits = logits.div_(softcap).tanh_()
+        dcap = 1 - logits.square()
+        logits.mul_(softcap)
     target_logit = logits.gather(1, ys[:, None]).squeeze(1)
     mean_logit = logits.mean(dim=1) if smoothing else None
     row_max = logits.amax(dim=1, keepdim=True)
@@ -119,6 +125,8 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
         grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
         if smoothing:
             grad.sub_(smoothing / (V * n))
+        if softcap:
+            grad.mul_(dcap)  # chain rule through C tanh(s / C)
         grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
         if grad_b is not None:
             grad_b += grad.sum(0)  # dL/db = sum_i G_i: never gated
@@ -292,14 +300,16 @@ class MLE:
         """(col_gate, group_rows, group_gate) for GatedSoftmaxCE given the valid targets y; None = ungated."""
         return None, None, None
 
-    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         """Extra loss term added to the NLL (a scalar tensor), or None."""
         return None
 
-    def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None, bias=None):
+    def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None, bias=None,
+             softcap=None):
         """Mean (label-smoothed) NLL over non-ignored positions + the method's regulariser. hidden (..., d): the input
         of the tied softmax layer; weight (V, d): the tied embedding; targets (...) long; logits = hidden @ weight.T +
-        bias, bias (V,) optional (a learned unigram prior; plain gradient, the gates act on the weight). chunk_size:
+        bias, bias (V,) optional (a learned unigram prior; plain gradient, the gates act on the weight); softcap C:
+        logits C tanh(logits / C) (Gemma 2), every method's gradients through it. chunk_size:
         rows per chunk of the head (peak memory ~ chunk_size x V, same gradients). All targets ignored gives 0.0 with
         zero gradients (F.cross_entropy: nan), so an all-padding micro-batch cannot poison an accumulated step."""
         d = hidden.shape[-1]
@@ -310,6 +320,7 @@ class MLE:
         _check(chunk_size is None or isinstance(chunk_size, int) and chunk_size > 0,
                f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
         _check(0 <= label_smoothing < 1, f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        _check(softcap is None or softcap > 0, f"softcap must be > 0 (or None), got {softcap}")
         if bias is not None and tuple(bias.shape) != (self.vocab_size,):
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
         h, y = hidden.reshape(-1, d), targets.reshape(-1)
@@ -332,7 +343,8 @@ class MLE:
         z_coef = float(self.hparams.get("z_coef", 0.0))
         loss, nll, rare_mass, log_z2 = GatedSoftmaxCE.apply(
             h, weight, y, cast(col_gate), group_rows, cast(group_gate), mass_cols, float(label_smoothing), chunk_size,
-            need_grad, bool(self.hparams.get("center_gate")) and group_rows is not None, bias, z_coef)
+            need_grad, bool(self.hparams.get("center_gate")) and group_rows is not None, bias, z_coef,
+            softcap)
         self._stats = {"nll": nll.detach()}
         if "z_coef" in self.hparams:
             self._stats["zloss"] = z_coef * log_z2  # the z-loss term inside `loss`
@@ -342,7 +354,7 @@ class MLE:
                                rare_mass_true=rare[y].float().mean() if len(y) else torch.zeros(()))
             if mass_cols is not None:
                 self._stats["rare_mass_pred"] = rare_mass  # mean predicted probability of the rare set
-        reg = self.regulariser(hidden, weight, targets, ignore_index, bias)
+        reg = self.regulariser(hidden, weight, targets, ignore_index, bias, softcap)
         if reg is not None:
             self._stats["regulariser"] = reg.detach()
             loss = loss + reg
@@ -588,7 +600,7 @@ class CosReg(MLE):
     name = "cosreg"
     spec = dict(gamma=(1.0, float, "CosReg weight (CosReg Eq. 6)"))
 
-    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         return self.hparams["gamma"] * _pairwise_cosine(weight.float())
 
 
@@ -648,7 +660,7 @@ class FRAGE(MLE):
         super().observe(targets, ignore_index)
         self._disc_pending = True  # one discriminator step per optimizer step
 
-    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         if self.disc is None:
             self._build_disc(weight.shape[1], weight.device)
         frozen_disc = self.disc.weight.detach().clone(), self.disc.bias.detach().clone()  # the model cannot move D
@@ -672,7 +684,7 @@ class FRAGE(MLE):
         self.disc, self.disc_opt, self._saved_disc = None, None, state["disc"]
 
 
-def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None, bias=None):
+def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None, bias=None, softcap=None):
     """Token-level unlikelihood (Welleck et al. 2020): sum over previous-context candidates c of -log(1 - p(c)),
     averaged over non-ignored positions. Candidates of position t: the distinct targets before t in the same sequence
     (not across sequences), minus the current target. weight_gate (B, T, V), optional: scales the gradient of the
@@ -692,6 +704,8 @@ def unlikelihood(hidden, weight, targets, ignore_index=-100, weight_gate=None, b
         logits = hidden @ weight.detach().T + (via_w - via_w.detach())
     if bias is not None:
         logits = logits + bias
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     logp = F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     cand_logp = logp.gather(2, targets.clamp(min=0)[:, None, :].expand(B, T, T))  # [b, t, j] = log p_t(y_j)
     penalty = -torch.log((1 - cand_logp.exp()).clamp(min=1e-5))
@@ -703,8 +717,9 @@ class UL(MLE):
     name = "ul"
     spec = dict(alpha_ul=(1.0, float, "unlikelihood weight"))
 
-    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
-        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, bias=bias)
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
+        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, bias=bias,
+                                                       softcap=softcap)
 
 
 class ULAGG(AGG):
@@ -718,17 +733,17 @@ class ULAGG(AGG):
                 ul_features_only=(False, bool, "ul+agg-features: the UL term's gradient reaches the features only, "
                                                "not the weight"))
 
-    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         if self.hparams["ul_features_only"]:
             return self.hparams["alpha_ul"] * unlikelihood(hidden, weight.detach(), targets, ignore_index,
-                                                           bias=None if bias is None else bias.detach())
+                                                           bias=None if bias is None else bias.detach(), softcap=softcap)
         gate = None
         if self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled():
             y = targets.clamp(min=0).reshape(-1)
             col_gate, group_rows, group_gate = self.gates(y)  # AGG's gates, as the head applies them to the NLL's
             if group_rows is not None:  # something is rare: the (B, T, V) gate of the UL term's weight gradient
                 gate = gate_matrix(y, self.vocab_size, col_gate, group_rows, group_gate).view(*targets.shape, -1)
-        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate, bias)
+        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, gate, bias, softcap)
 
 
 class Center(MLE):
@@ -750,7 +765,7 @@ class Center(MLE):
         if self.hparams["center_mode"] == "step":
             weight.sub_(weight.mean(0))  # mu-centering: the rows sum to zero
 
-    def regulariser(self, hidden, weight, targets, ignore_index, bias=None):
+    def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         if self.hparams["center_mode"] != "loss":
             return None
         mu = (weight if weight.dtype == torch.float64 else weight.float()).mean(0)
@@ -776,22 +791,27 @@ class AGGCenter(AGG):
 
 
 @torch.no_grad()
-def gradient_parts(hidden, weight, targets, rare, gates=(None, None, None), ignore_index=-100):
+def gradient_parts(hidden, weight, targets, rare, gates=(None, None, None), ignore_index=-100, softcap=None):
     """Per embedding row k, the norms of the three parts of the mean NLL's gradient wrt w_k (AGG Eq. 4) on a batch:
     (a) the pull towards the features of the positions whose target is k: sum (p_k - 1) h_i;
     (b) the push from the features of positions whose target is not in `rare` (and not k): sum p_k h_i;
     (c) the push from the features of positions whose target is another token of `rare`: sum p_k h_i;
     each as the method applies it: gates = method.gates(valid targets) (AGG scales (b) of rare rows by g1 and (c) by
-    g2; freeze-b/c drop them); (None, None, None) = MLE. Returns (V, 3) float64: ||a_k||, ||b_k||, ||c_k|| / n."""
+    g2; freeze-b/c drop them); (None, None, None) = MLE; softcap: through C tanh(logits / C), each p_k and p_k - 1
+    times 1 - tanh^2. Returns (V, 3) float64: ||a_k||, ||b_k||, ||c_k|| / n."""
     d = hidden.shape[-1]
     h, y = hidden.reshape(-1, d).float(), targets.reshape(-1)
     keep = y != ignore_index
     h, y = h[keep], y[keep]
     n, V = len(y), weight.shape[0]
-    p = torch.softmax(h @ weight.float().T, dim=-1)
+    logits = h @ weight.float().T
+    cap = torch.tanh(logits / softcap) if softcap else None
+    p = torch.softmax(logits if cap is None else softcap * cap, dim=-1)
     p *= gate_matrix(y, V, *gates, dtype=p.dtype)
     rows = torch.arange(n, device=y.device)
     pull = p[rows, y] - 1.0
+    if cap is not None:
+        pull, p = pull * (1 - cap[rows, y].square()), p * (1 - cap.square())
     p[rows, y] = 0.0  # the target's own column is part (a)
     to_rare = rare.to(y.device)[y]
     a = torch.zeros(V, d, dtype=torch.float64, device=h.device).index_add_(0, y, (pull[:, None] * h).double())

@@ -64,6 +64,8 @@ def add_optimizer_flags(g):
                    help="coupled-adam: the vocabulary matrices take Coupled Adam's update (agg.CoupledAdamW)")
     g.add_argument("--embedding-weight-decay", type=float, default=None,
                    help="weight decay of the vocabulary matrices (default: --weight-decay)")
+    g.add_argument("--embedding-lr", type=float, default=None, metavar="MULT",
+                   help="the vocabulary matrices' lr as a multiple of --lr (on the same schedule; default 1)")
 
 
 def _bool(text):
@@ -105,7 +107,7 @@ def check_run_flags(cfg, task, ranges):
     """Fill the run's device, dtype and folder; check the flags (those both scripts share, and `ranges`, the
     script's) before anything is written."""
     check_ranges(cfg, dict(ranges, seed=(0, None), max_steps=(1, None), weight_decay=(0, None),
-                           embedding_weight_decay=(0, None), dropout=(0, 1)))
+                           embedding_weight_decay=(0, None), embedding_lr=(0, None), dropout=(0, 1)))
     cfg["device"] = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg["dtype"] = cfg.get("dtype") or ("bfloat16" if cfg["device"].startswith("cuda") else "float32")
     cfg["out"] = cfg["out"] or os.path.join(ROOT, "out", f"{task}-{cfg['method']}-s{cfg['seed']}")
@@ -160,15 +162,17 @@ def method_record(stats, targets):
 # ----------------------------------------------------------------------------------------------- optimizer, devices
 def make_optimizer(model, cfg, vocab_matrices=()):
     """AdamW (betas 0.9 / 0.98, as the papers' fairseq set-ups); weight decay on matrices, never on biases and gains.
-    The vocabulary matrices take --embedding-weight-decay, and Coupled Adam's update with --optimizer coupled-adam."""
-    lr, wd = cfg["lr"], cfg["weight_decay"]
+    The vocabulary matrices take --embedding-weight-decay, --embedding-lr, and Coupled Adam's update with --optimizer
+    coupled-adam."""
+    lr, wd, vocab_lr = cfg["lr"], cfg["weight_decay"], cfg.get("embedding_lr")
     coupled, vocab_wd = cfg.get("optimizer", "adamw") == "coupled-adam", cfg.get("embedding_weight_decay")
-    own = coupled or vocab_wd is not None  # the vocabulary matrices in a group of their own
+    own = coupled or vocab_wd is not None or vocab_lr is not None  # the vocabulary matrices in a group of their own
     vocab = {id(p) for p in vocab_matrices} if own else set()
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2 and id(p) not in vocab], "weight_decay": wd},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     if own:
-        groups.append({"params": list(vocab_matrices), "weight_decay": wd if vocab_wd is None else vocab_wd})
+        groups.append({"params": list(vocab_matrices), "weight_decay": wd if vocab_wd is None else vocab_wd,
+                       "lr": lr * (1.0 if vocab_lr is None else vocab_lr)})
     if not coupled:
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-8)
     return agg.CoupledAdamW([dict(g, coupled=g is groups[-1]) for g in groups], lr=lr, betas=(0.9, 0.98), eps=1e-8)

@@ -81,6 +81,11 @@ def build_parser():
         g.add_argument("--" + name, type=typ, default=None)
     g.add_argument("--untie", action="store_true",
                    help="a separate output matrix (a control: the methods and the geometry are that matrix's)")
+    g.add_argument("--untie-at", type=float, default=None, metavar="FRACTION",
+                   help="tied until this fraction of --max-steps, then the output matrix is a copy of the tied one "
+                        "(and of its optimizer state) and both train on; the methods act on it after the split")
+    g.add_argument("--logit-softcap", type=float, default=None, metavar="C",
+                   help="logits C tanh(logits / C) (Gemma 2's soft-capping), in the fused head: every method's gradients")
     g.add_argument("--output-bias", action="store_true",
                    help="a learned per-token bias on the logits (zero-initialised, no weight decay, plain gradient)")
     runlib.add_run_flags(p, "lm")
@@ -118,7 +123,9 @@ def resolve_config(args, explicit=None):
         raise SystemExit(f"--train-fraction {cfg['train_fraction']}: must be in (0, 1]")
     runlib.check_run_flags(cfg, "lm", dict({k: (1, None) for k in (
         "n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "eval_interval",
-        "log_interval", "eval_tokens")}, vocab_size=(0, None)))
+        "log_interval", "eval_tokens")}, vocab_size=(0, None), untie_at=(0, 1), logit_softcap=(1e-3, None)))
+    if cfg["untie"] and cfg["untie_at"] is not None:
+        raise SystemExit(f"--untie-at {cfg['untie_at']} with --untie: untied from the start or at a step, not both")
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
     return cfg
@@ -188,10 +195,12 @@ class GPT(nn.Module):
     learned per-token bias with output_bias (zero-initialised, no weight decay: a unigram prior that can encode
     frequency without moving the embeddings). untie: a separate output matrix lm_head (the control where the
     degeneration story's tied W does not exist); out_weight is the matrix of the softmax either way, the one the
-    methods act on. forward(x) returns the features (the input of the head), so DDP wraps the call agg's losses need."""
+    methods act on. untie="late": lm_head is unused (zeros) until untie() copies the tied matrix into it. softcap C:
+    logits C tanh(logits / C). forward(x) returns the features (the input of the head), so DDP wraps the call agg's
+    losses need."""
 
     def __init__(self, vocab_size, n_layer, d_model, n_head, d_ff, dropout, block_size, output_bias=False,
-                 untie=False):
+                 untie=False, softcap=None):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -200,11 +209,15 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_head, d_ff, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.out_bias = nn.Parameter(torch.zeros(vocab_size)) if output_bias else None
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False) if untie else None
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False) if untie is True else None
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 L)
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+        if untie == "late":  # made after the init (no random draws): the tied model's weights and dropout exactly
+            self.lm_head = nn.utils.skip_init(nn.Linear, d_model, vocab_size, bias=False)
+            nn.init.zeros_(self.lm_head.weight)
+        self.untied, self.softcap = untie is True, softcap
 
     @staticmethod
     def _init(m):
@@ -228,12 +241,20 @@ class GPT(nn.Module):
     @property
     def out_weight(self):
         """The (V, d) matrix of the softmax: the tied embedding, or lm_head's weight with untie."""
-        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        return self.lm_head.weight if self.untied else self.tok_emb.weight
+
+    @torch.no_grad()
+    def untie(self, opt):
+        """Untie late: the output matrix starts as a copy of the tied one, with its optimizer state, and trains on."""
+        self.lm_head.weight.copy_(self.tok_emb.weight)
+        opt.state[self.lm_head.weight] = {k: v.clone() for k, v in opt.state[self.tok_emb.weight].items()}
+        self.untied = True
 
     def head(self, h):
         """The output layer: logits of features h."""
         logits = h @ self.out_weight.t()
-        return logits if self.out_bias is None else logits + self.out_bias
+        logits = logits if self.out_bias is None else logits + self.out_bias
+        return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
 
     def logits(self, x):
         return self.head(self.features(x))
@@ -260,14 +281,23 @@ class GPT(nn.Module):
 
 
 
-def build_model(cfg, vocab_size):
-    return GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")),
-               untie=bool(cfg.get("untie")))
+def build_model(cfg, vocab_size, step=0):
+    """The model of config cfg as it is after `step` steps (--untie-at: tied before its split step)."""
+    model = GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")),
+                untie="late" if cfg.get("untie_at") is not None else bool(cfg.get("untie")), softcap=cfg.get("logit_softcap"))
+    model.untied = untied(cfg, step)
+    return model
+
+
+def untied(cfg, step):
+    """Whether the output matrix is lm_head after `step` steps: --untie, or --untie-at's split step reached."""
+    at = cfg.get("untie_at")
+    return bool(cfg.get("untie")) or at is not None and step >= max(1, round(at * cfg["max_steps"]))
 
 
 def load_model(ck, device="cpu"):
     """The trained model of a loaded LM checkpoint (runlib.load_checkpoint), in eval mode on `device`."""
-    model = build_model(ck["config"], ck["model"]["tok_emb.weight"].shape[0])
+    model = build_model(ck["config"], ck["model"]["tok_emb.weight"].shape[0], ck["step"])
     return runlib.load_state(model, ck, ck["config"].get("out")).to(device).eval()
 
 
@@ -296,7 +326,7 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
         with model.no_sync() if ddp and j < len(starts) - 1 else contextlib.nullcontext():
             with autocast():
                 hidden = model(x)  # = raw.features(x), the input of the tied head
-                loss = method.loss(hidden, raw.out_weight, y, bias=raw.out_bias)  # the method gates W's gradient
+                loss = method.loss(hidden, raw.out_weight, y, bias=raw.out_bias, softcap=raw.softcap)  # gates W's grad
             scaler.scale(loss * (y.numel() / y_all.numel())).backward()
         loss_sum += loss.item() * y.numel()
         nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
@@ -380,7 +410,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
         with autocast():
             hidden = model.features(x)
         gates = method.gates(y.reshape(-1)) if method.steps else (None, None, None)
-        parts = agg.gradient_parts(hidden, model.out_weight, y, rare, gates).cpu()
+        parts = agg.gradient_parts(hidden, model.out_weight, y, rare, gates, softcap=model.softcap).cpu()
         out["grad_parts"] = {part: {name: float(parts[groups[k].cpu(), j].mean()) for k, name in enumerate(agg.GROUPS)}
                              for j, part in enumerate("abc")}
     model.train()
@@ -413,12 +443,15 @@ def train(cfg, explicit=frozenset(), argv=()):
         method, hp = runlib.build_method(cfg, PRESET_METHOD[cfg["preset"]], vocab_size=V, counts=counts,
                                          special_ids=special_ids, steps_per_epoch=steps_per_epoch,
                                          tokens_per_step=tokens_per_step)
-        opt = runlib.make_optimizer(model, cfg, [model.tok_emb.weight] + ([model.lm_head.weight] if cfg["untie"]
-                                                                           else []))
+        opt = runlib.make_optimizer(model, cfg, [model.tok_emb.weight] + ([model.lm_head.weight] if model.lm_head
+                                                                           is not None else []))
         schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])  # warm-up, cosine to 10%
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
+        model.untied = untied(cfg, step)  # --untie-at: a run resumed past the split continues untied
+        if cfg["untie_at"] is not None and not model.untied:  # DDP: lm_head has no gradient before the split
+            model._ddp_params_and_buffers_to_ignore = ["lm_head.weight"]
         best_ppl = run.ck.get("best_valid_ppl", math.inf) if run.ck else math.inf
         if run.ck and run.ck["data_position"]["sequences"] != step * seqs_per_step:
             raise SystemExit(f"{run.ckpt_path}: data position {run.ck['data_position']} does not match step {step} x "
@@ -450,6 +483,10 @@ def train(cfg, explicit=frozenset(), argv=()):
             tokens_seen += tokens_per_step
             sched.step()  # the lr of the next step
             step += 1
+            if untied(cfg, step) and not raw.untied:  # --untie-at: from here on the output matrix is lm_head
+                raw.untie(opt)
+                raw._ddp_params_and_buffers_to_ignore = []
+                model = run.wrap(raw) if run.ddp else model
             bar.update(1)  # the progress bar counts optimizer steps
             rec = dict(loss=loss, nll=nll, ppl=math.exp(min(nll, 50)), **runlib.method_record(stats, tokens_per_step))
             bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},

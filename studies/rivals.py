@@ -22,6 +22,7 @@ The study machinery (restartable runs, results files that continue the study els
 """
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -31,6 +32,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import runlib
+import train_lm
 from studies import compare, scale
 
 ROOT = runlib.ROOT
@@ -63,8 +65,8 @@ def run_name(rival, lr, knob, seed):
     return f"{rival}-lr{lr:g}" + (f"-{knob}" if knob else "") + f"-s{seed}"
 
 
-def run_flags(rival, lr, knob, seed):
-    method, flags, knobs = RIVALS[rival]
+def run_flags(rival, lr, knob, seed, table=RIVALS):
+    method, flags, knobs = table[rival]
     return ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", *flags, *dict(knobs)[knob]]
 
 
@@ -76,6 +78,10 @@ class Rivals(scale.Study):
     """The rivals' runs as far as the finished sweeps decide them."""
     eval_args = ["--n-samples", "5"]  # greedy and sampled continuations for seq-rep-4 and distinct-n
     label, name = "out/rivals", "rivals"
+    # the study's rivals, their seeds, the pairs beyond each rival against MLE, its protocol (the module's docstring)
+    table, seeds, knob_seeds, pairs = RIVALS, SEEDS, KNOB_SEEDS, [("untied-mle", "untied-agg")]
+    doc = sys.modules[__name__].__doc__
+    title = "AGG and its rivals"
     host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count): replicas are made here
 
     def kernels(self, name):  # the host kernels a run recorded (config.json, else the results file), or None
@@ -84,26 +90,29 @@ class Rivals(scale.Study):
 
     def replicas(self, mle_best):
         """The MLE replicas {name: flags} made so far, and one here per selected run whose MLE ran on another host."""
-        out = {n: run_flags("mle", float(m["lr"]), "", int(m["seed"])) for n in [*self.prior, *(
+        out = {n: self.flags("mle", float(m["lr"]), "", int(m["seed"])) for n in [*self.prior, *(
             os.listdir(self.runs) if os.path.isdir(self.runs) else [])] if (m := REPLICA.match(n)) and self.finished(n)}
         selected = {r: b for r, b in self.selections().items() if r != "mle" and b} if mle_best and self.host else {}
         for rival, best in selected.items():
-            for seed in range(SEEDS.get(rival, 3)):
+            for seed in range(self.seeds.get(rival, 3)):
                 mle, run = run_name("mle", *mle_best, seed), run_name(rival, *best, seed)
                 if (self.finished(run) and self.kernels(run) == self.host
                         and self.finished(mle) and self.kernels(mle) not in (None, self.host)):
-                    out[replica_name(mle_best[0], seed, self.host)] = run_flags("mle", mle_best[0], "", seed)
+                    out[replica_name(mle_best[0], seed, self.host)] = self.flags("mle", mle_best[0], "", seed)
         return out
+
+    def flags(self, rival, lr, knob, seed):
+        return run_flags(rival, lr, knob, seed, self.table)
 
     def finalists(self, rival):
         """The FINALISTS (lr, knob) of the lowest seed-0 valid PPL, or None before the seed-0 sweep finished."""
-        seed0 = {(lr, k): self.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS for k, _ in RIVALS[rival][2]}
+        seed0 = {(lr, k): self.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS for k, _ in self.table[rival][2]}
         return None if None in seed0.values() else sorted(seed0, key=seed0.get)[:FINALISTS]
 
     def selection(self, rival):
         """((lr, knob) or None before its runs finished; runs): seed 0 over the grid, then the finalists' mean."""
-        spec = lambda lr, k, seed: (run_name(rival, lr, k, seed), run_flags(rival, lr, k, seed))
-        sweep = [spec(lr, k, 0) for lr in LRS for k, _ in RIVALS[rival][2]]
+        spec = lambda lr, k, seed: (run_name(rival, lr, k, seed), self.flags(rival, lr, k, seed))
+        sweep = [spec(lr, k, 0) for lr in LRS for k, _ in self.table[rival][2]]
         if (finalists := self.finalists(rival)) is None:
             return None, sweep
         best, final = self.select({v: [spec(*v, seed) for seed in (0, 1, 2)] for v in finalists})
@@ -111,22 +120,22 @@ class Rivals(scale.Study):
 
     def plan(self):
         runs, pending = {}, False
-        for rival in RIVALS:
+        for rival in self.table:
             best, sweep = self.selection(rival)
             runs.update({name: (flags, 1.0) for name, flags in sweep})
             if best is None:
                 pending = True
                 continue
-            for seed in range(SEEDS.get(rival, 3)):
-                runs[run_name(rival, *best, seed)] = (run_flags(rival, *best, seed), 1.5)
-            for knob, _ in RIVALS[rival][2]:  # the knob curve at the selected lr
-                for seed in range(KNOB_SEEDS.get((rival, knob), 3)):
-                    runs.setdefault(run_name(rival, best[0], knob, seed), (run_flags(rival, best[0], knob, seed), 2.0))
+            for seed in range(self.seeds.get(rival, 3)):
+                runs[run_name(rival, *best, seed)] = (self.flags(rival, *best, seed), 1.5)
+            for knob, _ in self.table[rival][2]:  # the knob curve at the selected lr
+                for seed in range(self.knob_seeds.get((rival, knob), 3)):
+                    runs.setdefault(run_name(rival, best[0], knob, seed), (self.flags(rival, best[0], knob, seed), 2.0))
         runs.update({name: (flags, 1.5) for name, flags in self.replicas(self.selection("mle")[0]).items()})
         return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
 
     def selections(self):
-        return {rival: self.selection(rival)[0] for rival in RIVALS}
+        return {rival: self.selection(rival)[0] for rival in self.table}
 
 
 def host_pairs(chosen, rival, base="mle"):
@@ -143,18 +152,18 @@ def host_pairs(chosen, rival, base="mle"):
     return pairs, unpaired
 
 
-def knob_curve(runs, rival, best, seeds=lambda knob: 3):
+def knob_curve(runs, rival, best, knobs, seeds=lambda knob: 3):
     """{knob: [run records of seeds 0..seeds(knob)-1]} at the selected lr, for the knobs whose seeds are all in runs."""
     curve = {knob: [r for r in runs.values() if r["rival"] == rival and r["seed"] < seeds(knob) and not r.get("replica")
-                    and (r["lr"], r["knob"]) == (best[0], knob)] for knob, _ in RIVALS[rival][2]}
+                    and (r["lr"], r["knob"]) == (best[0], knob)] for knob, _ in knobs}
     return {knob: rs for knob, rs in curve.items() if len(rs) == seeds(knob)}
 
 
-def plot_pareto(runs, selections, path):
+def plot_pareto(runs, selections, table, title, path):
     """Valid PPL against rare I(W) and against IsoScore: every rival's sweep (seed 0, faint), its knob at the
     selected lr (mean and range of seeds 0-2, joined by a line) and its selection (large; all its seeds)."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
-    colours = dict(zip(RIVALS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    colours = dict(zip(table, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
     spread = lambda v: [[max(v.mean() - v.min(), 0)], [max(v.max() - v.mean(), 0)]]  # >= 0 despite rounding
 
     def point(ax, rs, x, colour, **style):  # the mean of runs rs (x(run), valid PPL) with their range
@@ -167,7 +176,7 @@ def plot_pareto(runs, selections, path):
         shown = [r["valid_ppl"] for rival, best in selections.items() if best for r in runs.values()
                  if r["rival"] == rival and r["lr"] == best[0]]
         top = max(shown) + 8 if shown else max([r["valid_ppl"] for r in runs.values()], default=1.0)
-        for rival in RIVALS:
+        for rival in table:
             sweep = [r for r in runs.values() if r["rival"] == rival and r["seed"] == 0]
             for over, marker in ((False, "o"), (True, "^")):
                 rs = [r for r in sweep if (r["valid_ppl"] > top) == over]
@@ -175,7 +184,7 @@ def plot_pareto(runs, selections, path):
                            alpha=0.3 if not over else 0.6, marker=marker, color=colours[rival])
             if not (best := selections.get(rival)):
                 continue
-            curve = knob_curve(runs, rival, best)
+            curve = knob_curve(runs, rival, best, table[rival][2])
             if len(curve) > 1:
                 means = lambda f: [np.mean([f(r) for r in rs]) for rs in curve.values()]
                 ax.plot(means(get), means(lambda r: r["valid_ppl"]), "-", lw=1, color=colours[rival], alpha=0.7)
@@ -190,10 +199,36 @@ def plot_pareto(runs, selections, path):
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:  # the selections, once there are any, in one legend below both panels
         fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle("AGG and its rivals at the cpu preset. Faint: the sweeps (seed 0; triangles: above the frame);\n"
+    fig.suptitle(f"{title} at the cpu preset. Faint: the sweeps (seed 0; triangles: above the frame);\n"
                  "lines: each rival's knob at its selected lr (mean and range of seeds 0-2); large: the selections (mean "
                  "and range over seeds)", fontsize=9)
     fig.tight_layout(rect=(0, 0.1 if handles else 0, 1, 1))
+    compare.save(fig, path)
+
+
+def lr_sensitivity(sweep, selections, vocab_size):
+    """Each rival's lr sensitivity at its selected knob (Wortsman et al. 2023, as the centering paper's sweeps use it):
+    the mean over the lr grid of min(L_lr, L_0) - min_lr L_lr, L the valid loss (log PPL) of seed 0, L_0 = ln V (a
+    uniform prediction: a diverged run costs what no training costs). {rival: {sensitivity, valid_ppl: {lr: PPL}}}."""
+    out = {}
+    for rival, best in selections.items():
+        ppl = {lr: sweep[rival].get(f"lr{lr:g} {best[1]}".strip()) for lr in LRS} if best else {}
+        if ppl and None not in ppl.values():
+            loss = np.minimum(np.log(np.nan_to_num(list(ppl.values()), nan=np.inf)), math.log(vocab_size))
+            out[rival] = dict(sensitivity=float(np.mean(loss - loss.min())), valid_ppl={f"{lr:g}": v for lr, v in ppl.items()})
+    return out
+
+
+def plot_lr_sensitivity(sensitivity, title, path):
+    """Valid PPL against the lr (seed 0) of each rival at its selected knob, its lr sensitivity in the legend."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for rival, s in sorted(sensitivity.items(), key=lambda kv: kv[1]["sensitivity"]):
+        ax.plot(LRS, list(s["valid_ppl"].values()), "o-", label=f"{rival}: {s['sensitivity']:.3f}")
+    ax.set(xscale="log", xticks=LRS, xticklabels=[f"{lr:g}" for lr in LRS], xlabel="lr (seed 0)", ylabel="valid PPL",
+           title=f"{title}: valid PPL over the lr grid at each selected knob\nlegend: lr sensitivity, the mean over the "
+                 "grid of the valid loss above its best (nats)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
     compare.save(fig, path)
 
 
@@ -216,8 +251,8 @@ def portable(argv):
 def write_results(study, path, argv):
     """results/lm_rivals.json: every finished run, the sweeps and selections, each rival paired with MLE by seed."""
     plan, _ = study.plan()
-    names = {run_name(rival, lr, k, s): (rival, k) for rival, (_m, _f, knobs) in RIVALS.items()
-             for lr in LRS for k, _ in knobs for s in range(max(SEEDS.values()))}
+    names = {run_name(rival, lr, k, s): (rival, k) for rival, (_m, _f, knobs) in study.table.items()
+             for lr in LRS for k, _ in knobs for s in range(max(study.seeds.values()))}
     names.update({n: ("mle", "") for n, _f, _c in plan if REPLICA.match(n)})
     runs = {n: scale.run_record(study, n, rival=names[n][0], replica=bool(REPLICA.match(n)), knob=names[n][1])
             if os.path.exists(os.path.join(study.folder(n), "report")) else study.prior[n]
@@ -229,49 +264,56 @@ def write_results(study, path, argv):
     def paired(runs, base, cand, label):  # compare.compare of the runs host_pairs pairs, or None
         pairs, unpaired = host_pairs(runs, cand, base)
         return dict(compare.compare(pairs, {}, base, label, []), unpaired=unpaired) if pairs else None
-    # every rival against MLE; untied AGG against untied MLE too (does AGG act on an output matrix alone?)
-    comparisons = [c for base, rival in [("mle", r) for r in RIVALS if r != "mle"] + [("untied-mle", "untied-agg")]
+    # every rival against MLE, and the study's own pairs (untied AGG against untied MLE: does AGG act on an output
+    # matrix alone?; AGG with a knob against MLE with it: does AGG add to the knob?)
+    comparisons = [c for base, rival in [("mle", r) for r in study.table if r != "mle"] + study.pairs
                    if (c := paired(chosen, base, rival, rival))]
     # every other knob value at a rival's selected lr against MLE too: the knob's PPL cost with a seed interval
     mle, knob_pairs = {n: r for n, r in chosen.items() if r["rival"] == "mle"}, []
     for rival, best in selections.items():
-        seeds = lambda k: KNOB_SEEDS.get((rival, k), 3)
-        for knob, rs in knob_curve(runs, rival, best, seeds).items() if best and rival != "mle" else []:
+        seeds = lambda k: study.knob_seeds.get((rival, k), 3)
+        curve = knob_curve(runs, rival, best, study.table[rival][2], seeds) if best and rival != "mle" else {}
+        for knob, rs in curve.items():
             label = f"{rival} {knob}"
             runs_k = {run_name(rival, best[0], knob, r["seed"]): dict(r, variant=label) for r in rs}
             if (best[0], knob) != tuple(best) and (c := paired({**runs_k, **mle}, "mle", rival, label)):
                 knob_pairs.append(c)
     sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
-                     for k, _ in RIVALS[rival][2]} for rival in RIVALS}
-    result = dict(command=shlex.join(["python", "-m", "studies.rivals", *portable(argv)]),
-                  protocol=__doc__.split("The protocol")[1].strip(),
+                     for k, _ in study.table[rival][2]} for rival in study.table}
+    sensitivity = lr_sensitivity(sweep, selections, train_lm.PRESETS["cpu"]["vocab_size"])
+    result = dict(command=shlex.join(["python", "-m", f"studies.{study.name}", *portable(argv)]),
+                  protocol=study.doc.split("The protocol")[1].strip(),
                   selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best "
                                       "on the mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,
                                  finalists_valid_ppl={rival: {f"lr{lr:g} {k}".strip(): [
                                      study.valid_ppl(run_name(rival, lr, k, seed)) for seed in (0, 1, 2)]
-                                     for lr, k in study.finalists(rival) or []} for rival in RIVALS},
+                                     for lr, k in study.finalists(rival) or []} for rival in study.table},
                                  knob_curve={rival: {k: {name: [compare.get(r, key) for r in rs] for name, key in (
                                      ("valid_ppl", "valid_ppl"), ("rare_isotropy", "isotropy_groups.rare"),
-                                     ("isoscore", "isoscore"))} for k, rs in knob_curve(runs, rival, best).items()}
+                                     ("isoscore", "isoscore"))} for k, rs in knob_curve(
+                                     runs, rival, best, study.table[rival][2]).items()}
                                      for rival, best in selections.items() if best}),
-                  runs=runs, compare=comparisons, compare_knobs=knob_pairs)
+                  lr_sensitivity=sensitivity, runs=runs, compare=comparisons, compare_knobs=knob_pairs)
     runlib.write_json(path, result)
     if runs:
-        plot_pareto(runs, selections, os.path.splitext(path)[0] + ".png")
+        plot_pareto(runs, selections, study.table, study.title, os.path.splitext(path)[0] + ".png")
+    if sensitivity:
+        plot_lr_sensitivity(sensitivity, study.title, os.path.splitext(path)[0] + "_lr.png")
     print(f"wrote {path}: {len(runs)} runs, {len(comparisons)} comparisons with MLE")
 
 
-def main(argv=None):
+def main(argv=None, study_class=Rivals):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, "out", "rivals"))
+    p = argparse.ArgumentParser(prog=f"python -m studies.{study_class.name}", description=study_class.doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, study_class.label))
     p.add_argument("--jobs", type=int, default=1, help="runs at once (2 on a 2-core CPU: one thread each)")
     p.add_argument("--no-train", action="store_true", help="train nothing: write the results of the finished runs")
     p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and the Pareto PNG)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more")
-    study = Rivals(args.out, prior=[args.results])
+    study = study_class(args.out, prior=[args.results])
     study.host = runlib.kernel_fingerprint(max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None)
     results = (lambda: write_results(study, args.results, argv)) if args.results else None
     if not args.no_train:

@@ -1,4 +1,5 @@
 """Tests of agg.py: gradients against the papers' closed forms and literal reference implementations."""
+import copy
 import io
 
 import pytest
@@ -869,3 +870,67 @@ def test_group_of_numbers_tokens_by_frequency_group():
     gid = agg.group_of(groups, len(counts))
     assert gid.tolist() == [1, 2, 0, 2, 0, 1, 1, 0, 1, 1]  # 3 frequent (9, 8, 7), 5 medium, 2 rare (1, 0)
     assert agg.group_of([groups[0]], 10, missing=3).tolist().count(3) == 7
+
+
+def method_kw(name):
+    """Hyper-parameters that give `name` a rare group on the test vocabulary (and a z-loss, a mu-loss to check)."""
+    kw = dict(counts=make_counts(14) + 1)
+    if agg.agg_family(name):
+        kw.update(alpha=ALPHA, window=WINDOW)
+    if name in ("agps", "freeze-rare", "freeze-b", "freeze-c", "freeze-bc"):
+        kw.update(rare_fraction=0.3)
+    return dict(kw, **{"zloss": dict(z_coef=0.1), "center": dict(center_mode="loss")}.get(name, {}))
+
+
+@pytest.mark.parametrize("name", list(agg.METHODS))
+def test_softcap_gradients_are_autograds_through_the_cap_for_every_method(name):
+    """loss(..., softcap=C) against autograd of the literal composition: C tanh((h W^T + b) / C), the NLL (and z-loss)
+    on it, the weight's gradient gated by the method's dense gate (agg-centered: the push along the mean feature
+    only), freeze-rare's rows zeroed, plus the method's regulariser through the same cap."""
+    cap = 2.0  # small against these logits (|s| up to ~8): tanh bends them
+    method = agg.build_method(name, V, **method_kw(name))
+    observe_counts(method, make_counts(14))
+    h, w, y = inputs(seed=14, ignore=(4, 33))
+    b = torch.randn(V, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    h, y = h.reshape(6, 10, D), y.reshape(6, 10)
+    with torch.no_grad():  # FRAGE builds its discriminator at the first call (random init): once, before the copies
+        method.regulariser(h, w, y, -100)
+    reference = copy.deepcopy(method)  # FRAGE's discriminator steps once per optimizer step: each call its own copy
+    hh, ww, bb = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    keep = y.reshape(-1) != -100
+    hk, yk = hh.reshape(-1, D)[keep], y.reshape(-1)[keep]
+    gate = agg.gate_matrix(yk, V, *reference.gates(yk))
+
+    def gated(x):  # value x @ W.T; its gradient reaches W times the gate
+        z = x.detach() @ ww.T
+        z.register_hook(lambda g: g * gate)
+        return z - z.detach()
+    if reference.hparams.get("center_gate"):
+        mean_h = hk.mean(0).expand_as(hk)
+        via_w = (hk - mean_h).detach() @ ww.T - ((hk - mean_h).detach() @ ww.T).detach() + gated(mean_h)
+    else:
+        via_w = gated(hk)
+    logits = cap * torch.tanh((hk @ ww.detach().T + via_w + bb) / cap)
+    ref = F.cross_entropy(logits, yk) + reference.hparams.get("z_coef", 0.0) * torch.logsumexp(logits, 1).square().mean()
+    reg = reference.regulariser(hh, ww, y, -100, bb, cap)
+    (ref + (0 if reg is None else reg)).backward()
+    if hasattr(reference, "frozen") and reference.frozen():
+        ww.grad[reference.rare] = 0
+    for chunk in (None, 7):
+        loss, gh, gw, gb = bias_grads(copy.deepcopy(method), h, w, b, y, softcap=cap, chunk_size=chunk)
+        torch.testing.assert_close(loss, (ref + (0 if reg is None else reg)).detach())
+        for got, want in ((gh, hh.grad), (gw, ww.grad), (gb, bb.grad)):
+            torch.testing.assert_close(got, want)
+    uncapped = bias_grads(copy.deepcopy(method), h, w, b, y)
+    assert not torch.allclose(uncapped[2], gw)  # the cap changed the gradient: the test sees it
+
+
+def test_softcap_bends_the_gradient_parts_like_the_heads():
+    h, w, y = inputs(seed=15)
+    w = w * 3  # logits well past the cap
+    method = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    observe_counts(method, make_counts(15))
+    parts = agg.gradient_parts(h, w, y, torch.arange(V) >= 30, method.gates(y), softcap=2.0)
+    full = grads(method, h, w, y, softcap=2.0)[2].norm(dim=1)
+    assert (parts.sum(1) >= full * (1 - 1e-5)).all()  # the parts' norms bound the whole row's (triangle inequality)
+    assert not torch.allclose(parts, agg.gradient_parts(h, w, y, torch.arange(V) >= 30, method.gates(y)))

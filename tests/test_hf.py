@@ -109,7 +109,8 @@ def trainer_loss(model, ids, labels, tmp_path):
 
 
 @pytest.mark.parametrize("name, kw", [("Llama", {}), ("Cohere", dict(logit_scale=0.25)),
-                                      ("Gemma2", dict(final_logit_softcapping=None, head_dim=8))])
+                                      ("Gemma2", dict(final_logit_softcapping=None, head_dim=8)),
+                                      ("Gemma2", dict(final_logit_softcapping=0.05, head_dim=8))])  # a cap that bites
 def test_the_trainers_loss_is_the_models_own(tmp_path, name, kw):
     model = tiny(name, **kw)
     batch = dataset(4)
@@ -120,10 +121,15 @@ def test_the_trainers_loss_is_the_models_own(tmp_path, name, kw):
     torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-6)
 
 
-def test_a_soft_capped_model_is_refused(tmp_path):
-    model = tiny("Gemma2", final_logit_softcapping=30.0, head_dim=8)
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
-        trainer_loss(model, torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long), tmp_path)
+def test_a_soft_capped_models_gradients_are_its_own(tmp_path):
+    """Gemma 2 caps its logits (C tanh(logits / C)): under MLE the trainer's gradients are the model's own loss's."""
+    model = tiny("Gemma2", final_logit_softcapping=0.05, head_dim=8).train()
+    batch = dataset(2)
+    ids, labels = torch.stack([r["input_ids"] for r in batch]), torch.stack([r["labels"] for r in batch])
+    own = torch.autograd.grad(model(input_ids=ids, labels=labels).loss, list(model.parameters()))
+    ours = torch.autograd.grad(trainer_loss(model, ids, labels, tmp_path), list(model.parameters()))
+    for a, b in zip(ours, own):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
 def test_resume_skips_a_checkpoint_without_the_method_state(tmp_path, capsys):

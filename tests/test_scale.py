@@ -171,7 +171,7 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
 
 
 def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp_path, monkeypatch):
-    monkeypatch.setattr(rivals, "KNOB_SEEDS", {("zloss", "z0.01"): 5})  # one knob value off the selection gets 5 seeds
+    monkeypatch.setattr(rivals.Rivals, "knob_seeds", {("zloss", "z0.01"): 5})  # one knob value off the selection gets 5 seeds
 
     a1, b2 = "a1" * 8, "b2" * 8  # two hosts' kernels
 

@@ -84,8 +84,9 @@ def test_resume_without_flags_uses_saved_config(lm_run, corpus, tmp_path):
 
 @pytest.mark.slow
 def test_two_process_gloo_matches_one_process(lm_run, lm_tiny, corpus, tmp_path, run_ddp):
-    """DDP splits each step's sequences over 2 ranks; with dropout off the result must equal a 1-process run."""
-    extra = ["--method", "agg", "--alpha", "0.5", "--dropout", "0"]
+    """DDP splits each step's sequences over 2 ranks; with dropout off the result must equal a 1-process run. Tied
+    for step 1, untied after it (--untie-at: DDP ignores lm_head until the split, then wraps the model again)."""
+    extra = ["--method", "agg", "--alpha", "0.5", "--dropout", "0", "--untie-at", "0.34"]
     lm_run(tmp_path / "one", *extra, steps=3)
     argv = ["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(tmp_path / "two"),
             "--max-steps", "3", "--eval-interval", "3", *lm_tiny, *extra]
@@ -97,6 +98,7 @@ def test_two_process_gloo_matches_one_process(lm_run, lm_tiny, corpus, tmp_path,
     for k in a["model"]:
         assert torch.allclose(a["model"][k], b["model"][k], atol=1e-5, rtol=1e-4), k
     assert json.load(open(tmp_path / "two" / "config.json"))["world_size"] == 2
+    assert not torch.equal(b["model"]["lm_head.weight"], b["model"]["tok_emb.weight"])
 
 
 def test_hub_dataset_fails_fast_with_offline_hint(tmp_path):
@@ -485,3 +487,58 @@ def test_coupled_adam_untie_and_embedding_decay_are_run_settings(lm_run, tmp_pat
     for key in ("isoscore", "isotropy_centered", "isotropy_weighted", "isotropy_weighted_centered"):
         assert 0 <= m[key] <= 1, key
     assert set(m["gen_distinct"]) == {"greedy", "sampled"} and 0 <= m["gen_rep4_sampled"] <= 1
+
+
+@pytest.mark.slow
+def test_untie_at_is_tied_before_the_split_copies_there_and_resumes_exactly_across_it(lm_run, read_log, tmp_path):
+    """--untie-at 0.5 of 6 steps: steps 1-3 are the tied run's exactly; at step 3 lm_head becomes the tied matrix (and
+    its Adam state); stopped at 2 (before the split) and at 4 (after it), resumed, both equal the straight run."""
+    extra = ["--method", "center", "--dropout", "0.2", "--eval-interval", "1"]
+    lm_run(tmp_path / "tied", *extra, "--stop-at", "3", steps=6)
+    lm_run(tmp_path / "full", *extra, "--untie-at", "0.5", steps=6)
+    for stop in (2, 4):
+        lm_run(tmp_path / f"s{stop}", *extra, "--untie-at", "0.5", "--stop-at", stop, steps=6)
+        lm_run(tmp_path / f"s{stop}", *extra, "--untie-at", "0.5", "--resume", steps=6)
+        a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("full", f"s{stop}"))
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), (stop, k)
+    tied, full = (read_log(tmp_path / r) for r in ("tied", "full"))
+    valid = lambda log, step: next(r for r in log if r["split"] == "valid" and r["step"] == step)
+    assert valid(tied, 3)["ppl"] == valid(full, 3)["ppl"]  # before the split: the tied model, bit for bit
+    ck = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
+    emb, head = ck["model"]["tok_emb.weight"], ck["model"]["lm_head.weight"]
+    assert not torch.equal(emb, head)  # both trained on after the split
+    assert head.mean(0).abs().max() < 1e-6 < emb.mean(0).abs().max()  # center acts on the output matrix after it
+    m = train_lm.load_model(dict(ck, step=2))
+    assert not m.untied and m.out_weight is m.tok_emb.weight  # a checkpoint from before the split loads tied
+    assert train_lm.load_model(dict(ck, step=3)).untied  # from the split step on, lm_head
+    with pytest.raises(SystemExit, match="--untie-at 0.5 with --untie"):
+        lm_run(tmp_path / "both", "--untie", "--untie-at", "0.5")
+    with pytest.raises(SystemExit, match=r"--untie-at 1.5: must be in \[0, 1\]"):
+        lm_run(tmp_path / "far", "--untie-at", "1.5")
+
+
+def test_embedding_lr_scales_the_vocabulary_matrices_lr_only(lm_run, tmp_path):
+    lm_run(tmp_path / "e", "--embedding-lr", "10", steps=2)
+    ck = torch.load(tmp_path / "e" / "ckpt.pt", weights_only=True)
+    groups = ck["optimizer"]["param_groups"]
+    assert [g["initial_lr"] for g in groups] == pytest.approx([3e-3, 3e-3, 3e-2])
+    assert len(groups[-1]["params"]) == 1  # the tied embedding alone
+    assert groups[-1]["lr"] == pytest.approx(10 * groups[0]["lr"])  # on the same schedule
+    with pytest.raises(SystemExit, match="--embedding-lr -1.0: must be >= 0"):
+        lm_run(tmp_path / "bad", "--embedding-lr", "-1")
+
+
+def test_logit_softcap_caps_the_logits_of_training_validation_and_eval(lm_run, read_log, tmp_path):
+    lm_run(tmp_path / "c", "--logit-softcap", "0.5", "--method", "agg", "--alpha", "0.4", steps=2)
+    ck = torch.load(tmp_path / "c" / "ckpt.pt", weights_only=True)
+    model = train_lm.load_model(ck)
+    x = torch.randint(0, 300, (2, 8))
+    logits = model.logits(x)
+    assert logits.abs().max() < 0.5  # the cap bounds them
+    raw = model.features(x) @ model.out_weight.T
+    torch.testing.assert_close(logits, 0.5 * torch.tanh(raw / 0.5))
+    train = [r for r in read_log(tmp_path / "c") if r["split"] == "train"]
+    assert train[0]["nll"] >= math.log(300) - 2 * 0.5  # logits within (-C, C): no NLL below log V - 2 C
+    with pytest.raises(SystemExit, match="--logit-softcap 0.0: must be >= 0.001"):
+        lm_run(tmp_path / "bad", "--logit-softcap", "0")

@@ -11,7 +11,7 @@ repository's corpus). AGGTrainer:
   micro-batch's mean loss by its share of the step's valid targets (all ranks'): the gradient is the step's mean;
 - after each optimizer step calls `method.after_step` on the output weight (freeze-rare, center); saves the method's
   state (AGG's window) as `agg_method.pt` in every checkpoint and resumes from the newest checkpoint holding it;
-- logs `method.stats` as `agg/...`; keeps lm_head's bias and a logit scale; refuses final-logit soft-capping.
+- logs `method.stats` as `agg/...`; keeps lm_head's bias, a logit scale and final-logit soft-capping (Gemma 2).
 """
 import argparse
 import glob
@@ -38,6 +38,7 @@ class AGGTrainer(Trainer):
     def __init__(self, *args, method, **kwargs):
         super().__init__(*args, **kwargs)
         self.method, self.logit_scale = method, logit_scale(self.model)
+        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)  # Gemma 2: C tanh(logits / C)
         self._step_targets = None  # valid targets in the current optimizer step, all ranks
         self.add_callback(AfterStep(self))
 
@@ -61,7 +62,7 @@ class AGGTrainer(Trainer):
         bias = getattr(head, "bias", None)
         if self.logit_scale != 1.0:  # logits = scale * (h W^T + b): scale the features and the bias
             hidden, bias = hidden * self.logit_scale, None if bias is None else bias * self.logit_scale
-        loss = self.method.loss(hidden, head.weight, targets, ignore_index=-100, bias=bias)
+        loss = self.method.loss(hidden, head.weight, targets, ignore_index=-100, bias=bias, softcap=self.softcap)
         if model.training and self._step_targets:  # its share of the step's targets, x ranks (DDP averages)
             loss = loss * ((targets != -100).sum() / self._step_targets) * self.args.world_size
         return (loss, outputs) if return_outputs else loss
@@ -98,12 +99,9 @@ class AfterStep(TrainerCallback):  # method.after_step(output weight): on_step_e
 
 
 def logit_scale(model):
-    """The factor the model applies to h W^T (+ b) to get its logits: 1, Cohere's logit_scale, or 1 / Granite's
-    logits_scaling. Logits not linear in W (soft-capping) are refused: the head would train another loss."""
+    """The factor the model applies to h W^T (+ b) to get its logits (before any soft-capping): 1, Cohere's
+    logit_scale, or 1 / Granite's logits_scaling."""
     cfg = model.config
-    if cap := getattr(cfg, "final_logit_softcapping", None):
-        raise ValueError(f"{type(model).__name__}: config.final_logit_softcapping={cap} squashes the logits with tanh, "
-                         f"which AGGTrainer's head (h W^T + b) does not; set it to None to train with agg.py")
     scale = float(getattr(cfg, "logit_scale", None) or 1.0)
     if getattr(cfg, "logits_scaling", None):
         scale /= float(cfg.logits_scaling)

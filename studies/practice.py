@@ -1,0 +1,48 @@
+"""AGG against what practitioners do today, at the cpu preset, every rival tuned as in studies.rivals.
+
+    python -m studies.practice --jobs 2 --results results/lm_practice.json    # train, evaluate, select; rerun to go on
+    python -m studies.practice --no-train --results results/lm_practice.json  # the study so far: JSON, pictures
+
+The protocol (this project's choices):
+- the knobs (PRACTICE): untie late (--untie-at 0.33 / 0.67: tied, then the output matrix a copy of the tied one;
+  modded-nanogpt's speedrun unties at 2/3), a separate lr for the vocabulary matrices (--embedding-lr x0.3 / x3 /
+  x10; nanochat trains its embedding far faster than its head), logit soft-capping (--logit-softcap 15 / 30 / 60:
+  Gemma 2's 30, nanochat's 15); each with MLE and with AGG, AGG's share fixed at the preset's 0.2 (the headline's;
+  studies.rivals' validation selects 0.05 for AGG alone); MLE, and AGG over its share 0.05 / 0.2 / 0.4, without them;
+- each rival: its lr (2e-3, 4e-3, 8e-3) x its knob at seed 0 on the full data; the 2 settings with the lowest valid
+  PPL at the last step get seeds 1 and 2, the lowest mean valid PPL over seeds 0-2 is selected;
+- the selection on seeds 0-4, paired with MLE by seed; the other knob values at the selected lr on seeds 0-2, each
+  paired with MLE; AGG with a knob paired with MLE with the same knob too (does AGG add anything to the knob?);
+- a pair never spans two hosts (config.json's `versions.kernels`; MLE replicas as in studies.rivals); every run
+  evaluated by eval.py as in studies.rivals; selections read validation only; the lr sensitivity of every rival at
+  its selected knob from the seed-0 sweep (studies.rivals.lr_sensitivity).
+"""
+import sys
+
+from studies import rivals
+
+SHARE = ["--rare-share", "0.2"]
+UNTIE = [(f"at{f:g}", ["--untie-at", f"{f:g}"]) for f in (0.33, 0.67)]
+EMB_LR = [(f"x{m:g}", ["--embedding-lr", f"{m:g}"]) for m in (0.3, 3, 10)]
+CAP = [(f"cap{c:g}", ["--logit-softcap", f"{c:g}"]) for c in (15, 30, 60)]
+# name: (method, flags, [(knob label, knob flags)]), as studies.rivals.RIVALS
+PRACTICE = {
+    "mle": rivals.RIVALS["mle"],
+    "agg": rivals.RIVALS["agg"],
+    "untie-at": ("mle", [], UNTIE),
+    "agg+untie-at": ("agg", SHARE, UNTIE),
+    "emb-lr": ("mle", [], EMB_LR),
+    "agg+emb-lr": ("agg", SHARE, EMB_LR),
+    "softcap": ("mle", [], CAP),
+    "agg+softcap": ("agg", SHARE, CAP),
+}
+
+
+class Practice(rivals.Rivals):
+    label, name, title = "out/practice", "practice", "AGG and today's practice"
+    table, seeds, knob_seeds, doc = PRACTICE, {rival: 5 for rival in PRACTICE}, {}, sys.modules[__name__].__doc__
+    pairs = [(knob, "agg+" + knob) for knob in ("untie-at", "emb-lr", "softcap")]
+
+
+if __name__ == "__main__":
+    rivals.main(sys.argv[1:], Practice)
