@@ -221,12 +221,14 @@ def lr_sensitivity(sweep, selections, vocab_size):
 
 def plot_lr_sensitivity(sensitivity, title, path):
     """Valid PPL against the lr (seed 0) of each rival at its selected knob, its lr sensitivity in the legend."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for rival, s in sorted(sensitivity.items(), key=lambda kv: kv[1]["sensitivity"]):
         ax.plot(LRS, list(s["valid_ppl"].values()), "o-", label=f"{rival}: {s['sensitivity']:.3f}")
-    ax.set(xscale="log", xticks=LRS, xticklabels=[f"{lr:g}" for lr in LRS], xlabel="lr (seed 0)", ylabel="valid PPL",
-           title=f"{title}: valid PPL over the lr grid at each selected knob\nlegend: lr sensitivity, the mean over the "
-                 "grid of the valid loss above its best (nats)")
+    ax.set(xscale="log", xlabel="lr (seed 0)", ylabel="valid PPL")
+    ax.minorticks_off()
+    ax.set_xticks(LRS, [f"{lr:g}" for lr in LRS])
+    ax.set_title(f"{title}: valid PPL over the lr grid at each selected knob (seed 0)\nlegend: lr sensitivity, the "
+                 "mean over the grid of the valid loss above its best (nats)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     compare.save(fig, path)

@@ -10,7 +10,9 @@ import torch
 
 import data as data_py
 import train_lm
-from studies import rivals, scale
+from studies import practice, rivals, scale
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fake_run(study, name, valid_ppl, steps=10):
@@ -287,3 +289,28 @@ def test_a_run_folder_made_with_other_flags_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"was trained with lr=0.05 \(now 0.004\)"):
         study.select({4e-3: [(name, flags)]})
     study.check(name, wrong)  # the flags it was made with: no refusal
+
+
+def test_practice_sweeps_each_knob_with_mle_and_agg_on_real_flags_and_refuses_the_rivals_file(tmp_path):
+    study = practice.Practice(str(tmp_path))
+    plan, pending = study.plan()
+    flags = {n: f for n, f, _c in plan}
+    assert pending and len(plan) == 3 * (1 + 3 + 2 + 2 + 3 + 3 + 3 + 3)  # lr x knob at seed 0, nothing else yet
+    f = flags[rivals.run_name("agg+untie-at", 4e-3, "at0.67", 0)]
+    assert f[f.index("--rare-share") + 1] == "0.2" and f[f.index("--untie-at") + 1] == "0.67"
+    for name, knob_flags in (("emb-lr-lr0.008-x10-s0", ["--embedding-lr", "10"]),
+                             ("softcap-lr0.002-cap15-s0", ["--logit-softcap", "15"])):
+        assert flags[name][-2:] == knob_flags and flags[name][1] == "mle"
+    parser = train_lm.build_parser()
+    for f in flags.values():  # every run's flags are train_lm.py's
+        parser.parse_args(f)
+    assert ("softcap", "agg+softcap") in study.pairs  # does AGG add to the knob?
+    with pytest.raises(SystemExit, match="not a results file of studies.practice"):
+        practice.Practice(str(tmp_path), prior=[os.path.join(ROOT, "results", "lm_rivals.json")])
+
+
+def test_lr_sensitivity_is_the_mean_excess_loss_over_the_grid_a_diverged_run_capped_at_ln_v():
+    sweep = {"a": {"lr0.002 k": 110.0, "lr0.004 k": 100.0, "lr0.008 k": float("nan")}, "b": {"lr0.002": 100.0}}
+    out = rivals.lr_sensitivity(sweep, {"a": (4e-3, "k"), "b": None}, vocab_size=1000)
+    assert set(out) == {"a"}  # b: no selection yet
+    assert out["a"]["sensitivity"] == pytest.approx((math.log(1.1) + math.log(1000 / 100)) / 3)
