@@ -233,7 +233,17 @@ def least_frequent_mask(counts, fraction, special_ids=()):
 # Each declares its hyper-parameters once: spec = {name: (default, type, meaning)}. From it come the class's
 # `defaults` {name: default} and the module's HPARAMS {name: (type, meaning)}, the training scripts' flags.
 
-_NON_NEGATIVE = ("alpha", "rare_fraction", "popular_fraction", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef")
+_WHOLE = lambda v, lo: not isinstance(v, bool) and v >= lo and float(v).is_integer()  # window: K divides a_k (Eq. 5)
+_RANGES = {  # what each hyper-parameter must be (NaN fails every comparison), checked when a method is built
+    **dict.fromkeys(("alpha", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef", "disc_lr"),
+                    (lambda v: 0 <= v < math.inf, "a finite number >= 0")),
+    **dict.fromkeys(("rare_fraction", "popular_fraction"),
+                    (lambda v: 0 <= v <= 1, "a share of the vocabulary in [0, 1]")),
+    **dict.fromkeys(("mu1", "mu2"), (lambda v: 0 < v < math.inf, "a finite number > 0")),
+    **dict.fromkeys(("window", "static_after", "disc_steps"), (lambda v: _WHOLE(v, 1), "a whole number >= 1")),
+    **dict.fromkeys(("until", "rare_rank"), (lambda v: _WHOLE(v, 0), "a whole number >= 0")),
+    "parts": (lambda v: v in ("b", "c", "bc"), "'b', 'c' or 'bc'"),
+}
 
 
 class MLE:
@@ -250,14 +260,12 @@ class MLE:
                f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
         self.hparams = {**self.defaults, **hparams}
         for key, value in self.hparams.items():
-            if key in _NON_NEGATIVE and value is not None:  # nan fails value >= 0; the *_fraction are shares
-                _check(value >= 0 and value != math.inf,
-                       f"method {self.name!r}: {key} must be a finite number >= 0, got {value}")
-                _check(not key.endswith("_fraction") or value <= 1,
-                       f"method {self.name!r}: {key} must be a share of the vocabulary in [0, 1], got {value}")
-        window = self.hparams.get("window", 1)  # K divides a_k (Eq. 5): a fractional K gives rates no step has
-        _check(not isinstance(window, bool) and window >= 1 and float(window).is_integer(),
-               f"method {self.name!r}: window must be >= 1 optimizer step, a whole number, got {window}")
+            ok, what = _RANGES.get(key, (None, None))
+            try:
+                good = ok is None or value is None or bool(ok(value))
+            except TypeError:  # e.g. a string where a number belongs
+                good = False
+            _check(good, f"method {self.name!r}: {key} must be {what}, got {value!r}")
         self.vocab_size, self.counts = vocab_size, None
         if counts is not None:  # a NaN or negative count would turn into a wrong rare group without an error
             c = torch.as_tensor(counts).reshape(-1)
@@ -735,8 +743,9 @@ class ULAGG(AGG):
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         if self.hparams["ul_features_only"]:
-            return self.hparams["alpha_ul"] * unlikelihood(hidden, weight.detach(), targets, ignore_index,
-                                                           bias=None if bias is None else bias.detach(), softcap=softcap)
+            bias = None if bias is None else bias.detach()
+            return self.hparams["alpha_ul"] * unlikelihood(hidden, weight.detach(), targets, ignore_index, bias=bias,
+                                                           softcap=softcap)
         gate = None
         if self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled():
             y = targets.clamp(min=0).reshape(-1)

@@ -199,7 +199,7 @@ def fit_temperature(batches, tol=1e-6):
     beta = 1.0
     for _ in range(30):
         grad = curv = 0.0
-        for logits, y in batches():
+        for logits, y, *_ in batches():
             z = logits.float().reshape(-1, logits.shape[-1])
             p = torch.softmax(beta * z, -1)
             mean = (p * z).sum(-1, keepdim=True)
@@ -294,7 +294,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
     preds, targets, logit_stats = [], [], []
     doc = document_of(ids, data["eos_id"], data["meta"].get("documents", {}).get(args.split))
     articles = agg.GroupNLL(3 * len(doc[1])) if doc is not None else None  # NLL per (article, group)
-    for logits, y, pos in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window, True),
+    for logits, y, pos in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window),
                                desc=f"{os.path.basename(os.path.normpath(cfg['out']))} {args.split}", leave=False):
         nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
         acc.add(nll, gid_d[y])
@@ -309,7 +309,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
     # The free re-weighting baseline: one bias on the rare group's logits, fitted on the valid split (minimum NLL,
     # which also calibrates the group's predicted mass), applied to this split.
     fit = [{k: v.cpu() for k, v in rare_logit_stats(lg, y, rare_d).items()}
-           for lg, y in train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device,
+           for lg, y, _ in train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device,
                                        autocast, args.context_window)]
     cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     logit_stats, bias = cat(logit_stats), fit_rare_bias(cat(fit))

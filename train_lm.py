@@ -12,6 +12,7 @@ runlib.Run, the methods are agg.py's (fed hidden states, the tied weight and tar
 """
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -27,10 +28,9 @@ import agg
 import runlib
 from data import BIBLE_EN, LM_CACHE, OFFLINE_DATASET, describe_source, prepare_lm
 
-# Presets. paper-6l: 001 Table 11 "empirical study"; gpt2-medium: 001 Table 11 "language modeling" column.
-# cpu: 4 layers, d 128 (1.9M params) on the offline corpus: 2,400 steps of 1,024 tokens (3.5 epochs), ~7 min per run
-# on 2 cores. lr and warm-up: MLE's best on validation (RESULTS.md: the lr x warm-up sweep), the paper's protocol of
-# one setting fit for the baseline.
+# Presets. paper-6l / gpt2-medium: AGG Table 11's "empirical study" / "language modeling" columns. cpu: 4 layers, d 128
+# (1.9M params), 2,400 steps of 1,024 tokens (3.5 epochs of the offline corpus), ~7 min on 2 cores; lr and warm-up
+# MLE's best on validation (RESULTS.md), the paper's protocol of one setting fit for the baseline.
 PRESETS = {
     "cpu": dict(n_layer=4, d_model=128, n_head=4, d_ff=512, dropout=0.1, block_size=128, vocab_size=8192,
                 tokens_per_step=1024, micro_batch=32, lr=4e-3, warmup=240, max_steps=2400, eval_interval=200,
@@ -42,11 +42,10 @@ PRESETS = {
                         vocab_size=44256, tokens_per_step=32768, micro_batch=8, lr=7e-4, warmup=4000,
                         max_steps=50000, eval_interval=1000, weight_decay=0.01),
 }
-# Method defaults per preset, used where the method takes them and no flag overrides them. gpt2-medium: AGG Table 11
-# (alpha 0.03, the 24-layer LM). paper-6l: Table 11 gives no alpha for the 6-layer column; agg.py's default 0.03
-# applies. Both: AGPS's LM settings. cpu: alpha is a count per step (0.03 makes 35% of the vocabulary rare at 1,024
-# tokens per step here), so the rare group is stated as a share of the vocabulary: 0.2, the share of the headline
-# study (validation PPL alone selects 0.05, which leaves most of the degeneration in place: RESULTS.md).
+# Method defaults per preset where the method takes them and no flag overrides them: AGG Table 11's alpha 0.03 (also
+# agg.py's default, for paper-6l's column without one) and AGPS's LM settings; cpu: alpha is a count per step (0.03
+# marks 35% of the vocabulary rare at 1,024 tokens per step), so the rare group is a share of the vocabulary, the
+# headline's 0.2 (validation PPL alone selects 0.05, which leaves most of the degeneration in place: RESULTS.md).
 AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), language modelling
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
@@ -79,13 +78,14 @@ def build_parser():
     for name, typ in [("n-layer", int), ("d-model", int), ("n-head", int), ("d-ff", int), ("dropout", float),
                       ("block-size", int)]:
         g.add_argument("--" + name, type=typ, default=None)
-    g.add_argument("--untie", action="store_true",
-                   help="a separate output matrix (a control: the methods and the geometry are that matrix's)")
-    g.add_argument("--untie-at", type=float, default=None, metavar="FRACTION",
-                   help="tied until this fraction of --max-steps, then the output matrix is a copy of the tied one "
-                        "(and of its optimizer state) and both train on; the methods act on it after the split")
+    untie = g.add_mutually_exclusive_group()
+    untie.add_argument("--untie", action="store_true",
+                       help="a separate output matrix (a control: the methods and the geometry are that matrix's)")
+    untie.add_argument("--untie-at", type=float, default=None, metavar="FRACTION",
+                       help="tied until this fraction of --max-steps, then the output matrix starts as a copy of the "
+                            "tied one (and its Adam state) and both train on; the methods act on it from then on")
     g.add_argument("--logit-softcap", type=float, default=None, metavar="C",
-                   help="logits C tanh(logits / C) (Gemma 2's soft-capping), in the fused head: every method's gradients")
+                   help="logits C tanh(logits / C) (Gemma 2's soft-capping) in agg.py's fused head, for every method")
     g.add_argument("--output-bias", action="store_true",
                    help="a learned per-token bias on the logits (zero-initialised, no weight decay, plain gradient)")
     runlib.add_run_flags(p, "lm")
@@ -124,8 +124,6 @@ def resolve_config(args, explicit=None):
     runlib.check_run_flags(cfg, "lm", dict({k: (1, None) for k in (
         "n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "eval_interval",
         "log_interval", "eval_tokens")}, vocab_size=(0, None), untie_at=(0, 1), logit_softcap=(1e-3, None)))
-    if cfg["untie"] and cfg["untie_at"] is not None:
-        raise SystemExit(f"--untie-at {cfg['untie_at']} with --untie: untied from the start or at a step, not both")
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
     return cfg
@@ -146,21 +144,15 @@ class Sequences:
         if self.n < 1:
             raise SystemExit(f"the train split has {len(ids)} tokens, fewer than --block-size {block_size} + 1: "
                              f"use a larger corpus or a smaller --block-size")
-        self._perm = (None, None)
 
+    @functools.lru_cache(maxsize=1)  # one epoch's permutation at a time
     def perm(self, epoch):
-        if self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(self.n, generator=g).numpy())
-        return self._perm[1]
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)).numpy()
 
-    def get(self, start, count):
-        rows = []
-        for g in range(start, start + count):
-            w = int(self.perm(g // self.n)[g % self.n]) * self.block
-            rows.append(np.asarray(self.ids[w:w + self.block + 1], dtype=np.int64))
-        t = torch.from_numpy(np.stack(rows))
-        return t[:, :-1], t[:, 1:]
+    def get(self, start, count, device):
+        starts = [int(self.perm(g // self.n)[g % self.n]) * self.block for g in range(start, start + count)]
+        t = torch.from_numpy(np.stack([np.asarray(self.ids[w:w + self.block + 1], dtype=np.int64) for w in starts]))
+        return t[:, :-1].to(device), t[:, 1:].to(device)  # inputs and their next tokens
 
 
 class SelfAttention(nn.Module):
@@ -191,13 +183,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Pre-LN decoder. The output layer is the input embedding (tied): logits = features(x) @ tok_emb.weight.T, plus a
-    learned per-token bias with output_bias (zero-initialised, no weight decay: a unigram prior that can encode
-    frequency without moving the embeddings). untie: a separate output matrix lm_head (the control where the
-    degeneration story's tied W does not exist); out_weight is the matrix of the softmax either way, the one the
-    methods act on. untie="late": lm_head is unused (zeros) until untie() copies the tied matrix into it. softcap C:
-    logits C tanh(logits / C). forward(x) returns the features (the input of the head), so DDP wraps the call agg's
-    losses need."""
+    """Pre-LN decoder whose output layer is the input embedding (tied): logits = features(x) @ tok_emb.weight.T (+ a
+    learned per-token bias with output_bias; softcap C: C tanh(logits / C)). untie: an output matrix lm_head of its
+    own ("late": unused until untie()); out_weight is the softmax's matrix, the one the methods act on."""
 
     def __init__(self, vocab_size, n_layer, d_model, n_head, d_ff, dropout, block_size, output_bias=False,
                  untie=False, softcap=None):
@@ -226,7 +214,8 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def features(self, x):
+    def forward(self, x):
+        """The features of x, the head's input (forward: DDP wraps the call agg's losses need)."""
         T = x.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.block_size}")
@@ -234,9 +223,7 @@ class GPT(nn.Module):
         for blk in self.blocks:
             h = blk(h)
         return self.ln_f(h)
-
-    def forward(self, x):
-        return self.features(x)
+    features = forward
 
     @property
     def out_weight(self):
@@ -248,7 +235,7 @@ class GPT(nn.Module):
         """Untie late: the output matrix starts as a copy of the tied one, with its optimizer state, and trains on."""
         self.lm_head.weight.copy_(self.tok_emb.weight)
         opt.state[self.lm_head.weight] = {k: v.clone() for k, v in opt.state[self.tok_emb.weight].items()}
-        self.untied = True
+        self.untied, self._ddp_params_and_buffers_to_ignore = True, []  # DDP takes lm_head from here on
 
     def head(self, h):
         """The output layer: logits of features h."""
@@ -279,13 +266,14 @@ class GPT(nn.Module):
         return x
 
 
-
-
 def build_model(cfg, vocab_size, step=0):
     """The model of config cfg as it is after `step` steps (--untie-at: tied before its split step)."""
     model = GPT(vocab_size, **{k: cfg[k] for k in MODEL_FIELDS}, output_bias=bool(cfg.get("output_bias")),
-                untie="late" if cfg.get("untie_at") is not None else bool(cfg.get("untie")), softcap=cfg.get("logit_softcap"))
+                untie="late" if cfg.get("untie_at") is not None else bool(cfg.get("untie")),
+                softcap=cfg.get("logit_softcap"))
     model.untied = untied(cfg, step)
+    if cfg.get("untie_at") is not None and not model.untied:  # DDP: no gradient reaches lm_head before the split
+        model._ddp_params_and_buffers_to_ignore = ["lm_head.weight"]
     return model
 
 
@@ -308,15 +296,13 @@ def check_memory(cfg, V, B):
     need = 4 * B * T * (cfg["n_layer"] * (cfg["n_head"] * T + 16 * d + 2 * cfg["d_ff"]) + V)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if cfg["device"] == "cpu" and need > 0.8 * have:
-        raise SystemExit(f"--block-size {T} with micro-batches of {B} sequences needs about {need / 2**30:.0f} GiB of "
-                         f"activations, more than this machine's {have / 2**30:.0f} GiB: lower --block-size or "
-                         f"--micro-batch")
+        raise SystemExit(f"--block-size {T} with micro-batches of {B} sequences needs about {need / 2**30:.0f} GiB, "
+                         f"more than this machine's {have / 2**30:.0f} GiB: lower --block-size or --micro-batch")
 
 
 def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
                scaler=runlib.NO_SCALER):
-    """One optimizer step on this process's sequences; returns (mean loss, mean NLL over all ranks, the method's stats
-    of the last micro-batch). `scaler`: float16's loss scaling, else a no-op; the scheduler is the caller's."""
+    """One optimizer step on this process's sequences: (mean loss, mean NLL over all ranks, the method's stats)."""
     method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
     loss_sum, nll_sum = 0.0, 0.0
     starts = list(range(0, len(x_all), micro_batch))
@@ -342,67 +328,53 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
         loss_sum, nll_sum = t.tolist()
     n = y_all.numel() * world
     return loss_sum / n, nll_sum / n, method.stats
-def windows(n, block, context=0):
-    """(start, length, skip) input windows over n targets: each window scores its last `length - skip` targets after
-    `skip` tokens of context (fairseq's --context-window; context 0: non-overlapping blocks, cold starts)."""
-    if not 0 <= context < block:
-        raise SystemExit(f"--context-window {context}: must be in [0, block_size {block})")
-    stride, out = block - context, []
+
+
+def score(model, ids, n, cfg, device, autocast, context=0):
+    """Yields (logits, targets, their indices in ids) of the first n targets of `ids`, each scored once, in
+    micro-batches of windows of one shape: a window of L inputs from a scores its targets after `skip` tokens of
+    context (fairseq's --context-window; context 0: non-overlapping blocks, cold starts)."""
+    if not 0 <= context < cfg["block_size"]:
+        raise SystemExit(f"--context-window {context}: must be in [0, block_size {cfg['block_size']})")
+    stride, by_shape = cfg["block_size"] - context, {}
     for s in range(0, n, stride):
         a = max(0, s - context)
-        out.append((a, min(s + stride, n) - a, s - a))
-    return out
-
-
-def score(model, ids, n, cfg, device, autocast, context=0, positions=False):
-    """Yields (logits, targets) of the scored positions of the first n targets of `ids`, in micro-batches of
-    windows of one shape (every target scored once); with positions, (logits, targets, their indices in ids)."""
-    by_shape = {}
-    for a, L, skip in windows(n, cfg["block_size"], context):
-        by_shape.setdefault((L, skip), []).append(a)
+        by_shape.setdefault((min(s + stride, n) - a, s - a), []).append(a)
     for (L, skip), starts in sorted(by_shape.items(), reverse=True):
         for i in range(0, len(starts), max(1, cfg["micro_batch"])):
             group = starts[i:i + cfg["micro_batch"]]
             t = torch.from_numpy(np.stack([np.asarray(ids[a:a + L + 1], dtype=np.int64) for a in group])).to(device)
             with autocast():
                 logits = model.logits(t[:, :-1])
-            if positions:
-                yield logits[:, skip:], t[:, 1 + skip:], torch.tensor(group)[:, None] + torch.arange(1 + skip, L + 1)
-            else:
-                yield logits[:, skip:], t[:, 1 + skip:]
+            yield logits[:, skip:], t[:, 1 + skip:], torch.tensor(group)[:, None] + torch.arange(1 + skip, L + 1)
 
 
 @torch.no_grad()
 def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_rare=None, seen=None, method=None):
-    """Valid PPL (the same scoring as eval.py's test PPL), total and per frequency group (30/50/20% by train counts);
-    the embedding geometry per group over the tokens `seen` in training (agg.geometry; AGG Fig. 2); the predicted vs
-    true probability mass of the static rare group (`group_rare_mass_*`) and of the method's own rare set
-    (`method_rare_mass_*`; AGG can over-predict it); with `method`, the mean row norms of the parts (a), (b), (c) of
-    the weight gradient (AGG Eq. 4, agg.gradient_parts) per group as the method's gates apply them, on the first
-    micro-batch of windows (`grad_parts`; freeze-rare's frozen rows are not shown as frozen)."""
+    """Valid PPL (eval.py's scoring), total and per frequency group (30/50/20% by train counts); the geometry per group
+    over the tokens `seen` in training (agg.geometry; AGG Fig. 2); the predicted vs true probability mass of the static
+    rare group and of the method's rare set (`group_rare_mass_*`, `method_rare_mass_*`); with `method`, the mean row
+    norms of the weight gradient's parts (a), (b), (c) per group as its gates apply them (AGG Eq. 4, `grad_parts`)."""
     model.eval()
     n = len(ids) - 1 if not max_tokens else min(len(ids) - 1, max_tokens)
     gid = agg.group_of(groups, model.out_weight.shape[0]).to(device)
     rare = gid == 2
-    dyn = None if method_rare is None else method_rare.to(device)
-    acc, rare_pred, dyn_pred, dyn_true = agg.GroupNLL(), 0.0, 0.0, 0
-    for logits, y in score(model, ids, n, cfg, device, autocast):
+    # the predicted and the true probability mass of each rare set: the static group's and the method's own
+    sets = dict(group_rare=rare, **({} if method_rare is None else dict(method_rare=method_rare.to(device))))
+    acc, mass = agg.GroupNLL(), {k: [0.0, 0] for k in sets}
+    for logits, y, _ in score(model, ids, n, cfg, device, autocast):
         logp = torch.log_softmax(logits.float(), dim=-1)
         acc.add(-logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double(), gid[y])
         p = logp.exp()
-        rare_pred += p[..., rare].sum().item()
-        if dyn is not None:
-            dyn_pred += p[..., dyn].sum().item()
-            dyn_true += dyn[y].sum().item()
+        for k, m in sets.items():
+            mass[k][0] += p[..., m].sum().item()
+            mass[k][1] += m[y].sum().item()
     count = acc.tokens()
     out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, ppl_groups=acc.ppl_groups(),
                **agg.geometry(model.out_weight, dict(zip(agg.GROUPS, groups)), seen),
-               group_rare_mass_pred=rare_pred / max(1, count), group_rare_mass_true=int(acc.count[2]) / max(1, count))
-    if dyn is not None:
-        out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / max(1, count),
-                   method_rare_mass_true=dyn_true / max(1, count))
-    if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
-        out["rare_frozen"] = method.frozen()
+               **{f"{k}_mass_{w}": v / max(1, count) for k, vs in mass.items() for w, v in zip(("pred", "true"), vs)})
+    if method_rare is not None:
+        out["method_rare_count"] = int(method_rare.sum())
     if method is not None:
         n_seq = max(1, min(cfg["micro_batch"], (len(ids) - 1) // cfg["block_size"]))
         t = torch.from_numpy(np.asarray(ids[:n_seq * cfg["block_size"] + 1], dtype=np.int64)).to(device)
@@ -438,24 +410,17 @@ def train(cfg, explicit=frozenset(), argv=()):
         groups = agg.frequency_groups(counts)  # 30/50/20% of the vocabulary by train counts (AGG Sec. 3.1)
 
         # model, method (agg.py: the paper's defaults for this preset), optimizer, schedule
-        model = build_model(cfg, V).to(device)
+        model = build_model(cfg, V, run.ck["step"] if run.ck else 0).to(device)
         special_ids = [data["pad_id"], data["eos_id"]]  # never rare
         method, hp = runlib.build_method(cfg, PRESET_METHOD[cfg["preset"]], vocab_size=V, counts=counts,
                                          special_ids=special_ids, steps_per_epoch=steps_per_epoch,
                                          tokens_per_step=tokens_per_step)
-        opt = runlib.make_optimizer(model, cfg, [model.tok_emb.weight] + ([model.lm_head.weight] if model.lm_head
-                                                                           is not None else []))
+        opt = runlib.make_optimizer(model, cfg, [m.weight for m in (model.tok_emb, model.lm_head) if m is not None])
         schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])  # warm-up, cosine to 10%
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
-        model.untied = untied(cfg, step)  # --untie-at: a run resumed past the split continues untied
-        if cfg["untie_at"] is not None and not model.untied:  # DDP: lm_head has no gradient before the split
-            model._ddp_params_and_buffers_to_ignore = ["lm_head.weight"]
         best_ppl = run.ck.get("best_valid_ppl", math.inf) if run.ck else math.inf
-        if run.ck and run.ck["data_position"]["sequences"] != step * seqs_per_step:
-            raise SystemExit(f"{run.ckpt_path}: data position {run.ck['data_position']} does not match step {step} x "
-                             f"{seqs_per_step} sequences per step: resume with the original --tokens-per-step")
         raw, model = model, run.wrap(model)  # raw: the weights the methods see; model: compiled / DDP wrapper
         n_params = sum(p.numel() for p in raw.parameters())
         rare_share = agg.rare_share_of_alpha(counts, hp["alpha"], tokens_per_step, special_ids) if "alpha" in hp \
@@ -463,36 +428,33 @@ def train(cfg, explicit=frozenset(), argv=()):
         run.begin(data["tokenizer"].to_str(), n_params=n_params, vocab_size_actual=V, data_cache=data["dir"],
                   data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
                   steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share)
-        run.print(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs/process x "
-                  f"{run.world}), {steps_per_epoch:.1f} steps/epoch, method {cfg['method']} {hp}" +
-                  (f" (alpha marks {rare_share:.1%} of the vocabulary rare at average rates)" if rare_share else ""))
+        run.print(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs x {run.world}"
+                  f"), {steps_per_epoch:.1f} steps/epoch, {cfg['method']} {hp}" +
+                  (f", {rare_share:.1%} of the vocabulary rare at average rates" if rare_share else ""))
 
         bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
-        t0, tokens_seen = time.time(), 0  # throughput since this invocation started
+        t0, first = time.time(), step  # throughput since this invocation started
         model.train()  # dropout on
         while step < run.stop_step:
             # this process's share of the step's sequences: the data position is just the step counter
-            x_all, y_all = seq.get(step * seqs_per_step + run.rank * local_seqs, local_seqs)
-            x_all, y_all = x_all.to(device), y_all.to(device)  # inputs and their next tokens
+            x_all, y_all = seq.get(step * seqs_per_step + run.rank * local_seqs, local_seqs, device)
             # the method's update: observe the targets, accumulate micro-batches, clip, step
             loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
                                           run.ddp, run.world, scaler)
             if not math.isfinite(loss):
                 raise SystemExit(f"step {step + 1}: loss is {loss}; lower --lr or check the method's "
                                  f"hyper-parameters ({run.ckpt_path} keeps the last good checkpoint)")
-            tokens_seen += tokens_per_step
             sched.step()  # the lr of the next step
             step += 1
             if untied(cfg, step) and not raw.untied:  # --untie-at: from here on the output matrix is lm_head
                 raw.untie(opt)
-                raw._ddp_params_and_buffers_to_ignore = []
                 model = run.wrap(raw) if run.ddp else model
             bar.update(1)  # the progress bar counts optimizer steps
             rec = dict(loss=loss, nll=nll, ppl=math.exp(min(nll, 50)), **runlib.method_record(stats, tokens_per_step))
             bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},
                             refresh=False)
             if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step:
-                run.log(dict(step=step, split="train", **rec, tokens_per_s=tokens_seen / max(1e-9, time.time() - t0),
+                run.log(dict(step=step, split="train", **rec, tokens_per_s=(step - first) * tokens_per_step / max(1e-9, time.time() - t0),
                              lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
             # snapshots of the embedding matrix for the SVD plots over time of studies.compare (AGG Fig. 1)
             if run.master and step in cfg["snapshot_steps"]:
@@ -505,8 +467,8 @@ def train(cfg, explicit=frozenset(), argv=()):
                 v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg["eval_tokens"],
                              method.rare_mask() if method.steps else None, seen=counts > 0, method=method)
                 run.log_valid(step, v)
-                tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare group {v['ppl_groups']['rare']:.0f})  I(W) "
-                           f"{v['isotropy']:.3f}  rare group mass pred/true {v['group_rare_mass_pred']:.4f}/"
+                tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare {v['ppl_groups']['rare']:.0f})  I(W) "
+                           f"{v['isotropy']:.3f}  rare mass pred/true {v['group_rare_mass_pred']:.4f}/"
                            f"{v['group_rare_mass_true']:.4f}")
                 if v["ppl"] < best_ppl:
                     best_ppl = v["ppl"]
@@ -515,8 +477,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             # checkpoint everything a resume needs; on SIGTERM / SIGINT checkpoint at this step and stop (exit 1)
             stopping = run.stopping(step)
             if evaluated or stopping:
-                run.checkpoint(step, raw, opt, sched, method, scaler, best_valid_ppl=best_ppl, data_position=dict(
-                    sequences=step * seqs_per_step, epoch=step * seqs_per_step // seq.n))
+                run.checkpoint(step, raw, opt, sched, method, scaler, best_valid_ppl=best_ppl)
             if stopping:
                 break
         bar.close()

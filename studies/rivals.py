@@ -215,7 +215,8 @@ def lr_sensitivity(sweep, selections, vocab_size):
         ppl = {lr: sweep[rival].get(f"lr{lr:g} {best[1]}".strip()) for lr in LRS} if best else {}
         if ppl and None not in ppl.values():
             loss = np.minimum(np.log(np.nan_to_num(list(ppl.values()), nan=np.inf)), math.log(vocab_size))
-            out[rival] = dict(sensitivity=float(np.mean(loss - loss.min())), valid_ppl={f"{lr:g}": v for lr, v in ppl.items()})
+            out[rival] = dict(sensitivity=float(np.mean(loss - loss.min())),
+                              valid_ppl={f"{lr:g}": v for lr, v in ppl.items()})
     return out
 
 
@@ -283,6 +284,8 @@ def write_results(study, path, argv):
     sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
                      for k, _ in study.table[rival][2]} for rival in study.table}
     sensitivity = lr_sensitivity(sweep, selections, train_lm.PRESETS["cpu"]["vocab_size"])
+    finals = [np.log(v) for rival in study.table for lr, k in study.finalists(rival) or []
+              if None not in (v := [study.valid_ppl(run_name(rival, lr, k, seed)) for seed in (0, 1, 2)])]
     result = dict(command=shlex.join(["python", "-m", f"studies.{study.name}", *portable(argv)]),
                   protocol=study.doc.split("The protocol")[1].strip(),
                   selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best "
@@ -295,7 +298,10 @@ def write_results(study, path, argv):
                                      ("isoscore", "isoscore"))} for k, rs in knob_curve(
                                      runs, rival, best, study.table[rival][2]).items()}
                                      for rival, best in selections.items() if best}),
-                  lr_sensitivity=sensitivity, runs=runs, compare=comparisons, compare_knobs=knob_pairs)
+                  lr_sensitivity=sensitivity,
+                  # the noise floor of one seed's valid loss: its SD over seeds 0-2, median over the finalists
+                  valid_loss_seed_sd=float(np.median([np.std(v, ddof=1) for v in finals])) if finals else None,
+                  runs=runs, compare=comparisons, compare_knobs=knob_pairs)
     runlib.write_json(path, result)
     if runs:
         plot_pareto(runs, selections, study.table, study.title, os.path.splitext(path)[0] + ".png")

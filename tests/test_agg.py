@@ -591,7 +591,7 @@ def test_observe_rejects_ids_outside_the_vocabulary_and_build_rejects_bad_hparam
         method.observe(torch.tensor([0, -100]))  # ignore_index is fine
     with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
         agg.build_method("agg", V, alpha=-0.1)
-    with pytest.raises(ValueError, match="window must be >= 1"):
+    with pytest.raises(ValueError, match="window must be a whole number >= 1"):
         agg.build_method("agg", V, window=0)
 
 
@@ -824,8 +824,8 @@ def test_bad_numbers_are_refused_with_the_parameter_named():
 
 def test_values_that_would_give_wrong_numbers_are_refused_with_the_value_and_range():
     counts = make_counts()
-    for name, kw, match in (("agg", dict(window=2.5), r"window must be >= 1 optimizer step, a whole number, got 2\.5"),
-                            ("agg", dict(window=True), "window must be >= 1 optimizer step, a whole number, got True"),
+    for name, kw, match in (("agg", dict(window=2.5), r"window must be a whole number >= 1, got 2\.5"),
+                            ("agg", dict(window=True), "window must be a whole number >= 1, got True"),
                             ("agps", dict(counts=counts, rare_fraction=1.5), r"rare_fraction .*\[0, 1\].*1\.5"),
                             ("freeze-rare", dict(counts=counts, rare_fraction=-0.1), "rare_fraction"),
                             ("frage", dict(counts=counts, popular_fraction=1.5), r"popular_fraction .*\[0, 1\].*1\.5"),
@@ -833,7 +833,16 @@ def test_values_that_would_give_wrong_numbers_are_refused_with_the_value_and_ran
                             ("agg", dict(special_ids=[0, V]), rf"special_ids \[{V}\] are outside"),
                             ("agps", dict(counts=counts.double().index_fill(0, torch.tensor([3]), float("nan"))),
                              "counts must be finite numbers >= 0; entry 3 is nan"),
-                            ("frage", dict(counts=counts.index_fill(0, torch.tensor([5]), -2)), "entry 5 is -2")):
+                            ("frage", dict(counts=counts.index_fill(0, torch.tensor([5]), -2)), "entry 5 is -2"),
+                            # knobs that would silently train another method (mu1 0 fell back to its default,
+                            # parts "x" dropped nothing, rare_rank -1 marked one token rare)
+                            ("agg-static", dict(static_after=-3), "static_after must be a whole number >= 1, got -3"),
+                            ("freeze-rare", dict(counts=counts, until=-5), "until must be a whole number >= 0"),
+                            ("agps", dict(counts=counts, mu1=0.0), r"mu1 must be a finite number > 0, got 0\.0"),
+                            ("frage", dict(counts=counts, disc_steps=0), "disc_steps must be a whole number >= 1"),
+                            ("agps", dict(counts=counts, rare_rank=-1), "rare_rank must be a whole number >= 0"),
+                            ("freeze-b", dict(counts=counts, parts="x"), "parts must be 'b', 'c' or 'bc', got 'x'"),
+                            ("agg", dict(alpha="0.1"), "alpha must be a finite number >= 0, got '0.1'")):
         with pytest.raises(ValueError, match=match):
             agg.build_method(name, V, **kw)
     assert agg.build_method("agg", V, window=4.0).hparams["window"] == 4.0  # a whole number given as a float is K
@@ -911,7 +920,8 @@ def test_softcap_gradients_are_autograds_through_the_cap_for_every_method(name):
     else:
         via_w = gated(hk)
     logits = cap * torch.tanh((hk @ ww.detach().T + via_w + bb) / cap)
-    ref = F.cross_entropy(logits, yk) + reference.hparams.get("z_coef", 0.0) * torch.logsumexp(logits, 1).square().mean()
+    z_coef = reference.hparams.get("z_coef", 0.0)
+    ref = F.cross_entropy(logits, yk) + z_coef * torch.logsumexp(logits, 1).square().mean()
     reg = reference.regulariser(hh, ww, y, -100, bb, cap)
     (ref + (0 if reg is None else reg)).backward()
     if hasattr(reference, "frozen") and reference.frozen():

@@ -288,7 +288,7 @@ def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_falls_ba
                                           (["--method", "agps", "--rare-fraction", "1.5"],
                                            r"--method agps: .*rare_fraction must be a share .*\[0, 1\], got 1.5"),
                                           (["--method", "agg", "--window", "0"],
-                                           "--method agg: .*window must be >= 1"),
+                                           "--method agg: .*window must be a whole number >= 1"),
                                           (["--weight-decay", "-0.1"], r"--weight-decay -0.1: must be >= 0"),
                                           (["--embedding-weight-decay", "-1"], r"--embedding-weight-decay -1.0: must"),
                                           (["--eval-tokens", "-5"], "--eval-tokens -5: must be >= 1"),
