@@ -241,7 +241,7 @@ class GPT(nn.Module):
         """The output layer: logits of features h."""
         logits = h @ self.out_weight.t()
         logits = logits if self.out_bias is None else logits + self.out_bias
-        return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
+        return logits if self.softcap is None else self.softcap * torch.tanh(logits.float() / self.softcap)
 
     def logits(self, x):
         return self.head(self.features(x))
