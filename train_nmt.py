@@ -32,9 +32,8 @@ import runlib
 from data import BOS, DATASET_LANGS, EOS, NMT_CACHE, NMT_SPECIALS, PAD, UNK, prepare_nmt
 
 CKPT_FORMAT = "train_nmt/1"
-# sacrebleu tokenizer per target language: 13a (sacrebleu's default, WMT) unless the language has no spaces.
-# Japanese: 'char' (character BLEU, pure Python); 'ja-mecab' is the WMT choice but needs mecab-python3 + ipadic,
-# pass --bleu-tokenize ja-mecab after installing them.
+# sacrebleu's tokenizer per target language: 13a (WMT's) unless the language has no spaces. Japanese: character BLEU
+# (pure Python); --bleu-tokenize ja-mecab is the WMT choice once mecab-python3 + ipadic are installed.
 BLEU_TOKENIZE = {"ja": "char", "zh": "zh", "ko": "char", "th": "char"}
 
 # Presets: cpu (minutes on 2 cores), base / big (AGG Table 11, AGPS Tables 6-7: Transformer base / big on WMT14).
@@ -54,8 +53,7 @@ PRESETS["big"] = dict(PRESETS["base"], d_model=1024, n_head=16, d_ff=4096, dropo
 AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "base": dict(AGPS_MT, alpha=0.08), "big": dict(AGPS_MT, alpha=0.08)}
 # run control (see runlib.RUN_CONTROL): besides the shared keys, decoding and how often to save
-RUN_CONTROL = runlib.RUN_CONTROL | {"beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "keep_last",
-                                    "save_interval"}
+RUN_CONTROL = runlib.RUN_CONTROL | {"beam", "lenpen", "valid_bleu_sents", "bleu_tokenize", "keep_last", "save_interval"}
 
 
 # ------------------------------------------------------------------------------------------------------------ config
@@ -139,50 +137,40 @@ def make_config(**fields):
     return runlib.make_config(build_parser(), resolve_config, fields)
 
 
+def group(order, sizes, max_tokens):
+    """`order` cut into consecutive batches with (items) x (largest size) <= max_tokens."""
+    batches, cur, largest = [], [], 0
+    for i in order:
+        if cur and max(largest, sizes[i]) * (len(cur) + 1) > max_tokens:
+            batches.append(np.array(cur))
+            cur, largest = [], 0
+        cur.append(i)
+        largest = max(largest, sizes[i])
+    return batches + [np.array(cur)] * bool(cur)
+
+
 def make_batches(src, tgt, max_tokens, max_len=None, seed=0):
     """Batches by tokens: pairs sorted by length (ties broken by a seeded shuffle), grouped so that
     n_pairs * longest side (+</s>) <= max_tokens. Pairs longer than max_len are dropped (training only)."""
-    rng = np.random.default_rng(seed)
-    sl = np.array([len(s) + 1 for s in src])
-    tl = np.array([len(t) + 1 for t in tgt])
-    keep = np.arange(len(src))
-    if max_len:
-        keep = keep[(sl <= max_len) & (tl <= max_len)]
-    keep = keep[rng.permutation(len(keep))]
-    keep = keep[np.lexsort((sl[keep], tl[keep]))]
-    batches, cur, cur_max = [], [], 0
-    for i in keep:
-        longest = max(cur_max, sl[i], tl[i])
-        if cur and longest * (len(cur) + 1) > max_tokens:
-            batches.append(np.array(cur))
-            cur, longest = [], max(sl[i], tl[i])
-        cur.append(i)
-        cur_max = longest
-    if cur:
-        batches.append(np.array(cur))
-    return batches
+    sl, tl = (np.array([len(x) + 1 for x in side]) for side in (src, tgt))
+    keep = np.flatnonzero((sl <= max_len) & (tl <= max_len)) if max_len else np.arange(len(src))
+    keep = keep[np.random.default_rng(seed).permutation(len(keep))]
+    return group(keep[np.lexsort((sl[keep], tl[keep]))], np.maximum(sl, tl), max_tokens)
+
+
+def pad(seqs, device, bos=False):
+    """Token-id arrays as one (B, longest + 1) batch padded with PAD: each row ids + </s>, or <s> + ids (bos)."""
+    rows = [torch.tensor([BOS] * bos + s.tolist() + [EOS] * (not bos)) for s in seqs]
+    return nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD).to(device)
 
 
 def collate(src, tgt, idx, device):
     """(src (B,S), dec_in (B,T), dec_out (B,T)) padded with PAD; src and dec_out end with </s>, dec_in starts <s>."""
-    S = max(len(src[i]) for i in idx) + 1
-    T = max(len(tgt[i]) for i in idx) + 1
-    s = torch.full((len(idx), S), PAD, dtype=torch.long)
-    ti = torch.full((len(idx), T), PAD, dtype=torch.long)
-    to = torch.full((len(idx), T), PAD, dtype=torch.long)
-    for r, i in enumerate(idx):
-        a, b = torch.from_numpy(src[i].astype(np.int64)), torch.from_numpy(tgt[i].astype(np.int64))
-        s[r, :len(a)], s[r, len(a)] = a, EOS
-        ti[r, 0], ti[r, 1:len(b) + 1] = BOS, b
-        to[r, :len(b)], to[r, len(b)] = b, EOS
-    return s.to(device), ti.to(device), to.to(device)
+    tgt = [tgt[i] for i in idx]
+    return pad([src[i] for i in idx], device), pad(tgt, device, bos=True), pad(tgt, device)
 
 
 # ------------------------------------------------------------------------------------------------------------- model
-# Transformer encoder-decoder (pre-LN, or post-LN for the paper presets), sinusoidal positions, three-way tied
-# embedding
-
-
 class Attention(nn.Module):
     def __init__(self, d, h, dropout):
         super().__init__()
@@ -193,13 +181,22 @@ class Attention(nn.Module):
         B, T, d = x.shape
         return x.view(B, T, self.h, d // self.h).transpose(1, 2)
 
-    def forward(self, x, mem=None, mask=None, causal=False, kv=None):
-        """kv: precomputed (k, v) of the keys (incremental decoding); mask: bool (B,1,1|T,S), True = attend."""
+    def kv(self, x, cache=None):
+        """The keys and values of x (B, heads, T, d/heads); with a cache (incremental decoding), after the past steps'
+        ones, and kept there for the next step."""
+        k, v = self.split(self.k(x)), self.split(self.v(x))
+        if cache:
+            k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+        if cache is not None:
+            cache.update(k=k, v=v)
+        return k, v
+
+    def forward(self, x, mem=None, mask=None, causal=False, kv=None, cache=None):
+        """x attends to mem (default: x itself) or to precomputed keys and values kv; cache: see kv(); mask: bool
+        (B,1,1|T,S), True = attend."""
         q = self.split(self.q(x))
-        if kv is None:
-            src = x if mem is None else mem
-            kv = self.split(self.k(src)), self.split(self.v(src))
-        y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, is_causal=causal and mask is None,
+        k, v = self.kv(x if mem is None else mem, cache) if kv is None else kv
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         B, H, T, dh = y.shape
         return self.o(y.transpose(1, 2).reshape(B, T, H * dh))
@@ -218,8 +215,8 @@ def sublayer(x, f, ln, drop, pre):
 class EncoderLayer(nn.Module):
     def __init__(self, d, h, d_ff, dropout, pre=True):
         super().__init__()
-        self.ln1, self.att, self.ln2, self.ff = nn.LayerNorm(d), Attention(d, h, dropout), nn.LayerNorm(d), FFN(d, d_ff, dropout)
-        self.drop, self.pre = nn.Dropout(dropout), pre
+        self.ln1, self.att, self.ln2 = nn.LayerNorm(d), Attention(d, h, dropout), nn.LayerNorm(d)
+        self.ff, self.drop, self.pre = FFN(d, d_ff, dropout), nn.Dropout(dropout), pre
 
     def forward(self, x, mask):
         x = sublayer(x, lambda h: self.att(h, mask=mask), self.ln1, self.drop, self.pre)
@@ -235,39 +232,27 @@ class DecoderLayer(nn.Module):
         self.drop, self.pre = nn.Dropout(dropout), pre
 
     def forward(self, x, mem, mem_mask, cache=None, cross_kv=None):
-        """cache: None (training, causal) or a dict holding this layer's past self-attention keys/values."""
-        def self_attention(h):
-            if cache is None:
-                return self.self_att(h, causal=True)
-            k, v = self.self_att.split(self.self_att.k(h)), self.self_att.split(self.self_att.v(h))
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
-            cache["k"], cache["v"] = k, v
-            return self.self_att(h, kv=(k, v))
-        x = sublayer(x, self_attention, self.ln1, self.drop, self.pre)
-        x = sublayer(x, lambda h: self.cross_att(h, mem=mem, mask=mem_mask, kv=cross_kv), self.ln2, self.drop,
-                     self.pre)
+        """cache: None (training: causal self-attention) or a dict of this layer's past self-attention keys and values
+        (incremental decoding); cross_kv: cross_att.kv(mem) computed once."""
+        x = sublayer(x, lambda h: self.self_att(h, causal=cache is None, cache=cache), self.ln1, self.drop, self.pre)
+        x = sublayer(x, lambda h: self.cross_att(h, mem, mem_mask, kv=cross_kv), self.ln2, self.drop, self.pre)
         return sublayer(x, self.ff, self.ln3, self.drop, self.pre)
 
 
 def sinusoid(T, d, offset=0, device=None):
     pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)[:, None]
     inv = torch.exp(torch.arange(0, d, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d))
-    pe = torch.zeros(T, d, device=device)
-    pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * inv), torch.cos(pos * inv)
-    return pe
+    return torch.stack([torch.sin(pos * inv), torch.cos(pos * inv)], -1).flatten(1)  # sin, cos interleaved
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder with ONE embedding matrix (V, d): encoder input, decoder input and output projection.
-    norm="post": the Transformer of Vaswani et al. (LayerNorm after each residual, no final LayerNorm); "pre": LayerNorm
-    before each sublayer and after the last layer (trains stably at higher learning rates)."""
+    """Encoder-decoder, sinusoidal positions, ONE embedding matrix (V, d): encoder input, decoder input and output
+    projection. norm="post": the Transformer of Vaswani et al. (LayerNorm after each residual, no final LayerNorm);
+    "pre": LayerNorm before each sublayer and after the last layer (trains stably at higher learning rates)."""
 
     def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, norm="pre", untie=False,
                  **_):
         super().__init__()
-        if norm not in ("pre", "post"):
-            raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
         pre = norm == "pre"
         self.d = d_model
         self.embed = nn.Parameter(torch.randn(vocab_size, d_model) * d_model ** -0.5)  # fairseq init
@@ -304,17 +289,16 @@ class Transformer(nn.Module):
             x = layer(x, mem, mask)
         return self.dec_ln(x)
 
-    # incremental decoding: state = dict(mem, mask, cross=[(k, v)] per layer, caches=[dict] per layer)
+    # incremental decoding: state = dict(mask, cross=[(k, v)] per layer, caches=[dict] per layer, t)
     def start(self, src):
         mem, mask = self.encode(src)
-        cross = [(l.cross_att.split(l.cross_att.k(mem)), l.cross_att.split(l.cross_att.v(mem))) for l in self.dec]
-        return dict(mask=mask, cross=cross, caches=[{} for _ in self.dec], t=0)
+        return dict(mask=mask, cross=[l.cross_att.kv(mem) for l in self.dec], caches=[{} for _ in self.dec], t=0)
 
     def step(self, last, state):
         """last (N,) token ids -> log-probabilities (N, V) of the next token; updates state."""
         x = self.embed_tokens(last[:, None], offset=state["t"])
         for layer, cache, kv in zip(self.dec, state["caches"], state["cross"]):
-            x = layer(x, None, state["mask"], cache=cache, cross_kv=kv)
+            x = layer(x, None, state["mask"], cache, kv)
         state["t"] += 1
         return F.log_softmax((self.dec_ln(x[:, 0]) @ self.out_weight.T).float(), dim=-1), state
 
@@ -326,60 +310,42 @@ class Transformer(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------- decoding
 # `model` is anything with step(last, state) -> (logprobs, state) and reorder(state, idx) -> state.
-
-
-def _mask_specials(lp):
-    lp[:, PAD] = -math.inf
-    lp[:, BOS] = -math.inf
-    return lp
-
-
 @torch.no_grad()
 def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
     """Batched beam search (fairseq-style): each step keeps the `beam` best unfinished hypotheses per sentence out
     of 2*beam candidates; a candidate ending in </s> among the top `beam` is finished with the GNMT-normalised score
     log p / ((5 + |Y|) / 6) ** lenpen (|Y| counts </s>); a sentence stops with `beam` finished hypotheses.
     Beam 1 is greedy decoding. max_lens (B,) caps the output length (</s> forced at the last position)."""
-    B, K = len(max_lens), beam
-    dev = max_lens.device
+    B, K, dev = len(max_lens), beam, max_lens.device
     state = model.reorder(state, torch.arange(B, device=dev).repeat_interleave(K))
     tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=dev)
     scores = torch.zeros(B, K, device=dev)
     scores[:, 1:] = -math.inf  # all beams start identical: expand only the first at t = 0
-    finished = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool)
+    finished, done = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=dev)
     row_max = max_lens.repeat_interleave(K)
     for t in range(int(max_lens.max())):
         lp, state = model.step(tokens[:, -1], state)
-        lp = _mask_specials(lp)
-        force = t >= row_max - 1  # length cap reached: only </s>
-        if bool(force.any()):
-            eos_lp = lp[force, EOS].clone()
-            lp[force] = -math.inf
-            lp[force, EOS] = eos_lp
         V = lp.shape[1]
+        lp[:, [PAD, BOS]] = -math.inf
+        lp.masked_fill_((t >= row_max - 1)[:, None] & (torch.arange(V, device=dev) != EOS), -math.inf)  # cap: </s> only
         cand = (scores.view(-1, 1) + lp).view(B, K * V)
         top_s, top_i = cand.topk(2 * K, dim=1)
         top_beam, top_tok = top_i // V, top_i % V
         is_eos = top_tok == EOS
         # finish: </s> among the top K, finite score, sentence not done
-        fin = is_eos[:, :K] & torch.isfinite(top_s[:, :K]) & ~done.to(dev)[:, None]
+        fin = is_eos[:, :K] & torch.isfinite(top_s[:, :K]) & ~done[:, None]
         for b, j in fin.nonzero().tolist():
             seq = tokens[b * K + top_beam[b, j], 1:].tolist()
-            length = len(seq) + 1
-            finished[b].append((top_s[b, j].item() / ((5 + length) / 6) ** lenpen, seq))
-        for b in range(B):
-            if not done[b] and len(finished[b]) >= K:
-                done[b] = True
+            finished[b].append((top_s[b, j].item() / ((5 + len(seq) + 1) / 6) ** lenpen, seq))  # |Y| with </s>
+        done |= torch.tensor([len(f) >= K for f in finished], device=dev)
         if bool(done.all()):
             break
         # continue: the first K non-</s> candidates (a beam adds at most one </s>, so at least K remain)
         keep = ~is_eos & (torch.cumsum((~is_eos).long(), 1) <= K)
         cols = keep.nonzero()[:, 1].view(B, K)
-        new_beam = top_beam.gather(1, cols) + torch.arange(B, device=dev)[:, None] * K
+        new_beam = (top_beam.gather(1, cols) + torch.arange(B, device=dev)[:, None] * K).view(-1)
         scores = top_s.gather(1, cols)
-        scores[done.to(dev)] = -math.inf
-        new_beam = new_beam.view(-1)
+        scores[done] = -math.inf
         tokens = torch.cat([tokens[new_beam], top_tok.gather(1, cols).view(-1, 1)], 1)
         state = model.reorder(state, new_beam)
     return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
@@ -388,27 +354,13 @@ def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
 def translate(model, src_seqs, device, beam=4, lenpen=0.6, max_tokens=6000, desc=None):
     """Decode a list of source id arrays (no </s>); returns target id lists in the input order."""
     model.eval()
-    order = np.argsort([len(s) for s in src_seqs], kind="stable")
-    out = [None] * len(src_seqs)
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(src_seqs[i]) + 1) * (len(cur) + 1) * max(beam, 1) > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    for idx in tqdm(batches, desc=desc, disable=desc is None, leave=False):
-        S = max(len(src_seqs[i]) for i in idx) + 1
-        src = torch.full((len(idx), S), PAD, dtype=torch.long)
-        for r, i in enumerate(idx):
-            src[r, :len(src_seqs[i])] = torch.from_numpy(src_seqs[i].astype(np.int64))
-            src[r, len(src_seqs[i])] = EOS
-        src = src.to(device)
+    beam, out = max(beam, 1), [None] * len(src_seqs)
+    sizes = np.array([len(s) + 1 for s in src_seqs]) * beam  # batches of <= max_tokens hypothesis tokens
+    for idx in tqdm(group(np.argsort(sizes, kind="stable"), sizes, max_tokens), desc=desc, disable=desc is None,
+                    leave=False):
+        src = pad([src_seqs[i] for i in idx], device)
         max_lens = ((src != PAD).sum(1).float() * 1.5 + 10).long()  # max_len_a = 1.5, max_len_b = 10
-        state = model.start(src)
-        hyps = beam_search(model, state, max_lens, max(beam, 1), lenpen)
-        for i, h in zip(idx, hyps):
+        for i, h in zip(idx, beam_search(model, model.start(src), max_lens, beam, lenpen)):
             out[i] = h
     return out
 
@@ -417,12 +369,12 @@ def bleu(hyps, refs, tgt, tokenize=None):
     """Corpus BLEU with sacrebleu on detokenised text -> (score, signature string)."""
     import sacrebleu
     metric = sacrebleu.BLEU(tokenize=tokenize or BLEU_TOKENIZE.get(tgt, "13a"))
-    score = metric.corpus_score(hyps, [refs])
-    return score.score, str(metric.get_signature())
+    return metric.corpus_score(hyps, [refs]).score, str(metric.get_signature())
 
 
 TOK_COMPOUND_PROTOCOL = ("tokenized BLEU: Moses tokenizer (-a), case-sensitive, compound splitting ##AT##-##AT## "
-                         "(Vaswani et al.; fairseq compound_split_bleu.sh), the protocol of AGG Table 6 for WMT14 en-de")
+                         "(Vaswani et al.; fairseq compound_split_bleu.sh), the protocol of AGG Table 6 for WMT14 "
+                         "en-de")
 
 
 def bleu_tok_compound(hyps, refs, lang):
@@ -439,8 +391,6 @@ def bleu_tok_compound(hyps, refs, lang):
 
 
 # ---------------------------------------------------------------------------------------------------------- training
-
-
 def build_model(cfg, vocab_size):
     return Transformer(vocab_size=vocab_size, norm=cfg.get("norm", "pre"), untie=bool(cfg.get("untie")),
                        **{k: cfg[k] for k in ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")})
@@ -452,22 +402,17 @@ def load_model(ck, device="cpu"):
     return runlib.load_state(model, ck, ck["config"].get("out")).to(device).eval()
 
 
-
-
 def rare_rule(cfg):
-    """Which tokens AGG may mark rare: "official" (AGG Eq. 5 as the official criterion counts a_k over targets: a
-    token never a target has a_k = 0, so it is rare with g1 = 0), "target-only" (such tokens are never rare; this
-    project's option), or None for methods without AGG's dynamic group. A config saved before --rare-rule: its
-    --source-only-rare, else target-only."""
+    """--rare-rule (train() says what each rule does); None for methods without AGG's dynamic group. A config saved
+    before the flag: official if it has --source-only-rare, else target-only."""
     if not agg.agg_family(cfg["method"]):
         return None
     return cfg.get("rare_rule") or ("official" if cfg.get("source_only_rare") else "target-only")
 
 
 def target_groups(tgt_counts):
-    """{group: token ids}: the 30/50/20% frequency groups ranked over the tokens that occur as training targets only
-    (the decoder's vocabulary; specials excluded), by their target counts. The whole-vocabulary groups of a shared
-    vocabulary mix in source-only tokens the decoder never emits."""
+    """{group: token ids}: the 30/50/20% frequency groups of the training targets (specials excluded) by their target
+    counts; a shared vocabulary's own groups mix in source-only tokens the decoder never emits."""
     ids = (torch.as_tensor(tgt_counts) > 0).nonzero().squeeze(1)
     ids = ids[ids >= len(NMT_SPECIALS)]
     return {g: ids[i] for g, i in zip(agg.GROUPS, agg.frequency_groups(torch.as_tensor(tgt_counts)[ids]))}
@@ -479,9 +424,8 @@ def rare_token_recall(hyps, refs, rare):
     the hypotheses. hyps, refs: token-id sequences; rare: bool (V,)."""
     matched = in_ref = in_hyp = 0
     for h, r in zip(hyps, refs):
-        ch = Counter(int(t) for t in h if rare[int(t)])
-        cr = Counter(int(t) for t in r if rare[int(t)])
-        matched += sum(min(c, ch[t]) for t, c in cr.items())
+        ch, cr = (Counter(int(t) for t in x if rare[int(t)]) for x in (h, r))
+        matched += sum((ch & cr).values())
         in_ref += sum(cr.values())
         in_hyp += sum(ch.values())
     return dict(rare_recall=matched / in_ref if in_ref else float("nan"),
@@ -490,74 +434,64 @@ def rare_token_recall(hyps, refs, rare):
 
 
 @torch.no_grad()
-def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, beam=None):
+def validate(model, method, data, cfg, device, split="valid", bleu_sents=None):
     """Valid/test NLL (no smoothing), total and per frequency group; the predicted vs true probability mass of the
     static rare group (`group_rare_mass_*`) and of the method's rare set (`method_rare_mass_*`); BLEU on the first
-    `bleu_sents` sentences (0/None: all); the embedding geometry per group (AGG Fig. 2). out["target"]: the target
-    side (groups ranked over target tokens): PPL per group, rare mass, Uniq (distinct argmax predictions, teacher
-    forced) beside the references', recall of rare reference tokens, and the geometry of the target rows."""
+    `bleu_sents` sentences (0/None: all) with beam cfg["beam"]; the embedding geometry per group (AGG Fig. 2).
+    out["target"]: the target side (groups ranked over target tokens): PPL per group, rare mass, Uniq (distinct argmax
+    predictions, teacher forced) beside the references', rare reference tokens' recall, the target rows' geometry."""
     model.eval()
     src, tgt = data.ids[f"{split}.src"], data.ids[f"{split}.tgt"]
-    groups = agg.frequency_groups(data.corpus_counts)
+    groups, tgroups = agg.frequency_groups(data.corpus_counts), target_groups(data.counts)
     gid = agg.group_of(groups, data.vocab_size).to(device)
-    rare = gid == 2
-    dyn = method.rare_mask() if method is not None and method.steps > 0 else None
-    dyn = None if dyn is None else dyn.to(device)
-    acc, t_acc, rare_pred, t_rare_pred, dyn_pred, dyn_true = agg.GroupNLL(), agg.GroupNLL(4), 0.0, 0.0, 0.0, 0
-    tgroups = target_groups(data.counts)
     tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3).to(device)  # 3: not a training target
-    t_rare = tid == 2
+    dyn = method.rare_mask() if method is not None and method.steps > 0 else None
+    rare = dict(group=gid == 2, target=tid == 2) | ({} if dyn is None else dict(method=dyn.to(device)))  # rare sets
+    acc, t_acc, mass_pred, mass_true = agg.GroupNLL(), agg.GroupNLL(4), Counter(), Counter()
     predicted = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)  # Uniq: argmax tokens seen
     referenced = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)
     for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):
         s, ti, to = collate(src, tgt, idx, device)
         with runlib.autocast(cfg)():
             hidden = model(s, ti)
-        keep = to != PAD
-        logp = torch.log_softmax(hidden.float()[keep] @ model.out_weight.float().T, dim=-1)
-        y = to[keep]
+        y = to[to != PAD]
+        logp = torch.log_softmax(hidden.float()[to != PAD] @ model.out_weight.float().T, dim=-1)
         nll = -logp.gather(1, y[:, None]).squeeze(1).double()
         acc.add(nll, gid[y])
         t_acc.add(nll, tid[y])
         predicted[logp.argmax(1)] = True
         referenced[y] = True
         p = logp.exp()
-        rare_pred += p[:, rare].sum().item()
-        t_rare_pred += p[:, t_rare].sum().item()
-        if dyn is not None:
-            dyn_pred += p[:, dyn].sum().item()
-            dyn_true += int(dyn[y].sum())
+        for k, m in rare.items():
+            mass_pred[k] += p[:, m].sum().item()
+            mass_true[k] += int(m[y].sum())
     count = acc.tokens()
     out = {"loss": acc.loss(), "ppl": acc.ppl(), "tokens": count, "ppl_groups": acc.ppl_groups(),
-           "group_rare_mass_pred": rare_pred / count, "group_rare_mass_true": int(acc.count[2]) / count}
+           "group_rare_mass_pred": mass_pred["group"] / count, "group_rare_mass_true": mass_true["group"] / count}
     if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
         out["rare_frozen"] = method.frozen()
-    if dyn is not None:
-        out.update(method_rare_count=int(dyn.sum()), method_rare_mass_pred=dyn_pred / count,
-                   method_rare_mass_true=dyn_true / count)
-    tid_cpu = tid.cpu()
+    if "method" in rare:
+        out.update(method_rare_count=int(rare["method"].sum()), method_rare_mass_pred=mass_pred["method"] / count,
+                   method_rare_mass_true=mass_true["method"] / count)
 
     def uniq(mask):  # distinct tokens per target group
-        return {g: int((mask.cpu() & (tid_cpu == k)).sum()) for k, g in enumerate(agg.GROUPS)}
-    target = dict(ppl_groups=t_acc.ppl_groups(), rare_mass_pred=t_rare_pred / count,
-                  rare_mass_true=int(t_acc.count[2]) / count,
-                  uniq=int(predicted.sum()), uniq_groups=uniq(predicted), uniq_human=int(referenced.sum()),
-                  uniq_human_groups=uniq(referenced), tokens_outside=int(t_acc.count[3]))
-    n = bleu_sents or len(src)
-    t0 = time.time()
-    hyps = translate(model, src[:n], device, beam=cfg["beam"] if beam is None else beam, lenpen=cfg["lenpen"],
-                     desc=f"decode {split}")
+        return {g: int((mask & (tid == k)).sum()) for k, g in enumerate(agg.GROUPS)}
+    target = dict(ppl_groups=t_acc.ppl_groups(), rare_mass_pred=mass_pred["target"] / count,
+                  rare_mass_true=mass_true["target"] / count, uniq=int(predicted.sum()), uniq_groups=uniq(predicted),
+                  uniq_human=int(referenced.sum()), uniq_human_groups=uniq(referenced),
+                  tokens_outside=int(t_acc.count[3]))
+    n, t0 = bleu_sents or len(src), time.time()
+    hyps = translate(model, src[:n], device, beam=cfg["beam"], lenpen=cfg["lenpen"], desc=f"decode {split}")
     out["decode_s"] = time.time() - t0
-    refs = data.text[split][1][:n]
-    decoded = [data.decode(h) for h in hyps]
+    refs, decoded = data.text[split][1][:n], [data.decode(h) for h in hyps]
     out["bleu"], out["bleu_signature"] = bleu(decoded, refs, cfg["tgt"], cfg["bleu_tokenize"])
     if cfg["tgt"] == "de":  # the protocol Table 6 uses for WMT14 en-de, labelled
-        out["bleu_tok_compound"] = bleu_tok_compound(decoded, refs, cfg["tgt"])
-        out["bleu_tok_compound_protocol"] = TOK_COMPOUND_PROTOCOL
+        out.update(bleu_tok_compound=bleu_tok_compound(decoded, refs, cfg["tgt"]),
+                   bleu_tok_compound_protocol=TOK_COMPOUND_PROTOCOL)
     out["bleu_sents"] = n
-    target.update(rare_token_recall(hyps, [list(r) for r in tgt[:n]], t_rare.cpu()))
+    target.update(rare_token_recall(hyps, tgt[:n], rare["target"].cpu()))
     W = model.out_weight.detach().float().cpu()
-    target.update(agg.geometry(W, tgroups, seen=tid_cpu < 3))
+    target.update(agg.geometry(W, tgroups, seen=tid < 3))
     out["target"] = target
     # the whole matrix's geometry over the tokens seen in training (either side), as train_lm.validate counts it
     out.update(agg.geometry(W, dict(zip(agg.GROUPS, groups)), seen=data.corpus_counts > 0))
@@ -565,25 +499,19 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None, b
     return out, hyps
 
 
-def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp=False, world=1,
-               scaler=runlib.NO_SCALER):
-    """One optimizer step on this process's micro-batches [(src, dec_in, dec_out)]: method.observe once, then
-    gradient accumulation with each micro-batch's mean loss weighted by its share of the step's targets over all
-    ranks, the optimizer step (through `scaler`: float16's loss scaling, a no-op otherwise; no clipping, as Vaswani
-    et al. and fairseq's WMT recipes). Returns (mean loss, mean NLL, target tokens), all over every rank's targets.
-    The scheduler is the caller's."""
-    n_tok = sum(int((m[2] != PAD).sum()) for m in micro)
-    n_all = n_tok  # target tokens of the step over all ranks: each micro-batch weighs by its share of them
-    if ddp:
-        t = torch.tensor([n_tok], device=micro[0][2].device)
-        torch.distributed.all_reduce(t)
-        n_all = int(t)
+def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp, world, scaler):
+    """One optimizer step on this process's micro-batches [(src, dec_in, dec_out)], each weighted by its share of the
+    step's targets over all ranks (`scaler`: float16's loss scaling, else a no-op; no clipping, as Vaswani et al. and
+    fairseq's WMT recipes). Returns (mean loss, mean NLL, target tokens), all over every rank's targets."""
+    n_all = torch.tensor([sum(int((m[2] != PAD).sum()) for m in micro)], device=micro[0][2].device)
+    if ddp:  # the step's target tokens over all ranks: each micro-batch weighs by its share of them
+        torch.distributed.all_reduce(n_all)
+    n_all = int(n_all)
     method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
     opt.zero_grad(set_to_none=True)
     loss_sum, nll_sum = 0.0, 0.0
     for j, (s, ti, to) in enumerate(micro):
-        sync = not ddp or j == len(micro) - 1
-        with (contextlib.nullcontext() if sync else fwd.no_sync()):
+        with fwd.no_sync() if ddp and j < len(micro) - 1 else contextlib.nullcontext():  # DDP: sync on the last
             with autocast():
                 hidden = fwd(s, ti)
             share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
@@ -626,9 +554,9 @@ def train(cfg, explicit=frozenset(), argv=()):
         model = build_model(cfg, V).to(device)
         # Rarity on a shared vocabulary: static groups (agps, freeze-*, frage) rank the whole corpus, both sides, as
         # AGPS counts words, so a frequent source token is never frozen. AGG's a_k counts targets (Eq. 5, as the
-        # official criterion): a token that is never a training target has a_k = 0, so it is rare with g1 = 0 (no
-        # push at all) under --rare-rule official; target-only keeps such tokens out of the rare group. Either way
-        # --rare-share is a share of the target vocabulary, so both rules gate the same target tokens.
+        # official criterion): a token never a training target has a_k = 0, so it is rare with g1 = 0 (no push at
+        # all) under --rare-rule official; target-only keeps it out of the rare group. --rare-share is a share of the
+        # target vocabulary either way, so both rules gate the same target tokens.
         special_ids = [PAD, BOS, EOS, UNK]
         never_targets = (data.counts == 0).nonzero().squeeze(1).tolist()
         target_special = special_ids + (never_targets if agg.agg_family(cfg["method"]) else [])
@@ -638,7 +566,6 @@ def train(cfg, explicit=frozenset(), argv=()):
             cfg, PRESET_METHOD[cfg["preset"]], lambda share: agg.alpha_for_rare_share(
                 data.counts, share, target_tokens_per_step, target_special),
             vocab_size=V, counts=data.corpus_counts, special_ids=method_special, steps_per_epoch=steps_per_epoch)
-        # the same AdamW as train_lm.py; no gradient clipping, as Vaswani et al. and fairseq's WMT recipes
         opt = runlib.make_optimizer(model, cfg, [model.embed] + ([model.out_embed] if cfg["untie"] else []))
         schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -655,23 +582,19 @@ def train(cfg, explicit=frozenset(), argv=()):
                   data_cache=str(data.cache), source_only_tokens=len(never_targets), rare_rule=rare_rule(cfg),
                   n_train_pairs=len(tr_src), n_train_batches=len(batches), n_params=n_params)
         run.print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
-                  f"{n_params / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, global batch <= "
-                  f"{micro_tokens * per_step} padded tokens/step ({micro_tokens} x {accum} micro-batches x "
-                  f"{run.world} processes), method {cfg['method']} {hp}")
-
-        def epoch_order(e):  # the batches of epoch e, in an order of (seed, e): a resumed run needs only the cursor
-            return np.random.default_rng([cfg["seed"], e]).permutation(len(batches))
-        order = epoch_order(epoch)
+                  f"{n_params / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, <= {micro_tokens * per_step} padded "
+                  f"tokens/step ({micro_tokens} x {accum} x {run.world} processes), method {cfg['method']} {hp}")
         bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, desc=f"nmt {cfg['method']}")
         t0, tok_count = time.time(), 0
         model.train()  # dropout on
         while step < run.stop_step:
-            # this process's micro-batches of the step (the remainder of an epoch is dropped)
-            if cursor + per_step > len(order):
+            # this process's micro-batches of the step (the remainder of an epoch is dropped); an epoch's batches in an
+            # order of (seed, epoch), so the data position is (epoch, cursor)
+            if cursor + per_step > len(batches):
                 epoch, cursor = epoch + 1, 0
-                order = epoch_order(epoch)
+            order = np.random.default_rng([cfg["seed"], epoch]).permutation(len(batches))
             mine = order[cursor + run.rank * accum: cursor + (run.rank + 1) * accum]
-            cursor += per_step  # the data position: (epoch, cursor)
+            cursor += per_step
             micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
             # the method's update: observe the targets, accumulate micro-batches, step
             loss, nll, n_all = train_step(fwd, model, method, opt, micro, cfg["label_smoothing"], autocast, run.ddp,
