@@ -1,6 +1,6 @@
-"""The life of a run, shared by train_lm.py and train_nmt.py: the flags both take, resume, the run folder (one writer,
-config.json with provenance, log.jsonl, atomic checkpoints loaded as data), seeding and RNG state, the optimizer and
-schedule. Models, data and training loops stay in each script; agg.py does not depend on this file."""
+"""The life of a run, shared by train_lm.py and train_nmt.py: the flags both take, the method, optimizer and schedule,
+atomic checkpoints loaded as data, and `Run`: resume, the run folder (one writer, config.json with provenance,
+log.jsonl), seeds, signals and DDP. Models, data and loops stay in each script; agg.py does not depend on this file."""
 import argparse
 import contextlib
 import fcntl
@@ -30,20 +30,19 @@ RUN_CONTROL = {"out", "resume", "overwrite", "stop_at", "device", "compile", "ev
 RESUME_MAY_CHANGE = {"max_steps", "dtype", "data_dir"}
 FOLLOW_INVOCATION = ("device", "resume", "stop_at", "overwrite", "compile")  # never taken from the saved config
 RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "config.json", "log.jsonl", "tokenizer.json")  # what --overwrite removes
-RUN_TMP = re.compile(r"(ckpt(_best|_\d+)?\.pt|config\.json|log\.jsonl|tokenizer\.json)\.tmp\d+")  # atomic writes
 
 
 # ------------------------------------------------------------------------------------------------------------ flags
 def add_run_flags(p, task):
     g = p.add_argument_group("run (the same in train_lm.py and train_nmt.py)")
-    g.add_argument("--out", default=None, help=f"run folder (default out/{task}-METHOD-sSEED)")
+    g.add_argument("--out", help=f"run folder (default out/{task}-METHOD-sSEED)")
     g.add_argument("--seed", type=int, default=0, help="seed of init, data order and dropout (process r: seed + r)")
     g.add_argument("--resume", action="store_true", help="continue OUT/ckpt.pt exactly, with its saved config")
     g.add_argument("--overwrite", action="store_true", help="start afresh in OUT (only a run's own files are removed)")
-    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (also the LR schedule's length)")
-    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step (split a run)")
-    g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    g.add_argument("--max-steps", type=int, help="optimizer steps (also the LR schedule's length)")
+    g.add_argument("--stop-at", type=int, help="checkpoint and stop after this step (split a run)")
+    g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU); float16 adds loss scaling")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (project $WANDB_PROJECT or agg)")
@@ -53,19 +52,16 @@ def add_run_flags(p, task):
                    help=f"one of: {', '.join(agg.METHODS)}")
     for key, (typ, text) in agg.HPARAMS.items():
         users = [name for name, cls in agg.METHODS.items() if key in cls.defaults]
-        g.add_argument(method_flag(key), dest=key, default=None, help=f"{text} [{', '.join(users[:3])}]",
-                       type=_bool if typ is bool else typ)
-    g.add_argument("--rare-share", type=float, default=None,
-                   help="AGG family: alpha set so that the rare group is this share of the vocabulary (or --alpha)")
+        g.add_argument(method_flag(key), dest=key, type=_bool if typ is bool else typ,
+                       help=f"{text} [{', '.join(users[:3])}]")
+    g.add_argument("--rare-share", type=float, help="AGG family: the alpha whose rare group is this share of the vocab")
 
 
 def add_optimizer_flags(g):
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "coupled-adam"],
                    help="coupled-adam: the vocabulary matrices take Coupled Adam's update (agg.CoupledAdamW)")
-    g.add_argument("--embedding-weight-decay", type=float, default=None,
-                   help="weight decay of the vocabulary matrices (default: --weight-decay)")
-    g.add_argument("--embedding-lr", type=float, default=None, metavar="MULT",
-                   help="the vocabulary matrices' lr as a multiple of --lr (on the same schedule; default 1)")
+    g.add_argument("--embedding-weight-decay", type=float, help="the vocabulary matrices' (default: --weight-decay)")
+    g.add_argument("--embedding-lr", type=float, metavar="MULT", help="the vocabulary matrices' lr, times --lr (1)")
 
 
 def _bool(text):
@@ -98,25 +94,19 @@ def check_ranges(cfg, ranges):
     """One line for the first flag outside its range: ranges {key: (lowest, highest or None)}, unset flags skipped."""
     for key, (lo, hi) in ranges.items():
         value = cfg.get(key)
-        if value is not None and not (lo <= value and (hi is None or value <= hi)):  # nan fails both
-            raise SystemExit(f"--{key.replace('_', '-')} {value}: must be " + (f"in [{lo}, {hi}]" if hi is not None
-                                                                                  else f">= {lo}"))
+        if value is not None and not (lo <= value and (value < math.inf if hi is None else value <= hi)):  # nan fails
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise SystemExit(f"--{key.replace('_', '-')} {value}: must be {bound}")
 
 
 def check_run_flags(cfg, task, ranges):
-    """Fill the run's device, dtype and folder; check the flags (those both scripts share, and `ranges`, the
-    script's) before anything is written."""
-    check_ranges(cfg, dict(ranges, seed=(0, None), max_steps=(1, None), weight_decay=(0, None),
-                           embedding_weight_decay=(0, None), embedding_lr=(0, None), dropout=(0, 1)))
+    """Check the flags (both scripts' and the script's `ranges`) before anything is written; fill device, dtype, out."""
+    check_ranges(cfg, dict(ranges, seed=(0, None), max_steps=(1, None), stop_at=(1, cfg["max_steps"]), lr=(0, None),
+                           warmup=(0, None), weight_decay=(0, None), embedding_weight_decay=(0, None),
+                           embedding_lr=(0, None), dropout=(0, 1)))
     cfg["device"] = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg["dtype"] = cfg.get("dtype") or ("bfloat16" if cfg["device"].startswith("cuda") else "float32")
     cfg["out"] = cfg["out"] or os.path.join(ROOT, "out", f"{task}-{cfg['method']}-s{cfg['seed']}")
-    if cfg.get("stop_at") is not None and not 1 <= cfg["stop_at"] <= cfg["max_steps"]:
-        raise SystemExit(f"--stop-at {cfg['stop_at']}: must be a step in [1, --max-steps {cfg['max_steps']}]")
-    if not (math.isfinite(cfg["lr"]) and cfg["lr"] >= 0):
-        raise SystemExit(f"--lr {cfg['lr']}: must be a finite number >= 0, e.g. 1e-3")
-    if cfg.get("warmup") is not None and cfg["warmup"] < 0:
-        raise SystemExit(f"--warmup {cfg['warmup']}: must be >= 0 steps")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg["device"]):
         raise SystemExit(f"--device {cfg['device']}: unknown device; use cpu, cuda or cuda:N")
     if cfg["device"].startswith("cuda") and not torch.cuda.is_available():
@@ -126,27 +116,24 @@ def check_run_flags(cfg, task, ranges):
     cfg["task"] = task
 
 
+# ------------------------------------------------------------------------------------- method, optimizer, schedule
 def build_method(cfg, preset, share_to_alpha=None, **data):
-    """The run's agg method, and the hyper-parameters in force that a flag, the preset or a paper default set. The
-    method flags given come first, then the preset's settings where the method takes them (AGPS's paper values; an
-    alpha, or a rare share: share_to_alpha(share), or agg's alpha_for_rare_share); agg.py checks every value."""
+    """The run's agg method and the hyper-parameters in force: the method flags given, then the preset's where the
+    method takes them (an alpha, or a rare share: share_to_alpha(share) or agg's); agg.py checks every value."""
     name, accepted, share = cfg["method"], agg.METHODS[cfg["method"]].defaults, cfg.get("rare_share")
     hp = {k: cfg[k] for k in agg.HPARAMS if cfg.get(k) is not None}
     for key in set(hp) - set(accepted):
         raise SystemExit(f"{method_flag(key)} does not apply to --method {name} "
                          f"(its hyper-parameters: {', '.join(accepted) or 'none'})")
-    hp.update({k: v for k, v in preset.items() if k in accepted and k not in hp and k != "alpha"})
-    if "alpha" in accepted and share is None and "alpha" not in hp:
-        if "alpha" in preset:
-            hp["alpha"] = preset["alpha"]
-        else:
-            share = preset.get("rare_share")
+    if "alpha" in accepted and share is None and "alpha" not in hp and "alpha" not in preset:
+        share = preset.get("rare_share")
+    hp.update({k: v for k, v in preset.items() if k in accepted and k not in hp and (k != "alpha" or share is None)})
     try:
         if share is not None and share_to_alpha is not None and "alpha" in accepted and "alpha" not in hp:
             hp["alpha"], share = share_to_alpha(share), None
         method = agg.build_method(name, rare_share=share, **data, **hp)
     except ValueError as e:
-        raise SystemExit(f"--method {name}: {e}") from None
+        raise SystemExit(f"--method {name}: {e}")
     return method, {k: v for k, v in method.hparams.items()
                     if k in hp or (k in ("window", "static_after", "alpha") and v is not None)}
 
@@ -159,11 +146,9 @@ def method_record(stats, targets):
     return rec
 
 
-# ----------------------------------------------------------------------------------------------- optimizer, devices
 def make_optimizer(model, cfg, vocab_matrices=()):
     """AdamW (betas 0.9 / 0.98, as the papers' fairseq set-ups); weight decay on matrices, never on biases and gains.
-    The vocabulary matrices take --embedding-weight-decay, --embedding-lr, and Coupled Adam's update with --optimizer
-    coupled-adam."""
+    The vocabulary matrices take --embedding-weight-decay, --embedding-lr and, with coupled-adam, Coupled Adam."""
     lr, wd, vocab_lr = cfg["lr"], cfg["weight_decay"], cfg.get("embedding_lr")
     coupled, vocab_wd = cfg.get("optimizer", "adamw") == "coupled-adam", cfg.get("embedding_weight_decay")
     own = coupled or vocab_wd is not None or vocab_lr is not None  # the vocabulary matrices in a group of their own
@@ -181,17 +166,13 @@ def make_optimizer(model, cfg, vocab_matrices=()):
 def lr_schedule(kind, warmup, max_steps):
     """The factor of the peak lr at each step. cosine: linear warm-up, then cosine decay to 10% of the peak at
     max_steps; inverse-sqrt: Vaswani et al.'s, normalised so the peak (at step `warmup`) is the configured lr."""
-    def cosine(step):
+    def factor(step):
+        if kind == "inverse-sqrt":  # without warm-up: the peak at the first step, then 1 / sqrt(step)
+            return min((step + 1) / warmup, math.sqrt(warmup / (step + 1))) if warmup else 1 / math.sqrt(step + 1)
         if step < warmup:
             return (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    def inverse_sqrt(step):
-        if warmup == 0:  # no warm-up: the peak at the first step, then 1 / sqrt(step)
-            return 1 / math.sqrt(step + 1)
-        return min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
-    return {"cosine": cosine, "inverse-sqrt": inverse_sqrt}[kind]
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, max_steps - warmup))))
+    return factor
 
 
 def autocast(cfg):
@@ -210,26 +191,9 @@ NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
-def tensor_checksum(state):
-    """sha256 over every tensor of a (nested) checkpoint dict, in key order: detects bytes changed on disk."""
-    h = hashlib.sha256()
-
-    def visit(obj, key):
-        if torch.is_tensor(obj):
-            h.update(key.encode())
-            h.update(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(obj, (dict, list, tuple)):
-            items = sorted(obj.items(), key=lambda kv: str(kv[0])) if isinstance(obj, dict) else enumerate(obj)
-            for k, v in items:
-                if k != "checksum":
-                    visit(v, f"{key}/{k}")
-    visit(state, "")
-    return h.hexdigest()
-
-
 def save_checkpoint(path, state):
-    """Atomic (a crash mid-write never leaves half a checkpoint), with a checksum load_checkpoint verifies."""
-    state, tmp = dict(state, checksum=tensor_checksum(state)), f"{path}.tmp{os.getpid()}"
+    """Atomic: a crash mid-write never leaves half a checkpoint."""
+    tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -237,7 +201,7 @@ def save_checkpoint(path, state):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise SystemExit(f"cannot write {path} ({type(e).__name__}: {str(e)[:200]}); the previous checkpoint is "
-                         f"intact. Free disk space or make the folder writable, then --resume") from None
+                         f"intact. Free disk space or make the folder writable, then --resume")
 
 
 def load_error(e):
@@ -254,19 +218,14 @@ def load_checkpoint(path, task=None):
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if "global" in str(e).lower():  # it names a function or class to call: what a crafted pickle does
-            raise SystemExit(f"{path} is not a plain checkpoint of this project: its pickle asks to run code or build "
-                             f"objects a checkpoint never holds, so it was refused and nothing in it ran.") from None
-        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {load_error(e)}). Delete it "
-                         f"(or start with --overwrite) and train again, or restore a good copy.") from None
+            raise SystemExit(f"{path} is not a plain checkpoint of this project (its pickle asks to run code): refused")
+        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {load_error(e)}); restore a "
+                         f"good copy, or train again with --overwrite")
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
-    if "checksum" in ck and tensor_checksum(ck) != ck["checksum"]:
-        raise SystemExit(f"{path}: its tensors do not match the checksum written with them (the file was damaged "
-                         f"after it was written). Restore a good copy, or resume from an earlier checkpoint.")
     ck["task"] = ck.get("task") or ck["config"].get("task")
     if task is not None and ck["task"] != task:
-        raise SystemExit(f"{path} is a checkpoint of task {ck['task']!r}, not {task!r}: use the script of that task, "
-                         f"or give a different --out.")
+        raise SystemExit(f"{path} is a checkpoint of task {ck['task']!r}, not {task!r}: use that task's script")
     return ck
 
 
@@ -280,7 +239,7 @@ def load_state(model, ck, path):
         model.load_state_dict(ck["model"])
     except RuntimeError as e:
         raise SystemExit(f"checkpoint {path} does not fit this model ({str(e)[:300]}); use the run's own flags, or "
-                         f"train into a new --out") from None
+                         f"train into a new --out")
     return model
 
 
@@ -305,8 +264,7 @@ def set_rng_state(s):
 
 # ------------------------------------------------------------------------------------------ run folder, provenance
 def run_config(out):
-    """OUT/config.json: a dict; None when there is none or it does not parse; False when train_lm.py / train_nmt.py
-    did not write it (a Hugging Face export's, say)."""
+    """OUT/config.json: a dict; None when it is missing or unreadable; False when no run wrote it (an HF export's)."""
     try:
         with open(os.path.join(out, "config.json")) as f:
             saved = json.load(f)
@@ -317,9 +275,8 @@ def run_config(out):
 
 def snapshots(out):
     """The ckpt_STEP.pt snapshots of a run (--keep-last), oldest first."""
-    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(out, "ckpt_*.pt"))
-             if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
-    return [p for _, p in sorted(found)]
+    found = [p for p in glob.glob(os.path.join(out, "ckpt_*.pt")) if re.fullmatch(r"ckpt_\d+\.pt", os.path.basename(p))]
+    return sorted(found, key=lambda p: int(os.path.basename(p)[5:-3]))
 
 
 def same_data(was, now):
@@ -340,17 +297,15 @@ def write_json(path, obj):
 
 
 def kernel_fingerprint(threads=None):
-    """A hash of one fixed float32 step through the kernels training leans on (the tied head's matmul at the cpu
-    preset's shapes, layer norm, GELU, cross-entropy, backward) at `threads` threads: hosts whose kernels round
+    """A hash of one float32 step through the training kernels at `threads` threads: hosts whose kernels round
     differently end a run elsewhere (RESULTS: valid PPL 294.46 on one host, 286.42 on another), so pairs share it."""
-    before = torch.get_num_threads()
+    before, F = torch.get_num_threads(), torch.nn.functional
     torch.set_num_threads(threads or before)
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(1024, 128, generator=g, requires_grad=True)
         w = (torch.randn(8192, 128, generator=g) / 128 ** 0.5).requires_grad_()
-        h = torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (128,)))
-        loss = torch.nn.functional.cross_entropy(h @ w.T, torch.randint(0, 8192, (1024,), generator=g))
+        loss = F.cross_entropy(F.gelu(F.layer_norm(x, (128,))) @ w.T, torch.randint(0, 8192, (1024,), generator=g))
         loss.backward()
         return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in (loss, x.grad, w.grad))).hexdigest()[:16]
     finally:
@@ -359,94 +314,66 @@ def kernel_fingerprint(threads=None):
 
 def provenance(argv):
     """What config.json records about the code and machine of a run segment."""
-    run = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5)
+    git = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5)
     try:
-        commit, status = run("rev-parse", "HEAD"), run("status", "--porcelain", "--", "*.py", "requirements*.txt")
+        commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", "*.py", "requirements*.txt")
         commit, dirty = commit.stdout.strip() or None, bool(status.stdout.strip()) if commit.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
     versions = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
                     platform=platform.platform(), threads=torch.get_num_threads(),  # CPU results depend on them
                     cpu_capability=torch.backends.cpu.get_cpu_capability(), kernels=kernel_fingerprint())
-    for name in ("tokenizers", "sacrebleu"):
-        with contextlib.suppress(ImportError):
-            versions[name] = __import__(name).__version__
     with open(agg.__file__, "rb") as f:
-        agg_sha = hashlib.sha256(f.read()).hexdigest()
-    return dict(versions=versions, git_commit=commit, git_dirty=dirty, argv=list(argv), agg_sha256=agg_sha)
+        return dict(versions=versions, git_commit=commit, git_dirty=dirty, argv=list(argv),
+                    agg_sha256=hashlib.sha256(f.read()).hexdigest())
 
 
 def flat(record, prefix=""):
     """A log record's numbers as {"prefix/key/sub": value}, nested groups flattened (for wandb)."""
-    out = {}
-    for k, v in record.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "split"):
-            out[prefix + k] = float(v)
-    return out
+    pairs = [p for k, v in record.items() if k not in ("step", "split")
+             for p in (flat(v, f"{prefix}{k}/").items() if isinstance(v, dict) else [(prefix + k, v)])]
+    return {k: float(v) for k, v in pairs if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 # ------------------------------------------------------------------------------------------------------------ a run
 class Run:
-    """The life of one run folder in both training scripts: the resume policy, DDP and seeds (__init__), the data
-    (prepare), an exact resume (restore), the folder's lock, config.json and log (begin), records (log), checkpoints,
-    and signals: SIGTERM, SIGHUP and SIGINT set a flag (stopping), the loop checkpoints at the next step boundary
-    and the run exits with status 1, saying how to continue it; a second Ctrl-C stops at once."""
-    locks = {}  # run folder -> the open file whose flock says "a process writes here" (dropped when it ends)
+    """One run folder's life: resume, DDP and seeds (__init__), the data (prepare), an exact resume (restore), the
+    lock, config.json and log (begin), records (log), checkpoints, and signals: SIGTERM, SIGHUP or SIGINT sets a flag
+    (stopping), the loop checkpoints at the next step and the run exits with status 1; a second Ctrl-C stops at once."""
 
     def __init__(self, cfg, explicit, argv, fmt, run_control):
-        self.cfg, self.ck = cfg, None
-        self.argv, self.task, self.fmt = list(argv), cfg["task"], fmt
-        self.out = cfg["out"]
+        self.cfg, self.ck, self.argv, self.task, self.fmt, self.out = cfg, None, argv, cfg["task"], fmt, cfg["out"]
         self.ckpt_path, self.log_path = os.path.join(self.out, "ckpt.pt"), os.path.join(self.out, "log.jsonl")
-        self._resume_policy(set(explicit), run_control)
+        if run_config(self.out) is False:  # a run would replace it
+            raise SystemExit(f"--out {self.out}: its config.json was not written by train_lm.py / train_nmt.py (a "
+                             f"Hugging Face export?): choose another --out")
+        if cfg["resume"]:  # the checkpoint's config with the flags given now; those that change the run must agree
+            self.ck = load_checkpoint(self.ckpt_path, self.task)
+            saved = self.ck["config"]
+            for key in sorted(set(explicit) - set(run_control) - RESUME_MAY_CHANGE):
+                if key in saved and saved[key] != cfg.get(key):
+                    raise SystemExit(f"{self.ckpt_path} was written with {key}={saved[key]!r} but this run asks for "
+                                     f"{key}={cfg.get(key)!r}: resume with `--out {self.out} --resume` alone (its "
+                                     f"config.json), or start a separate run with a new --out")
+            self.cfg = dict(saved, **{k: cfg[k] for k in set(explicit) | set(FOLLOW_INVOCATION) if k in cfg})
+            print(f"resuming {self.ckpt_path} at step {self.ck['step']}")
+        elif os.path.exists(self.ckpt_path) and not cfg["overwrite"]:
+            raise SystemExit(f"{self.ckpt_path} already exists: pass --resume to continue it, --overwrite to start "
+                             f"afresh, or choose another --out")
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.ddp, self.master = self.world > 1, self.rank == 0
-        if self.ddp:  # under torchrun: one process per GPU (or gloo on CPU)
+        if self.ddp:  # under torchrun: one process per GPU (NCCL), or gloo on CPU
             if self.cfg["device"].startswith("cuda"):
                 self.cfg["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
                 torch.cuda.set_device(self.cfg["device"])
             torch.distributed.init_process_group("nccl" if self.cfg["device"].startswith("cuda") else "gloo")
-        self.device = self.cfg["device"]
+        self.device, self.print = self.cfg["device"], print if self.master else (lambda *a, **k: None)
         self.stop_step = min(self.cfg["max_steps"], self.cfg["stop_at"] or self.cfg["max_steps"])
-        self.wandb, self.signal, self.step, self.segments, self.handlers = None, None, 0, None, {}
+        self.wandb, self.signal, self.step, self.segments, self.handlers, self.lock = None, None, 0, None, {}, None
         seed = self.cfg["seed"] + self.rank  # process r draws from seed + r: ranks get their own dropout masks
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
-
-    def _resume_policy(self, explicit, run_control):
-        """--resume: the saved config (of ckpt.pt, else config.json: the same run from step 0), updated with the flags
-        given now; a flag that changes the result must equal the saved value. Else an OUT holding a run needs
-        --overwrite, and an OUT of files no run wrote is refused unless --overwrite (which keeps them)."""
-        cfg, out = self.cfg, self.out
-        if not cfg["resume"]:
-            if os.path.exists(self.ckpt_path) and not cfg["overwrite"]:
-                raise SystemExit(f"{self.ckpt_path} already exists: pass --resume to continue it, --overwrite to start "
-                                 f"afresh, or choose another --out")
-            if run_config(out) is False:  # a run would replace it
-                raise SystemExit(f"--out {out}: its config.json was not written by train_lm.py / train_nmt.py (a "
-                                 f"Hugging Face export?): choose another --out")
-            return
-        self.ck = load_checkpoint(self.ckpt_path, self.task) if os.path.exists(self.ckpt_path) else None
-        saved = self.ck["config"] if self.ck else run_config(out)
-        if not saved:
-            raise SystemExit(f"--resume: {out} holds no run to resume: " + (
-                "its config.json was not written by train_lm.py / train_nmt.py (a Hugging Face export?)" if saved is
-                False else "no ckpt.pt, no readable config.json; start it without --resume"))
-        if saved["task"] != self.task:
-            raise SystemExit(f"--resume: {out} holds a {saved['task']!r} run, not {self.task!r}")
-        where = self.ckpt_path if self.ck else os.path.join(out, "config.json")
-        for key in sorted(explicit - set(run_control) - RESUME_MAY_CHANGE):
-            if key in saved and saved[key] != cfg.get(key):
-                raise SystemExit(f"{where} was written with {key}={saved[key]!r} but this run asks for {key}="
-                                 f"{cfg.get(key)!r}. Resume with `--out {out} --resume` alone (the saved config is in "
-                                 f"{os.path.join(out, 'config.json')}), or start a separate run with a new --out.")
-        self.cfg = dict(saved) if self.ck else {k: saved.get(k, v) for k, v in cfg.items()}
-        self.cfg.update({k: cfg[k] for k in explicit | set(FOLLOW_INVOCATION) if k in cfg})
-        print(f"resuming {self.ckpt_path} at step {self.ck['step']}" if self.ck else f"--resume: no checkpoint in "
-              f"{out} yet: restarting its run from step 0 with its saved config")
 
     def _on_signal(self, signum, frame):
         if self.signal is not None and signum == signal.SIGINT:
@@ -467,37 +394,26 @@ class Run:
         if self.ddp and exc_type is None:
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
-        if os.path.abspath(self.out) in Run.locks:
-            Run.locks.pop(os.path.abspath(self.out)).close()
+        if self.lock is not None:
+            self.lock.close()  # and with it the flock
         if exc_type is None and self.signal is not None and self.step < self.stop_step:
             raise SystemExit(f"{self.signal}: stopped at step {self.step}, checkpoint {self.ckpt_path} written; "
                              f"`python train_{self.task}.py --out {self.out} --resume` continues it")
 
-    def print(self, *args, **kw):
-        if self.master:
-            print(*args, **kw)
-
     def prepare(self, prepare_fn):
-        """The task's data (prepare_fn(cfg, log) of data.py): rank 0 builds the cache while the others wait (prepare a
-        large corpus with --prepare-only first: NCCL's barrier times out), then every rank reads it."""
+        """The data: rank 0 builds the cache while the others wait (a large corpus: --prepare-only it first)."""
         if self.ddp and not self.master:
-            torch.distributed.barrier()  # rank 0 builds the cache
-        data = prepare_fn(self.cfg, log=print if self.master else (lambda *a, **k: None))
+            torch.distributed.barrier()
+        data = prepare_fn(self.cfg, log=self.print)
         if self.ddp and self.master:
             torch.distributed.barrier()
         return data
 
     def restore(self, model, opt, sched, method, scaler):
-        """Continue the checkpoint exactly: weights, optimizer, scheduler, the method's state (AGG's counters, FRAGE's
-        discriminator), the float16 loss scale, every process's RNG. Returns the step; the data position is the
-        caller's."""
+        """Continue the checkpoint exactly (weights, optimizer, schedule, the method's state, loss scale, RNGs)."""
         ck = self.ck
         if ck is None:
             return 0
-        missing = [k for k in ("model", "optimizer", "scheduler", "method", "step", "rng") if k not in ck]
-        if ck.get("format", self.fmt) != self.fmt or missing:
-            raise SystemExit(f"{self.ckpt_path} is not a train_{self.task}.py checkpoint (format {ck.get('format')}, "
-                             f"missing {missing}): use --overwrite or a new --out")
         load_state(model, ck, self.ckpt_path)
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])  # keeps this invocation's lr function (--max-steps may have changed)
@@ -505,100 +421,77 @@ class Run:
         method.to(next(model.parameters()).device)
         if ck.get("scaler") and scaler.is_enabled():
             scaler.load_state_dict(ck["scaler"])
-        if len(ck["rng"]) == self.world:
+        if len(ck["rng"]) == self.world:  # else another process count: each rank keeps its fresh seed
             set_rng_state(ck["rng"][self.rank])
-        else:
-            self.print(f"warning: the checkpoint holds the RNG states of {len(ck['rng'])} processes, this run has "
-                       f"{self.world}: dropout noise will differ from an uninterrupted run")
         self.step = ck["step"]
         return self.step
 
     def begin(self, tokenizer_json, **info):
-        """Take the folder and write config.json (the config, every segment's provenance, `info`), the tokenizer and
-        the log; a resumed run must read the data it started with."""
-        if self.master:
-            self._lock()
-            resumed = self.ck is not None
-            was = self.ck["config"].get("data_fingerprint") if resumed else None
-            if not same_data(was, self.cfg.get("data_fingerprint")):
-                raise SystemExit(f"{self.ckpt_path}: the corpus or tokenizer changed since this run started (its data "
-                                 f"was {was}, now {self.cfg['data_fingerprint']}): restore the original files, or "
-                                 f"start a new run with another --out")
-            write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
-            old = ((run_config(self.out) or {}).get("segments") or self.ck.get("provenance") or []) if resumed else []
-            if resumed and not run_config(self.out):
-                print(f"warning: {self.out}/config.json is missing or unreadable: provenance from the checkpoint")
-            prov = provenance(self.argv)
-            self.segments = old + [dict({k: prov[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256")},
-                                        start_step=self.step)]
-            if old and old[-1].get("agg_sha256") not in (None, prov["agg_sha256"]):
-                print("warning: agg.py changed since this run's last segment: the run continues with the new code")
-            prov.update({k: self.segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in self.segments[0]})
-            write_json(os.path.join(self.out, "config.json"), dict(self.cfg, **prov, segments=self.segments,
-                                                                   world_size=self.world, **info,
-                                                                   resumed_from_step=self.step if resumed else None))
-            # a new run empties log.jsonl; a resumed one drops the records after its checkpoint (and a torn line)
-            path, keep = self.log_path, []
-            for i, line in enumerate(open(path) if resumed and os.path.exists(path) else (), 1):
-                try:
-                    keep += [line] if line.strip() and json.loads(line).get("step", 0) <= self.step else []
-                except json.JSONDecodeError:
-                    print(f"warning: {path} line {i} is not complete JSON (a torn write): dropped")
-            with open(path, "w") as f:
-                f.writelines(keep)
-        if self.master and self.cfg.get("wandb"):
+        """Rank 0 takes the folder, checks the data and writes config.json (with `info`), the tokenizer and the log."""
+        if not self.master:
+            return
+        self._lock()
+        resumed, now = self.ck is not None, self.cfg.get("data_fingerprint")
+        if resumed and not same_data(was := self.ck["config"].get("data_fingerprint"), now):
+            raise SystemExit(f"{self.ckpt_path}: the corpus or tokenizer changed since this run started (its data was "
+                             f"{was}, now {now}): restore the original files, or start a new run with another --out")
+        write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
+        prov = provenance(self.argv)  # each segment's code and command; the first's also at the top of config.json
+        old = (self.ck.get("provenance") or (run_config(self.out) or {}).get("segments") or []) if resumed else []
+        self.segments = old + [dict({k: prov[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256")},
+                                    start_step=self.step)]
+        prov.update({k: self.segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in self.segments[0]})
+        write_json(os.path.join(self.out, "config.json"), dict(self.cfg, **prov, segments=self.segments, **info,
+                   world_size=self.world, resumed_from_step=self.step if resumed else None))
+        # a new run empties log.jsonl; a resumed one keeps the records up to its checkpoint, a torn last line dropped
+        lines = open(self.log_path).readlines() if resumed and os.path.exists(self.log_path) else []
+        if lines and not lines[-1].endswith("\n"):
+            print(f"warning: the last line of {self.log_path} is not complete (a torn write): dropped")
+        write_text(self.log_path, "".join(line for line in lines if line.endswith("\n") and line.strip()
+                                          and json.loads(line).get("step", 0) <= self.step))
+        if self.cfg.get("wandb"):  # one wandb run per folder
             try:
                 import wandb
             except ImportError:
-                raise SystemExit("--wandb needs the wandb package: pip install wandb, then wandb login") from None
+                raise SystemExit("--wandb needs the wandb package: pip install wandb, then wandb login")
             self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "agg"), name=os.path.basename(self.out),
                                     id=hashlib.sha256(os.path.abspath(self.out).encode()).hexdigest()[:16],
-                                    resume="allow", config=self.cfg, dir=self.out)  # one wandb run per folder
+                                    resume="allow", config=self.cfg, dir=self.out)
 
     def _lock(self):
-        """Make this process the one writer of the folder (an exclusive flock on OUT/.lock that the kernel drops when
-        the process ends); then remove our killed writes' NAME.tmpPID files and, for a new run, an old run's files."""
-        if os.path.abspath(self.out) in Run.locks:  # this process holds it already
-            return
+        """One writer per folder: a flock on OUT/.lock (gone when the process ends); then clean the run's own files."""
         for name in RUN_FILES + (".lock", "snapshots"):  # a link would lead our writes and deletes elsewhere
             if os.path.islink(os.path.join(self.out, name)):
                 raise SystemExit(f"{os.path.join(self.out, name)} is a symbolic link: a run writes its own files in "
                                  f"its folder only; remove the link (or choose another --out)")
         try:
             os.makedirs(self.out, exist_ok=True)
-            f = open(os.path.join(self.out, ".lock"), "a+")
+            self.lock = open(os.path.join(self.out, ".lock"), "a+")
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # the flock is another process's
+            self.lock.seek(0)
+            raise SystemExit(f"{self.out} is being written by another process (pid {self.lock.read().strip() or '?'})"
+                             f": wait for it to end, stop it, or choose another --out")
         except OSError as e:
-            raise SystemExit(f"cannot write the run folder {self.out} ({e.strerror}): choose a writable --out") \
-                from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            raise SystemExit(f"{self.out} is being written by another process (pid {f.read().strip() or '?'}): wait "
-                             f"for it to end, stop it, or choose another --out") from None
-        f.truncate(0)
-        f.write(str(os.getpid()))
-        f.flush()
-        Run.locks[os.path.abspath(self.out)] = f
-        snaps = os.path.join(self.out, "snapshots")
-        new = self.ck is None  # --overwrite, or a restart before any checkpoint: no old files
-        for folder, tmp, files in ((self.out, RUN_TMP, r"ckpt_\d+\.pt|" + "|".join(map(re.escape, RUN_FILES))),
-                                   (snaps, re.compile(r"emb_\d+\.pt\.tmp\d+"), r"emb_\d+\.pt")):
+            raise SystemExit(f"cannot write the run folder {self.out} ({e.strerror}): choose a writable --out")
+        self.lock.truncate(0)
+        self.lock.write(str(os.getpid()))
+        self.lock.flush()
+        snaps, new = os.path.join(self.out, "snapshots"), self.ck is None
+        for folder, own in ((self.out, r"ckpt_\d+\.pt|" + "|".join(map(re.escape, RUN_FILES))),
+                            (snaps, r"emb_\d+\.pt")):
             for name in os.listdir(folder) if os.path.isdir(folder) else ():
                 path = os.path.join(folder, name)
-                if tmp.fullmatch(name) or new and os.path.isfile(path) and re.fullmatch(files, name):
+                if re.fullmatch(rf"({own})\.tmp\d+", name) or new and os.path.isfile(path) and re.fullmatch(own, name):
                     os.remove(path)
         if new and os.path.isdir(snaps) and not os.listdir(snaps):
             os.rmdir(snaps)
 
     def wrap(self, model):
-        """The module the forward pass goes through: compiled (--compile), under DDP its wrapper; the methods and
-        checkpoints keep using `model` itself."""
-        fwd = torch.compile(model) if self.cfg["compile"] else model
+        """The module the forward pass goes through (compiled, DDP); the methods and checkpoints keep `model` itself."""
+        fwd, index = torch.compile(model) if self.cfg["compile"] else model, torch.device(self.device).index
         if self.ddp:
-            device = torch.device(self.device)
-            fwd = torch.nn.parallel.DistributedDataParallel(
-                fwd, device_ids=[device.index if device.index is not None else 0] if device.type == "cuda" else None)
+            fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=None if index is None else [index])
         return fwd
 
     def log(self, record):
@@ -609,30 +502,29 @@ class Run:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise SystemExit(f"cannot append to {self.log_path} ({e.strerror or e}): free disk space, then --resume") \
-                from None
+            raise SystemExit(f"cannot append to {self.log_path} ({e.strerror or e}): free disk space, then --resume")
         if self.wandb is not None:
             self.wandb.log(flat(record, record["split"] + "/"), step=record["step"])
 
+    def _diverged(self, what):
+        return SystemExit(f"{what} (diverged); {self.ckpt_path} keeps the last good checkpoint. Lower --lr or check "
+                          f"the method's hyper-parameters")
+
     def log_valid(self, step, record):
-        """A validation record; a non-finite valid loss or PPL stops the run as diverged, before it is checkpointed."""
+        """A validation record; a non-finite valid loss or PPL stops the run, before it is checkpointed."""
         self.log(dict(step=step, split="valid", **record))
         if not (math.isfinite(record["loss"]) and math.isfinite(record["ppl"])):
-            raise SystemExit(f"step {step}: the valid loss is {record['loss']:.4g}, PPL {record['ppl']:.4g} (diverged); "
-                             f"{self.ckpt_path} keeps the last good checkpoint. Lower --lr or check the method's "
-                             f"hyper-parameters")
+            raise self._diverged(f"step {step}: the valid loss is {record['loss']:.4g}, PPL {record['ppl']:.4g}")
 
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
-        """ckpt.pt, written atomically, with everything an exact resume needs (+ `extra`: the data position) and the
-        segments' provenance; --keep-last N also keeps the last N models as ckpt_STEP.pt. Every rank calls it (the RNG
-        states are gathered); non-finite weights are never saved."""
+        """ckpt.pt: all an exact resume needs (+ `extra`: the data position), never non-finite weights. Every rank calls
+        it (the RNG states are gathered); --keep-last N also keeps the last N models as ckpt_STEP.pt."""
         self.step, rngs = step, [rng_state()]
         if self.ddp:
             rngs = [None] * self.world
             torch.distributed.all_gather_object(rngs, rng_state())
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise SystemExit(f"step {step}: the model has non-finite weights (diverged); {self.ckpt_path} keeps the "
-                             f"last good checkpoint. Lower --lr or check the method's hyper-parameters")
+            raise self._diverged(f"step {step}: the model has non-finite weights")
         if not self.master:
             return
         head = dict(format=self.fmt, model=model.state_dict(), step=step, config=self.cfg, task=self.task)

@@ -1,4 +1,4 @@
-"""A run never silently becomes another run: resume before the first checkpoint, one writer per folder, torn logs,
+"""A run never silently becomes another run: resume without a checkpoint, one writer per folder, torn logs,
 preemption, divergence, a changed corpus, --overwrite, damaged checkpoints, provenance, bad flags (train_lm.py)."""
 import json
 import math
@@ -42,18 +42,17 @@ def wait_for_step(out, step, proc, timeout=120):
     raise AssertionError(f"step {step} not reached")
 
 
-def test_resume_before_the_first_checkpoint_restarts_that_run(corpus, tmp_path):
+def test_a_run_stopped_before_its_first_checkpoint_is_started_again_with_its_command(corpus, tmp_path):
     out = tmp_path / "r"
-    os.makedirs(out)
-    # the run was started (config.json written) and stopped before its first checkpoint
-    train_lm.main(lm_argv(corpus, out, "--method", "agg", "--alpha", "0.5", "--seed", "3"))
-    os.remove(out / "ckpt.pt")
-    train_lm.main(["--out", str(out), "--resume"])  # the README's resume command
-    cfg = json.load(open(out / "config.json"))
+    argv = lm_argv(corpus, out, "--method", "agg", "--alpha", "0.5", "--seed", "3")
+    train_lm.main(argv)
+    os.remove(out / "ckpt.pt")  # killed (config.json and log written) before its first checkpoint
+    with pytest.raises(SystemExit, match=r"ckpt.pt: no checkpoint there\. Check --out, or start a new run without"):
+        train_lm.main(["--out", str(out), "--resume"])
+    train_lm.main(argv)  # its own command again: no --overwrite needed, the old run's files go
     ck = torch.load(out / "ckpt.pt", weights_only=True)
-    assert cfg["method"] == ck["config"]["method"] == "agg" and cfg["seed"] == 3 and cfg["data_dir"] == corpus["data"]
-    with pytest.raises(SystemExit, match="holds no run to resume"):
-        train_lm.main(["--out", str(tmp_path / "empty"), "--resume"])
+    assert ck["config"]["method"] == "agg" and ck["config"]["seed"] == 3 and ck["step"] == 2
+    assert [s["start_step"] for s in json.load(open(out / "config.json"))["segments"]] == [0]
 
 
 def test_one_writer_per_run_folder(corpus, tmp_path):
@@ -238,16 +237,6 @@ def test_an_out_folder_that_holds_no_run_is_not_emptied(corpus, tmp_path):
     assert json.load(open(hf / "config.json")) == {"model_type": "gpt2", "n_layer": 1}
 
 
-def test_damaged_checkpoint_tensors_are_detected(corpus, tmp_path):
-    out = tmp_path / "dmg"
-    train_lm.main(lm_argv(corpus, out))
-    ck = torch.load(out / "ckpt.pt", weights_only=True)
-    ck["model"]["tok_emb.weight"][0, 0] += 1.0  # changed after the checksum was written
-    torch.save(ck, out / "ckpt.pt")
-    with pytest.raises(SystemExit, match="do not match the checksum"):
-        runlib.load_checkpoint(str(out / "ckpt.pt"))
-
-
 def test_provenance_of_every_segment_is_kept(corpus, tmp_path):
     out = tmp_path / "prov"
     train_lm.main(lm_argv(corpus, out, steps=4) + ["--stop-at", "2"])
@@ -259,14 +248,13 @@ def test_provenance_of_every_segment_is_kept(corpus, tmp_path):
     assert cfg["argv"] == first["argv"] and cfg["segments"][0]["argv"] == first["argv"]  # the original kept
 
 
-def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_falls_back_to_it(corpus, tmp_path, capsys):
+def test_the_checkpoint_carries_the_provenance_and_a_broken_config_json_is_rebuilt_from_it(corpus, tmp_path):
     out = tmp_path / "prov2"
     train_lm.main(lm_argv(corpus, out, steps=6) + ["--stop-at", "2"])
     first = json.load(open(out / "config.json"))
     assert torch.load(out / "ckpt.pt", weights_only=True)["provenance"] == first["segments"]
     (out / "config.json").write_text('{"task": "lm", "segm')  # damaged (a disk error, an editor)
     train_lm.main(["--out", str(out), "--resume", "--stop-at", "4"])
-    assert "config.json is missing or unreadable" in capsys.readouterr().out
     cfg = json.load(open(out / "config.json"))
     assert [s["start_step"] for s in cfg["segments"]] == [0, 2] and cfg["argv"] == first["argv"]
     os.remove(out / "config.json")
@@ -362,7 +350,7 @@ def test_nmt_refuses_empty_data_and_bad_steps_and_keeps_one_writer(nmt_tiny, tmp
     train_nmt.main(["--out", str(out), "--resume"])
     cfg = json.load(open(out / "config.json"))
     assert [s["start_step"] for s in cfg["segments"]] == [0, 2]
-    assert runlib.load_checkpoint(str(out / "ckpt.pt"))["step"] == 4  # checksum verified on load
+    assert runlib.load_checkpoint(str(out / "ckpt.pt"))["step"] == 4
 
 
 def test_data_that_is_not_utf8_and_a_damaged_cache_end_in_one_line(corpus_writer, tmp_path):
