@@ -191,9 +191,22 @@ NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
+def tensor_checksum(obj, h=None, key=""):
+    """sha256 over every tensor of a (nested) checkpoint, keys in order: detects bytes changed on disk."""
+    h = h or hashlib.sha256()
+    if torch.is_tensor(obj):
+        h.update(key.encode())
+        h.update(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for k, v in sorted(obj.items(), key=lambda kv: str(kv[0])) if isinstance(obj, dict) else enumerate(
+            obj if isinstance(obj, (list, tuple)) else ()):
+        if k != "checksum":
+            tensor_checksum(v, h, f"{key}/{k}")
+    return h.hexdigest()
+
+
 def save_checkpoint(path, state):
-    """Atomic: a crash mid-write never leaves half a checkpoint."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Atomic (a crash mid-write never leaves half a checkpoint), with a checksum load_checkpoint verifies."""
+    state, tmp = dict(state, checksum=tensor_checksum(state)), f"{path}.tmp{os.getpid()}"
     try:
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -223,6 +236,9 @@ def load_checkpoint(path, task=None):
                          f"good copy, or train again with --overwrite")
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
+    if "checksum" in ck and tensor_checksum(ck) != ck["checksum"]:
+        raise SystemExit(f"{path}: its tensors do not match their checksum (damaged after it was written): restore a "
+                         f"good copy, or resume from an earlier checkpoint")
     ck["task"] = ck.get("task") or ck["config"].get("task")
     if task is not None and ck["task"] != task:
         raise SystemExit(f"{path} is a checkpoint of task {ck['task']!r}, not {task!r}: use that task's script")
