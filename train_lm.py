@@ -431,6 +431,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         run.print(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs x {run.world}"
                   f"), {steps_per_epoch:.1f} steps/epoch, {cfg['method']} {hp}" +
                   (f", {rare_share:.1%} of the vocabulary rare at average rates" if rare_share else ""))
+        if cfg["rare_share"] and rare_share is not None and abs(rare_share - cfg["rare_share"]) > 0.02:  # tied counts
+            run.print(f"warning: --rare-share {cfg['rare_share']} marks {rare_share:.1%} of the vocabulary rare here")
 
         bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
         t0, first = time.time(), step  # throughput since this invocation started

@@ -551,3 +551,10 @@ def test_logit_softcap_caps_the_logits_of_training_validation_and_eval(lm_run, r
     assert train[0]["nll"] >= math.log(300) - 2 * 0.5  # logits within (-C, C): no NLL below log V - 2 C
     with pytest.raises(SystemExit, match="--logit-softcap 0.0: must be >= 0.001"):
         lm_run(tmp_path / "bad", "--logit-softcap", "0")
+
+
+def test_a_rare_share_the_tied_counts_cannot_give_is_said(lm_run, tmp_path, capsys):
+    lm_run(tmp_path / "r", "--method", "agg", "--rare-share", "0.01", steps=1)
+    got = json.load(open(tmp_path / "r" / "config.json"))["method_rare_share"]
+    assert abs(got - 0.01) > 0.02  # the never-seen tokens tie at count 0: all rare, or none
+    assert f"warning: --rare-share 0.01 marks {got:.1%} of the vocabulary rare" in capsys.readouterr().out
