@@ -111,8 +111,9 @@ def check_run_flags(cfg, task, ranges):
         raise SystemExit(f"--device {cfg['device']}: unknown device; use cpu, cuda or cuda:N")
     if cfg["device"].startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {cfg['device']}: CUDA is not available on this machine; use --device cpu")
-    if os.path.exists(cfg["out"]) and not os.path.isdir(cfg["out"]):
-        raise SystemExit(f"--out {cfg['out']}: is a file, not a folder; choose another --out")
+    for key in ("out", "cache_dir"):
+        if os.path.exists(cfg[key]) and not os.path.isdir(cfg[key]):
+            raise SystemExit(f"--{key.replace('_', '-')} {cfg[key]}: is a file, not a folder; choose another")
     cfg["task"] = task
 
 

@@ -328,10 +328,13 @@ def test_sighup_and_a_full_disk_while_logging_end_in_one_line(tmp_path):
             run.log(dict(step=1, split="train", loss=1.0))
 
 
-def test_out_that_is_a_file_is_refused(corpus, tmp_path):
+def test_out_or_cache_dir_that_is_a_file_is_refused(corpus, tmp_path):
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(SystemExit, match="is a file"):
+    with pytest.raises(SystemExit, match="--out .*afile: is a file"):
         train_lm.main(lm_argv(corpus, tmp_path / "afile"))
+    with pytest.raises(SystemExit, match="--cache-dir .*afile: is a file"):
+        train_lm.main(lm_argv(corpus, tmp_path / "run") + ["--cache-dir", str(tmp_path / "afile")])
+    assert not (tmp_path / "run").exists()
 
 
 def test_nmt_refuses_empty_data_and_bad_steps_and_keeps_one_writer(nmt_tiny, tmp_path):
