@@ -136,6 +136,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     data = prepare_lm(train_lm.make_config(device="cpu"))
     V, ids, T, seqs = data["vocab_size"], data["ids"]["train"], args.block_size, args.batch * args.accum
+    if not 1 <= T <= len(ids) // 2:
+        p.error(f"--block-size {T}: must be in [1, {len(ids) // 2}] (two blocks of this corpus at least)")
+    train_lm.check_memory(dict(block_size=T, d_model=128, n_layer=4, n_head=4, d_ff=512, device="cpu"), V, args.batch)
     blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4,
