@@ -175,8 +175,7 @@ def table(title, header, rows):
                      + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def fmt(x, spec):
-    return "n/a" if x is None else spec.format(x)
+fmt = lambda x, spec: "n/a" if x is None else spec.format(x)
 
 
 def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):

@@ -270,9 +270,7 @@ def paired_bleu(base_hyps, cand_hyps, refs, tgt, tokenize=None, n_boot=1000, see
     import sacrebleu
     metric = sacrebleu.BLEU(tokenize=tokenize or train_nmt.BLEU_TOKENIZE.get(tgt, "13a"))
     stats = [np.asarray(metric._extract_corpus_statistics(h, [refs]), dtype=np.int64) for h in (base_hyps, cand_hyps)]
-
-    def score(st):
-        return metric._compute_score_from_stats(st.sum(0).tolist()).score
+    score = lambda st: metric._compute_score_from_stats(st.sum(0).tolist()).score
     base, cand = score(stats[0]), score(stats[1])
     rng = np.random.default_rng(seed)
     diffs = np.array([score(stats[1][i]) - score(stats[0][i])

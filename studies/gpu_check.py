@@ -64,8 +64,7 @@ def train(out, steps, script, methods, *flags):
         runlib.write_json(out, rows)
 
 
-def max_rel(a, b):
-    return max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
+max_rel = lambda a, b: max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
 
 
 def numerics(out, device, lm_flags, nmt_flags, steps=8):
