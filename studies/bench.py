@@ -5,16 +5,15 @@
 
 Sections (--sections), each interleaving its candidates (the order rotates every round), with ratios vs MLE:
   head     observe() + loss() + backward() of the head for every agg.METHODS entry, `official-ref` (studies.official)
-           and `torch-ce` (F.cross_entropy(h @ W.T, y)): wall and CPU time (median, min-max), peak memory (CUDA
-           max_memory_allocated; on CPU the peak RSS above the set-up of a fresh process per case);
+           and `torch-ce` (F.cross_entropy(h @ W.T, y)): wall and CPU time, peak memory (CUDA max_memory_allocated;
+           on CPU the peak RSS above the set-up of a fresh process per case);
   chunked  loss()'s chunk_size at large vocabularies: peak head memory ~ chunk x V instead of T x V;
   lm       tokens/s of train_lm.py's training step per method (cpu preset).
 On a shared machine use --threads 1 and read the CPU-time column; compare rows of one run only.
-Writes OUT/bench.md (the tables) and OUT/bench.json: {"cases": [{"method", "V", "device", "ms", "ms_ratio_vs_mle",
-"peak_mb", "mem_ratio_vs_mle"}], "spread": [{"method", "V", "device", "ms_min", "ms_max", "samples_ms", "cpu_ms",
-"cpu_ratio_vs_mle", "cpu_samples_ms"}], "chunked", "lm", "meta"} (ms: median ms of a step; peak_mb above set-up).
+Writes OUT/bench.md (the tables) and OUT/bench.json (ms: median ms of a step; peak_mb above set-up).
 """
 import argparse
+import concurrent.futures as cf
 import contextlib
 import gc
 import hashlib
@@ -48,7 +47,7 @@ class TorchCE:  # plain PyTorch: F.cross_entropy(h @ W.T, y) (logits, log-softma
         return F.cross_entropy((hidden @ weight.T).reshape(-1, weight.shape[0]).float(), targets.reshape(-1))
 
 
-def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, n_batches=4):
+def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, dtype="float32", n_batches=4):
     """Inputs of all candidates of one (V, device): Zipf(1.1) targets, (T / seq_len, seq_len) (ul needs (B, T)); a
     history of `window` steps for the counters (its counts are the static methods'); alpha makes ~rare_fraction rare."""
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +68,7 @@ def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, n_batches=4
     rare_rows = float(torch.cat([rare[b.cpu().reshape(-1)] for b in batches]).double().mean())
     return dict(hidden=hidden, weight=weight, history=history, batches=batches, counts=counts, alpha=alpha,
                 rare_vocab=float(rare.double().mean()), rare_rows=rare_rows, window=window,
-                rare_fraction=rare_fraction)
+                rare_fraction=rare_fraction, bf16=dtype == "bfloat16")
 
 
 class Runner:
@@ -90,14 +89,16 @@ class Runner:
                 self.method.observe(y)
         self.hidden = data["hidden"].detach().requires_grad_()
         self.weight = data["weight"].detach().requires_grad_()
-        self.batches, self.i = data["batches"], 0
+        self.batches, self.i, self.bf16 = data["batches"], 0, data["bf16"]
 
     def step(self, hidden=None, y=None):
         self.hidden.grad = self.weight.grad = None
         if y is None:
             y, self.i = self.batches[self.i % len(self.batches)], self.i + 1
         self.method.observe(y)  # once per optimizer step: part of each step's cost
-        loss = self.method.loss(self.hidden if hidden is None else hidden, self.weight, y, chunk_size=self.chunk_size)
+        hidden = self.hidden if hidden is None else hidden
+        with torch.autocast(self.weight.device.type, torch.bfloat16, enabled=self.bf16):  # as train_lm.py's step
+            loss = self.method.loss(hidden, self.weight, y, chunk_size=self.chunk_size)
         loss.backward()
         return loss
 
@@ -124,25 +125,20 @@ def interleave(names, rounds, warmup, run, desc):
     return out
 
 
-def _cpu_peak_child(spec, conn):
-    """Send the peak RSS of one step above its set-up (VmHWM, reset by /proc/self/clear_refs on Linux >= 4.0)."""
+def _cpu_peak(spec):
+    """The peak RSS (MB) of one step above its set-up (VmHWM, reset by /proc/self/clear_refs on Linux >= 4.0)."""
     status_kb = lambda key: next(int(r.split()[1]) for r in open("/proc/self/status") if r.startswith(key + ":"))
-    try:
-        torch.set_num_threads(spec.pop("threads"))
-        name, chunk_size = spec.pop("method"), spec.pop("chunk_size")
-        runner = Runner(name, make_data(device="cpu", **spec), chunk_size)
-        runner.step(hidden=runner.hidden[:1, :16], y=runner.batches[0][:1, :16])  # every code path, a small allocation
-        runner.hidden.grad = runner.weight.grad = None
-        gc.collect()
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = status_kb("VmRSS")
-        runner.step()
-        conn.send({"peak_mb": max(status_kb("VmHWM") - base, 0) / 1024})
-    except Exception as e:  # report it in the parent
-        conn.send({"error": f"{type(e).__name__}: {e}"})
-    finally:
-        conn.close()
+    torch.set_num_threads(spec.pop("threads"))
+    name, chunk_size = spec.pop("method"), spec.pop("chunk_size")
+    runner = Runner(name, make_data(device="cpu", **spec), chunk_size)
+    runner.step(hidden=runner.hidden[:1, :16], y=runner.batches[0][:1, :16])  # every code path, a small allocation
+    runner.hidden.grad = runner.weight.grad = None
+    gc.collect()
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status_kb("VmRSS")
+    runner.step()
+    return max(status_kb("VmHWM") - base, 0) / 1024
 
 
 def cpu_peak_mb(method, chunk_size=None, **data):
@@ -150,21 +146,15 @@ def cpu_peak_mb(method, chunk_size=None, **data):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "agg"])
     spec = dict(data, method=method, chunk_size=chunk_size, threads=torch.get_num_threads())
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_cpu_peak_child, args=(spec, child))
     # A fixed glibc mmap threshold (read as the process or its server starts): every buffer >= 1 MiB is its own
     # mapping, unmapped when freed, so the peak RSS counts live tensors, not the freed buffers glibc keeps at random.
-    with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2 ** 20)):
-        proc.start()
-    child.close()
-    try:
-        out = parent.recv()
-    except EOFError:  # killed before it could answer (the kernel's OOM killer, most likely)
-        out = {"error": "the child process died; out of memory? Try a smaller --tokens / --vocab, or --no-memory"}
-    proc.join()
-    if "error" in out:
-        raise RuntimeError(f"peak memory of {method} at V={data['V']}: {out['error']} (exit code {proc.exitcode})")
-    return out["peak_mb"]
+    with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2 ** 20)), cf.ProcessPoolExecutor(1, ctx) as pool:
+        try:
+            return pool.submit(_cpu_peak, spec).result()
+        except Exception as e:  # BrokenProcessPool: killed before it could answer (the OOM killer, most likely)
+            why = "the child process died; out of memory? Try a smaller --tokens / --vocab, or --no-memory" \
+                if isinstance(e, cf.process.BrokenProcessPool) else f"{type(e).__name__}: {e}"
+            raise RuntimeError(f"peak memory of {method} at V={data['V']}: {why}") from None
 
 
 def peak_mb(runner, device, data):
@@ -185,14 +175,14 @@ def table(title, header, rows):
                      + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def fmt(x, spec):
-    return "n/a" if x is None else spec.format(x)
+fmt = lambda x, spec: "n/a" if x is None else spec.format(x)
 
 
 def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
     """Time the (method, chunk_size) candidates interleaved on one data set, then measure their peak memory:
     ({V, device, alpha, rare shares, load}, {candidate: ([wall ms], [CPU ms], peak MB or None)})."""
-    spec = dict(V=V, T=T, d=d, seq_len=seq_len, seed=args.seed, rare_fraction=args.rare_fraction, window=args.window)
+    spec = dict(V=V, T=T, d=d, seq_len=seq_len, seed=args.seed, rare_fraction=args.rare_fraction, window=args.window,
+                dtype=args.dtype)
     data = make_data(device=device, **spec)
     info = dict(V=V, device=device, alpha=data["alpha"], rare_vocab=data["rare_vocab"], rare_rows=data["rare_rows"],
                 load_before=os.getloadavg())
@@ -333,6 +323,7 @@ def build_parser():
     p.add_argument("--methods", nargs="+", default=NAMES, choices=NAMES, metavar="NAME",
                    help="candidates (agg.METHODS names, official-ref, torch-ce); mle is always added")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: the loss autocast")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
     g = p.add_argument_group("head")
     g.add_argument("--vocab", type=int, nargs="+", default=[8192, 32768, 50304])

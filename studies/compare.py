@@ -181,11 +181,9 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
         gap, count, ids = gap[count > 0], count[count > 0], ids[count > 0]
         order = torch.argsort(gap, descending=True)
         total = float(gap.sum()) or float("nan")  # nan shares when the two variants score alike
-        rng, g_np, c_np = np.random.default_rng(seed), gap.numpy(), count.numpy()
-        boot = []
-        for _ in range(n_boot):  # resample rare target types; ratio = cand rare PPL / base rare PPL
-            i = rng.integers(0, len(g_np), len(g_np))
-            boot.append(math.exp(-g_np[i].sum() / c_np[i].sum()))
+        rng, g_np, c_np = np.random.default_rng(seed), gap.numpy(), count.numpy()  # resample rare target types
+        boot = [math.exp(-g_np[i].sum() / c_np[i].sum()) for i in (rng.integers(0, len(g_np), len(g_np))
+                                                                     for _ in range(n_boot))]  # cand / base rare PPL
         out["rare_types"] = dict(
             types=len(ids), targets=int(count.sum()), ratio=math.exp(-total / float(count.sum())),
             ratio_type_boot95=np.percentile(boot, [2.5, 97.5]).tolist(),
@@ -272,9 +270,7 @@ def paired_bleu(base_hyps, cand_hyps, refs, tgt, tokenize=None, n_boot=1000, see
     import sacrebleu
     metric = sacrebleu.BLEU(tokenize=tokenize or train_nmt.BLEU_TOKENIZE.get(tgt, "13a"))
     stats = [np.asarray(metric._extract_corpus_statistics(h, [refs]), dtype=np.int64) for h in (base_hyps, cand_hyps)]
-
-    def score(st):
-        return metric._compute_score_from_stats(st.sum(0).tolist()).score
+    score = lambda st: metric._compute_score_from_stats(st.sum(0).tolist()).score
     base, cand = score(stats[0]), score(stats[1])
     rng = np.random.default_rng(seed)
     diffs = np.array([score(stats[1][i]) - score(stats[0][i])
@@ -558,6 +554,14 @@ def plot_output_bias(biases, counts, path):
 
 # ---------------------------------------------------------------------------------------------------------- report
 _md = lambda s: str(s).replace("|", "\\|").replace("\n", " ⏎ ").strip()  # a markdown table cell
+# report.md's table over the variants: (metric, header, decimals), the columns some variant has
+COLUMNS = [*((f"ppl_groups.{g}", f"PPL {g}", 2) for g in G), ("ppl", "PPL", 2), ("rare_bias.ppl", "PPL calibrated", 2),
+           ("rare_bias.ppl_groups.rare", "PPL rare calibrated", 2), *((f"uniq_groups.{g}", f"Uniq {g}", 1) for g in G),
+           ("uniq", "Uniq", 1), *((f"isotropy_groups.{g}", f"I {g}", 3) for g in G), ("isotropy", "I(W)", 3),
+           ("mean_cosine", "mean cos", 3), ("mean_cosine_groups.rare", "cos rare", 3), ("word_similarity.ws353",
+           "WS353", 3), ("word_similarity.simlex999", "SimLex", 3), ("gen_uniq", "Uniq per sample", 1),
+           ("gen_rep4", "seq-rep-4", 3), ("bleu", "BLEU", 2), ("test_ppl", "test PPL", 2),
+           ("group_rare_mass_pred", "rare mass pred", 4), ("group_rare_mass_true", "rare mass true", 4)]
 
 
 def table(header, rows):
@@ -565,67 +569,27 @@ def table(header, rows):
     return [row(header), "|" + " --- |" * len(header), *map(row, rows), ""]
 
 
-def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots=None, comparisons=()):
+def write_report(path, metrics, args, argv, summary, comparisons, plots):
     L = ["# Evaluation report", "", f"`{shlex.join(['python', '-m', 'studies.compare', *argv])}`", "",
          f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
-    nan = float("nan")
-    if summary and any(s["n"] > 1 for s in summary.values()):
-        cols = [(k, h) for k, h in [
-            ("ppl", "PPL"), ("ppl_groups.rare", "PPL rare"), ("uniq", "Uniq"), ("isotropy", "I(W)"),
-            ("isotropy_groups.rare", "I rare"), ("mean_cosine", "mean cos"), ("mean_cosine_groups.rare", "cos rare"),
-            ("bleu", "BLEU"), ("test_ppl", "test PPL"), ("group_rare_mass_pred", "rare mass pred"),
-            ("group_rare_mass_true", "rare mass true")] if any(get(s, k) for s in summary.values())]
-        pm = lambda s, nd: f"{fmt(s['mean'], nd)} ± {fmt(s['std'], nd)}"
-        L += ["## Mean ± std over the runs (seeds) of each method", ""] + table(
-            ["method", "n", *(h for _, h in cols)],
-            [[v, s["n"], *(pm(get(s, k), 3 if "isotropy" in k or "cos" in k else 2) if get(s, k) else "-"
-                           for k, _ in cols)] for v, s in summary.items()])
-    lm = [k for k, m in metrics.items() if m["task"] == "lm"]
-    nmt = [k for k, m in metrics.items() if m["task"] == "nmt"]
-    if lm:
-        h = metrics[lm[0]]
-        ws = list(h["word_similarity"])
-        L += [f"## Language modelling ({h['split']} split; groups: 30% frequent / 50% medium / 20% rare by train "
-              f"counts)", ""] + table(
-            ["run", "method", "step", *(f"PPL {g}" for g in G), "PPL total", *(f"Uniq {g}" for g in G), "Uniq total",
-             "I(W)", *(f"I {g}" for g in G), "mean cos", *ws],
-            [[k, m["method"], m["step"], *(fmt(m["ppl_groups"][g]) for g in G), fmt(m["ppl"]),
-              *(m["uniq_groups"][g] for g in G), m["uniq"], fmt(m["isotropy"], 3),
-              *(fmt(m["isotropy_groups"][g], 3) for g in G), fmt(m["mean_cosine"], 3),
-              *(fmt(v, 3) for v in m["word_similarity"].values())] for k, m in ((k, metrics[k]) for k in lm)]
-            + [["human", *["-"] * 6, *(h["uniq_human_groups"][g] for g in G), h["uniq_human"], *["-"] * (5 + len(ws))]])
-        L += ["Word similarity, pairs used / total: " + "; ".join(
-            f"{n} {u}/{t}" for n, (u, t) in h["word_similarity_pairs"].items()) + ".", ""] + table(  # greedy decoding
-            ["run", "mean Uniq per sample", "mean seq-rep-4"],
-            [[k, fmt(metrics[k]["gen_uniq"], 1), fmt(metrics[k]["gen_rep4"], 3)] for k in lm]
-            + [["human", fmt(h["gen_uniq_human"], 1), fmt(h["gen_rep4_human"], 3)]])
-    if nmt:
-        L += ["## Machine translation", ""] + table(
-            ["run", "method", "BLEU", "test PPL", *(f"PPL {g}" for g in G), "I(W)", *(f"I {g}" for g in G), "mean cos",
-             "rare mass pred / true", "signature"],
-            [[k, m.get("method", "?"), fmt(m.get("bleu", nan)), fmt(m.get("test_ppl", nan)),
-              *(fmt(m.get("ppl_groups", {}).get(g, nan)) for g in G), fmt(m["isotropy"], 3),
-              *(fmt(m["isotropy_groups"][g], 3) for g in G), fmt(m["mean_cosine"], 3),
-              f"{fmt(m.get('group_rare_mass_pred', nan), 4)} / {fmt(m.get('group_rare_mass_true', nan), 4)}",
-              f"`{_md(m.get('bleu_signature', ''))}`"] for k, m in ((k, metrics[k]) for k in nmt)])
-    biased = [k for k in lm if "rare_bias" in metrics[k]]
-    if biased:
-        to = lambda a, b, nd=2: f"{fmt(a, nd)} -> {fmt(b, nd)}"
-        L += ["## The free baseline: one bias on the rare group's logits, fitted on the valid split", ""] + table(
-            ["run", "bias", "PPL", "PPL rare", "rare mass pred / true", "Uniq", "Uniq rare", "rare argmax precision",
-             "rare argmax recall"],
-            [[k, f"0 -> {b['bias']:+.3f}", to(a["ppl"], b["ppl"]), to(a["ppl_groups"]["rare"], b["ppl_groups"]["rare"]),
-              f"{a['rare_mass_pred']:.4f} -> {b['rare_mass_pred']:.4f} / {a['rare_mass_true']:.4f}",
-              to(a["uniq"], b["uniq"]), to(a["uniq_groups"]["rare"], b["uniq_groups"]["rare"]),
-              *(to(a[key], b[key], 3) for key in ("rare_argmax_precision", "rare_argmax_recall"))]
-             for k, a, b in ((k, metrics[k]["rare_argmax"], metrics[k]["rare_bias"]) for k in biased)])
+    cols = [c for c in COLUMNS if any(get(s, c[0]) for s in summary.values())]
+    cell = lambda s, n, nd: fmt(s["mean"], nd) + (f" ± {fmt(s['std'], nd)}" if n > 1 else "") if s else "-"
+    L += [f"## Mean ± std over the runs (seeds) of each variant (groups: 30% frequent / 50% medium / 20% rare by "
+          f"train counts)", ""] + table(["variant", "n", *(h for _, h, _ in cols)],
+                                        [[v, s["n"], *(cell(get(s, k), s["n"], nd) for k, _, nd in cols)]
+                                         for v, s in summary.items()])
+    if h := next((m for m in metrics.values() if "uniq_human" in m), None):
+        L += [f"Human text ({h['split']} split): Uniq {h['uniq_human']} (" + ", ".join(
+            f"{g} {h['uniq_human_groups'][g]}" for g in G) + f"), Uniq per sample {fmt(h['gen_uniq_human'], 1)}, "
+            f"seq-rep-4 {fmt(h['gen_rep4_human'], 3)}. Word similarity, pairs used / total: " + "; ".join(
+            f"{n} {u}/{t}" for n, (u, t) in h["word_similarity_pairs"].items()) + ".", ""]
     for c in comparisons:
         rows = []
         for key, r in c["metrics"].items():
             f = (lambda x: f"x{math.exp(x):.3f}") if r["log_ratio"] else (lambda x: f"{x:+.4g}")
             iv = lambda name: f"[{f(r[name][0])}, {f(r[name][1])}]" if name in r else "-"
             rows.append([key, fmt(float(np.mean(r["base"])), 3), fmt(float(np.mean(r["cand"])), 3), f(r["mean"]),
-                         iv("t95"), iv("boot95"), f(r["median"]), fmt(r.get("p", nan), 3)])
+                         iv("t95"), iv("boot95"), f(r["median"]), fmt(r.get("p", float("nan")), 3)])
         L += [f"## Paired comparison: {c['cand']} against {c['base']} (seeds {', '.join(map(str, c['seeds']))})", ""]
         L += table(["metric", "base (mean)", "cand (mean)", "change", "95% t interval", "95% bootstrap", "median",
                     "p (paired t)"], rows)
@@ -639,8 +603,6 @@ def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots
             L += ["BLEU, paired bootstrap per seed (cand - base): " + "; ".join(
                 f"seed {x['seed']}: {x['diff']:+.2f} [{x['boot95'][0]:+.2f}, {x['boot95'][1]:+.2f}], p {x['p']:.3f}"
                 for x in c["bleu_paired_bootstrap"]) + ".", ""]
-            if "min_detectable" in c["metrics"].get("bleu", {}):
-                L += [f"BLEU difference detectable at 80% power: {c['metrics']['bleu']['min_detectable']:.2f}.", ""]
         if "free_baseline_share" in c:
             s = c["free_baseline_share"]
             L += [f"Share of the rare-PPL gain that calibrating {c['base']} gets: {s['mean']:.0%} (per seed: "
@@ -649,10 +611,8 @@ def write_report(path, metrics, args, argv, summary=None, curves=None, snapshots
     for k, m in metrics.items():
         L += [f"**{k}**", ""] + table(["token", "top-5 neighbours"],
                                       [[_md(t), ", ".join(_md(n) for n in ns)] for t, ns in m["neighbours"].items()])
-    L += ["## Plots", "", "![singular values](singular_values.png)", "", "![SVD projection](svd_projection.png)", ""]
-    L += ["![training curves](training_curves.png)", ""] if curves else []
-    L += ["![SVD projection over training](svd_over_time.png)", ""] if snapshots else []
-    runlib.write_text(path, "\n".join(L))
+    runlib.write_text(path, "\n".join(L + ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})\n"
+                                                             for p in plots if p]))
 
 
 def main(argv=None):
@@ -703,22 +663,21 @@ def main(argv=None):
             runlib.write_json(out(f"{name}.json"), data)
     if args.results:
         write_results(args.results, metrics, configs, folders, comparisons, argv)
-    plot_singular_values({k: m["singular_values"] for k, m in metrics.items()}, out("singular_values.png"))
     gid = {k: ev.group_index(r["counts"])[0] for k, r in results.items()}
-    plot_svd({"": [(k, r["weight"], gid[k]) for k, r in results.items()]}, out("svd_projection.png"),
-             "2-D SVD projection of the tied embedding")
     snapshots = {k: [(f"{k} step {s}", f, gid[k]) for s in configs[d].get("snapshot_steps") or []  # train_lm.py's
                      if os.path.exists(f := os.path.join(d, "snapshots", f"emb_{s}.pt"))] for k, d in folders.items()}
     snapshots = {k: v for k, v in snapshots.items() if v}
-    if snapshots:  # AGG Fig. 1 over time: one row per run
-        plot_svd(snapshots, out("svd_over_time.png"), "Embeddings over training: 2-D SVD projection")
-    curves = plot_training_curves(folders, variants, out("training_curves.png"))
-    plot_gradient_parts(folders, variants, out("gradient_parts.png"))
-    plot_rare_share(folders, variants, out("rare_share.png"))
     biases = {k: r["out_bias"] for k, r in results.items() if r["out_bias"] is not None}
-    if biases:
-        plot_output_bias(biases, {k: results[k]["counts"] for k in biases}, out("output_bias.png"))
-    write_report(out("report.md"), metrics, args, argv, summary, curves, snapshots, comparisons)
+    plots = [plot_singular_values({k: m["singular_values"] for k, m in metrics.items()}, out("singular_values.png")),
+             plot_svd({"": [(k, r["weight"], gid[k]) for k, r in results.items()]}, out("svd_projection.png"),
+                      "2-D SVD projection of the tied embedding"),
+             snapshots and plot_svd(snapshots, out("svd_over_time.png"),  # AGG Fig. 1 over time: one row per run
+                                    "Embeddings over training: 2-D SVD projection"),
+             plot_training_curves(folders, variants, out("training_curves.png")),
+             plot_gradient_parts(folders, variants, out("gradient_parts.png")),
+             plot_rare_share(folders, variants, out("rare_share.png")),
+             biases and plot_output_bias(biases, {k: results[k]["counts"] for k in biases}, out("output_bias.png"))]
+    write_report(out("report.md"), metrics, args, argv, summary, comparisons, plots)
     print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")
     return metrics
 

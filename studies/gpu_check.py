@@ -1,6 +1,6 @@
-"""The parts of studies/gpu_check.sh (its header says how to run it), each in a process of its own:
+"""The parts of studies/gpu_check.sh (its header says how to run it; the head is studies.bench --dtype), each in a
+process of its own:
 
-    python -m studies.gpu_check head OUT DTYPE BENCH_FLAGS...     # studies.bench's head section, float32 or bfloat16
     python -m studies.gpu_check train OUT.json STEPS lm|nmt METHODS TRAIN_FLAGS...  # tokens/s, peak memory
     python -m studies.gpu_check numerics OUT.json DEVICE "LM_FLAGS" "NMT_FLAGS"     # device vs CPU, bf16, resume
     python -m studies.gpu_check report WORK GPU.json              # the parts' outputs and the issue's targets
@@ -15,43 +15,19 @@ from pathlib import Path
 
 import torch
 
+import eval as ev
 import runlib
 import train_lm
 import train_nmt
-from studies import bench
 
 PEAK_FLOPS = 989e12  # dense bf16 FLOP/s of an H100 SXM (NVIDIA's datasheet; the H200 is the same chip): MFU's base
 SCRIPTS = {"lm": train_lm, "nmt": train_nmt}
 
 
-def head(out, dtype, *flags):
-    """bench has no dtype flag: for bfloat16 each candidate's loss runs under autocast, as in train_lm.py's step."""
-    init = bench.Runner.__init__
-
-    def init_autocast(self, name, data, chunk_size=None):
-        init(self, name, data, chunk_size)
-        loss, device = self.method.loss, data["weight"].device.type
-        self.method.loss = lambda *a, **k: autocast(device, loss, *a, **k)
-    if dtype == "bfloat16":
-        bench.Runner.__init__ = init_autocast
-    bench.main(["--sections", "head", "--out", out, *flags])
-
-
-def autocast(device, fn, *a, **k):
-    with torch.autocast(device, dtype=torch.bfloat16):
-        return fn(*a, **k)
-
-
-def train_log(folder):
-    """(config.json, the train records of log.jsonl) of a run folder."""
-    recs = map(json.loads, Path(folder, "log.jsonl").read_text().splitlines())
-    return json.loads(Path(folder, "config.json").read_text()), [r for r in recs if r["split"] == "train"]
-
-
 def throughput(folder):
     """Tokens/s after the warm-up steps (compilation, allocator) from --log-interval 1 records: train_lm logs tokens/s
     since the invocation started, train_nmt target tokens/s since its last record."""
-    cfg, recs = train_log(folder)
+    cfg, recs = runlib.run_config(folder), ev.log_records(folder, "train")
     if cfg["task"] == "lm":
         tokens = [cfg["tokens_per_step_actual"]] * len(recs)
         ends = [r["step"] * tokens[0] / r["tokens_per_s"] for r in recs]
@@ -88,8 +64,7 @@ def train(out, steps, script, methods, *flags):
         runlib.write_json(out, rows)
 
 
-def max_rel(a, b):
-    return max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
+max_rel = lambda a, b: max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
 
 
 def numerics(out, device, lm_flags, nmt_flags, steps=8):
@@ -101,7 +76,8 @@ def numerics(out, device, lm_flags, nmt_flags, steps=8):
     def go(script, name, *flags):
         folder = os.path.join(work, f"{script}-{name}")
         SCRIPTS[script].main([*flags, "--out", folder, *(() if "--resume" in flags else ("--overwrite",))])
-        return [r["loss"] for r in train_log(folder)[1]], torch.load(f"{folder}/ckpt.pt", weights_only=True)["model"]
+        losses = [r["loss"] for r in ev.log_records(folder, "train")]
+        return losses, torch.load(f"{folder}/ckpt.pt", weights_only=True)["model"]
 
     def compare(a, b):
         (la, wa), (lb, wb) = a, b
@@ -158,14 +134,12 @@ def report(work, dest):
             agg_vs_mle_tokens_per_s=target(0.97, True, [(k, round(m["agg"] / m["mle"], 4) if m.get("agg") and
                                                          m.get("mle") else None) for k, m in pairs.items()])),
         notes=dict(
-            head="studies.bench's head section: median ms of observe + loss + backward, peak MB above set-up "
-                 "(max_memory_allocated); bench has no dtype flag: bfloat16 rows run each candidate's loss under "
-                 "torch.autocast(bfloat16), as train_lm.py's step does (studies.gpu_check.head)",
-            throughput=f"tokens/s after the warm-up steps (nmt: target tokens); peak_mem_mb: max_memory_allocated of "
-                       f"the run; mfu = 6 n_params tokens/s / {PEAK_FLOPS:.3g} (dense bf16 peak of an H100 SXM / "
-                       f"H200), attention FLOPs left out",
+            head="studies.bench --sections head: median ms of observe + loss + backward, peak MB above set-up "
+                 "(max_memory_allocated); bfloat16: bench --dtype bfloat16, each loss under autocast as in training",
+            throughput=f"tokens/s after the warm-up steps (nmt: target tokens); peak_mem_mb: max_memory_allocated; "
+                       f"mfu = 6 n_params tokens/s / {PEAK_FLOPS:.3g} (bf16, H100 SXM / H200), no attention FLOPs",
             numerics="max relative difference of the training loss over the steps; weights: ckpt.pt's model")))
 
 
 if __name__ == "__main__":
-    {"head": head, "train": train, "numerics": numerics, "report": report}[sys.argv[1]](*sys.argv[2:])
+    {"train": train, "numerics": numerics, "report": report}[sys.argv[1]](*sys.argv[2:])

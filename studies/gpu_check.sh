@@ -103,7 +103,8 @@ main() {
   fi
   echo "gpu_check: $MODE, parts $PARTS, budget $BUDGET s, work folder $WORK"
   for dtype in float32 bfloat16; do
-    part head-$dtype 70 $M head "$WORK/head_$dtype" $dtype --device $DEV $HEAD --methods $methods torch-ce
+    part head-$dtype 70 $PY -m studies.bench --sections head --out "$WORK/head_$dtype" --dtype $dtype --device $DEV \
+      $HEAD --methods $methods torch-ce
   done
   part numerics 80 $M numerics "$WORK/numerics.json" $DEV "$LM_TINY" "$NMT_TINY"
   local modes=eager

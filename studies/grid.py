@@ -14,10 +14,8 @@ OUT/tables.md: AGG Tables 1-2, 3, 4, 7-8, 9, 10 and Table 6's peers, mean +- std
 --warmups, --sweep) also writes OUT/sweep.json: each run's valid and test PPL, each method's lowest mean valid PPL.
 """
 import argparse
-import json
 import os
 import shlex
-import subprocess
 import sys
 
 import agg
@@ -94,10 +92,7 @@ def train_command(args, extra, method, seed, lr=None, wu=None, knob=None):
 
 
 def cell(summary, method, key):
-    node = summary.get(method)
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    if not node:
+    if not (node := compare.get(summary.get(method), key)):
         return "-"
     nd = 3 if any(w in key for w in ("isotropy", "cosine", "rep4")) else (0 if key.startswith("uniq") else 1)
     return f"{node['mean']:.{nd}f}" + (f" ± {node['std']:.{nd}f}" if summary[method]["n"] > 1 else "")
@@ -108,12 +103,9 @@ def write_tables(summary, path, command):
              "Each cell: mean ± std over seeds (n = runs per method; one run: its value). Test split, frequency "
              "groups 30/50/20% of the vocabulary by train counts; Uniq = distinct next-token argmax predictions.", ""]
     for title, methods, cols in TABLES:
-        methods = [m for m in methods if m in summary]
-        if methods:
-            lines += [f"## {title}", "", "| method | n | " + " | ".join(HEADERS.get(c, c) for c in cols) + " |",
-                      "|" + " --- |" * (2 + len(cols))]
-            lines += [f"| {m} | {summary[m]['n']} | " + " | ".join(cell(summary, m, c) for c in cols) + " |"
-                      for m in methods] + [""]
+        if methods := [m for m in methods if m in summary]:
+            lines += [f"## {title}", ""] + compare.table(["method", "n", *(HEADERS.get(c, c) for c in cols)], [
+                [m, summary[m]["n"], *(cell(summary, m, c) for c in cols)] for m in methods])
     runlib.write_text(path, "\n".join(lines))
 
 
@@ -188,16 +180,11 @@ def main(argv=None):
         os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
         pool.run(lambda busy: queue.pop(0) if queue else None, args.jobs)
     report = os.path.join(args.out, "report")
-    cmd = [sys.executable, "-m", "studies.compare", *folders, "--out", report, *args.eval_args.split()]
-    if subprocess.run(cmd).returncode:
-        raise SystemExit(f"grid: `{shlex.join(cmd)}` failed")
-    with open(os.path.join(report, "summary.json")) as f:
-        summary = json.load(f)
+    metrics = compare.main([*folders, "--out", report, *args.eval_args.split()])  # report/summary.json: summarise's
     command = shlex.join(["python", "-m", "studies.grid", *argv])
-    write_tables(summary, os.path.join(args.out, "tables.md"), command)
+    write_tables(compare.summarise(metrics), os.path.join(args.out, "tables.md"), command)
     if args.lrs or args.warmups or args.sweep:
-        with open(os.path.join(report, "metrics.json")) as f:
-            sweep = sweep_table(json.load(f), command, key)
+        sweep = sweep_table(metrics, command, key)
         runlib.write_json(os.path.join(args.out, "sweep.json"), sweep)
         for method, s in sweep["selected"].items():
             knob = f", --{args.sweep[0]} {s[key]:g}" if key else ""

@@ -1,14 +1,8 @@
 """A literal port of the official AGG criterion (the authors' fairseq criterion, AGG Eq. 5, 7-10): the oracle the
-tests hold agg.py's one-logit 'agg' against, and the cost baseline `official-ref` of studies.bench. Every step it
-  - overwrites the oldest row of a dense (K, V) token counter memory with this step's counts, counted by comparing
-    every target with every other target (T x T), and sums the memory (AGG Sec. 4.1, Eq. 5);
-  - finds the rare-target rows by comparing every target with every rare id (T x R);
-  - builds two dense gate matrices, (rows with a non-rare target) x V for g1 and (rows with a rare target) x V for
-    g2, with 1 at each row's target column (Eq. 7-8);
-  - computes three logit matrices (Eq. 9): z0 = h W~^T (gradient to h only), z1/z2 = g * (h~ W^T) + (1 - g) *
-    (h~ W^T)~ on the two row sets (gradient to W only, gated), and three log-softmaxes (Eq. 10).
-(x~ = x.detach().) The loss is a mean over positions (fairseq sums) so that gradients compare with agg.py's 'agg';
-no ignore_index / label smoothing.
+tests hold agg.py's one-logit 'agg' against, and the cost baseline `official-ref` of studies.bench. As the official
+code does, it counts into a dense (K, V) memory by comparing every target with every other (T x T), builds dense gate
+matrices and three logit matrices with three log-softmaxes. The loss is a mean over positions (fairseq sums) so that
+gradients compare with agg.py's 'agg'; no ignore_index / label smoothing.
 """
 import torch
 import torch.nn.functional as F

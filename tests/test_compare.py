@@ -40,8 +40,12 @@ def test_seeds_are_aggregated_in_summary_json(runs, tmp_path):
     assert summary["mle"]["rare_bias"]["ppl_groups"]["freq"]["mean"] == pytest.approx(
         np.mean([metrics[k]["rare_bias"]["ppl_groups"]["freq"] for k in ("mle", "mle-s1")]))  # nested dicts too
     text = (report / "report.md").read_text()
-    assert "Mean ± std" in text and "| mle | 2 |" in text
-    assert "| mle | mle | 3 |" in text and "| agg | agg | 3 |" in text and "| human |" in text
+    assert "Mean ± std" in text and "| mle | 2 |" in text and "| agg | 1 |" in text
+    assert "Human text (test split)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| mle | 2 |"))  # mean ± std over the seeds
+    assert f"{summary['mle']['ppl']['mean']:.2f} ± {summary['mle']['ppl']['std']:.2f}" in row
+    for png in ("singular_values.png", "training_curves.png", "gradient_parts.png", "svd_over_time.png"):
+        assert f"]({png})" in text
     for png in ("singular_values.png", "svd_projection.png"):
         assert (report / png).stat().st_size > 5000
     assert (report / "training_curves.png").stat().st_size > 0  # from the valid records of log.jsonl
@@ -214,7 +218,7 @@ def test_nmt_compare_gives_paired_bleu_bootstrap_and_target_side_metrics(tmp_pat
     assert "target.ppl_groups.rare" in comp["metrics"] and "target.rare_recall" in comp["metrics"]
     assert json.load(open(tmp_path / "nmt.json"))["compare"][0]["bleu_paired_bootstrap"] == boot
     report = (tmp_path / "r" / "report.md").read_text()
-    assert "## Machine translation" in report and "rare mass pred / true" in report
+    assert "| BLEU | test PPL |" in report and "rare mass pred" in report
 
 
 def test_output_bias_is_reported_against_frequency(lm_run, tmp_path):
