@@ -235,22 +235,6 @@ def plot_lr_sensitivity(sensitivity, title, path):
     compare.save(fig, path)
 
 
-def portable(argv):
-    """The study's command as a user runs it: the runs in the default out/rivals, training on, and the results file
-    relative (named by its folder when written from another checkout)."""
-    out, args = [], iter(argv)
-    for a in args:
-        if a in ("--out", "--results"):
-            value = next(args, None)
-            path = value and os.path.relpath(os.path.abspath(value), ROOT)
-            if a == "--results" and path:
-                out += [a, os.path.join(os.path.basename(os.path.dirname(os.path.abspath(value))),
-                                        os.path.basename(path)) if path.startswith("..") else path]
-        elif a != "--no-train" and not a.startswith("--out="):
-            out.append(a)
-    return out
-
-
 def write_results(study, path, argv):
     """results/lm_rivals.json: every finished run, the sweeps and selections, each rival paired with MLE by seed."""
     plan, _ = study.plan()
@@ -286,7 +270,7 @@ def write_results(study, path, argv):
     sensitivity = lr_sensitivity(sweep, selections, train_lm.PRESETS["cpu"]["vocab_size"])
     finals = [np.log(v) for rival in study.table for lr, k in study.finalists(rival) or []
               if None not in (v := [study.valid_ppl(run_name(rival, lr, k, seed)) for seed in (0, 1, 2)])]
-    result = dict(command=shlex.join(["python", "-m", f"studies.{study.name}", *portable(argv)]),
+    result = dict(command=shlex.join(["python", "-m", f"studies.{study.name}", *scale.portable(argv)]),
                   protocol=study.doc.split("The protocol")[1].strip(),
                   selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best "
                                       "on the mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,

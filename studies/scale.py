@@ -226,30 +226,52 @@ def paired_cell(runs):
     return out
 
 
-FIT_QUANTITIES = ("ppl_log_ratio", "calibrated_rare_ppl_log_ratio", "gap_closed_by_calibration")
-PAPER_REGIME = dict(n_params_non_embedding=302e6, train_tokens=103e6)  # GPT-2 medium on WikiText-103 (AGG Sec. 5.1)
+FIT_QUANTITIES = ("ppl_log_ratio", "calibrated_ppl_log_ratio", "calibrated_rare_ppl_log_ratio",
+                  "gap_closed_by_calibration")
+# Where the fits are asked to predict: the paper's GPT-2 medium on WikiText-103 (AGG Sec. 5.1), and the M model on
+# WikiText-103 prefixes of 0.7M, 2.2M and 7M tokens (the study runs there unchanged where the hub is reachable)
+PREDICT = dict(paper_regime=dict(n_params_non_embedding=302e6, train_tokens=103e6), **{
+    f"wikitext103_M_{t}": dict(size="M", train_tokens=float(t[:-1]) * 1e6) for t in ("0.7M", "2.2M", "7M")})
 
 
 def fit_trend(cells, key):
-    """OLS of the per-seed paired quantity on log10 non-embedding parameters and log10 training tokens, and its
-    prediction at the paper's regime: an extrapolation over two to three decades, to be read as such."""
-    X = np.asarray([[1.0, math.log10(c["n_params_non_embedding"]), math.log10(c["train_tokens"])]
-                    for c in cells for _ in c[key]["diffs"]])
-    y = np.asarray([v for c in cells for v in c[key]["diffs"]])
-    if len(y) <= 4 or np.linalg.matrix_rank(X) < 3:
+    """OLS of a paired quantity's cell means (one point per cell: the seeds of a cell are not design points) on log10
+    non-embedding parameters and log10 training tokens; a lack-of-fit F test of that plane against the seeds' spread
+    within the cells; its predictions at PREDICT, extrapolations over up to three decades, to be read as such."""
+    X = np.asarray([[1.0, math.log10(c["n_params_non_embedding"]), math.log10(c["train_tokens"])] for c in cells])
+    y, n = np.asarray([c[key]["mean"] for c in cells]), np.asarray([len(c[key]["diffs"]) for c in cells])
+    if len(y) <= 3 or np.linalg.matrix_rank(X) < 3:
         return None
     beta, *_ = np.linalg.lstsq(X, y, rcond=None)
     dof, resid = len(y) - 3, y - X @ beta
     s2 = float(resid @ resid) / dof
     cov = s2 * np.linalg.inv(X.T @ X)
     se, t = np.sqrt(np.diag(cov)), stats.t.ppf(0.975, dof)
-    x0 = np.array([1.0, math.log10(PAPER_REGIME["n_params_non_embedding"]), math.log10(PAPER_REGIME["train_tokens"])])
-    pred, pred_se = float(x0 @ beta), float(np.sqrt(x0 @ cov @ x0 + s2))
-    return dict(model=f"{key} = a + b log10(non-embedding params) + c log10(train tokens), OLS over seeds",
-                n=len(y), residual_sd=math.sqrt(s2),
+    pure = sum(float(np.sum((np.asarray(c[key]["diffs"]) - c[key]["mean"]) ** 2)) for c in cells)  # within cells
+    df_pure = int(n.sum() - len(n))
+    f_lof = float(n @ resid ** 2) / dof / (pure / df_pure) if df_pure and pure > 0 else float("nan")
+    params = {c["size"]: c["n_params_non_embedding"] for c in cells}
+    predictions = {}
+    for name, at in PREDICT.items():
+        if (p := at.get("n_params_non_embedding", params.get(at.get("size")))) is not None:
+            x0 = np.array([1.0, math.log10(p), math.log10(at["train_tokens"])])
+            pred, pred_se = float(x0 @ beta), float(np.sqrt(x0 @ cov @ x0 + s2))
+            predictions[name] = dict(at, n_params_non_embedding=p, prediction=pred,
+                                     pi95=[pred - t * pred_se, pred + t * pred_se])
+    return dict(model=f"{key} = a + b log10(non-embedding params) + c log10(train tokens), OLS over the cell means",
+                cells=len(y), seeds_per_cell=sorted(set(n.tolist())), residual_sd=math.sqrt(s2),
                 **{n: dict(value=float(b), se=float(e), ci95=[float(b - t * e), float(b + t * e)])
                    for n, b, e in zip(("intercept", "per_decade_params", "per_decade_tokens"), beta, se)},
-                paper_regime=dict(PAPER_REGIME, prediction=pred, pi95=[pred - t * pred_se, pred + t * pred_se]))
+                lack_of_fit=dict(F=f_lof, df=[dof, df_pure], p=float(stats.f.sf(f_lof, dof, df_pure))),
+                predictions=predictions)
+
+
+def pooled_by_data(cells):
+    """Per data size, the paired quantities pooled over the model sizes (each size's seeds are independent pairs)."""
+    return {f"{f:g}": {k: compare.paired_interval([v for c in cells if c["train_fraction"] == f for v in c[k]["diffs"]])
+                       for k in ("ppl_log_ratio", "calibrated_ppl_log_ratio", "calibrated_rare_ppl_log_ratio",
+                                 "gap_closed_by_calibration")}
+            for f in sorted({c["train_fraction"] for c in cells})}
 
 
 def plot_cells(cells, path, share):
@@ -283,6 +305,22 @@ def plot_cells(cells, path, share):
     compare.save(fig, path)
 
 
+def portable(argv):
+    """The study's command as a user runs it: the runs in the default --out, training on, and the results file
+    relative (named by its folder when written from another checkout)."""
+    out, args = [], iter(argv)
+    for a in args:
+        if a in ("--out", "--results"):
+            value = next(args, None)
+            path = value and os.path.relpath(os.path.abspath(value), ROOT)
+            if a == "--results" and path:
+                out += [a, os.path.join(os.path.basename(os.path.dirname(os.path.abspath(value))),
+                                        os.path.basename(path)) if path.startswith("..") else path]
+        elif a != "--no-train" and not a.startswith("--out="):
+            out.append(a)
+    return out
+
+
 def write_results(study, path, argv, corpus_path=None):
     """results JSON: every finished run (also those an earlier selection asked for), the selections with the valid
     PPL behind them, the paired cells, the fits."""
@@ -308,14 +346,15 @@ def write_results(study, path, argv, corpus_path=None):
             cells.append(dict(agg_share=share, size=size, train_fraction=fraction, **{k: members[0][k] for k in (
                 "train_tokens", "n_params_non_embedding", "d_model", "n_layer")}, lr=sel["lr"][size], **cell))
     of = lambda share: [c for c in cells if c["agg_share"] == share]
-    result = dict(command=shlex.join(["python", "-m", "studies.scale", *argv]),
+    result = dict(command=shlex.join(["python", "-m", "studies.scale", *portable(argv)]),
                   protocol=__doc__.split("The protocol")[1].strip(),
                   selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data",
                                  share=sel["share"], share_valid_ppl=ppl(study.share()[1]),
                                  lr=sel["lr"], lr_valid_ppl=lr_runs),
                   runs=runs, compare=cells,  # one cell per (AGG share, size, data size)
                   fits={f"{share:g}": {k: fit_trend(of(share), k) for k in FIT_QUANTITIES}  # per AGG share
-                        for share in shares if len(of(share)) >= 3})
+                        for share in shares if len(of(share)) >= 3},
+                  pooled_by_data={f"{share:g}": pooled_by_data(of(share)) for share in shares if of(share)})
     runlib.write_json(path, result)
     for share in [share for share in shares if of(share)]:  # the selected share's figure, and one per other share
         suffix = "" if share == sel["share"] else f"_share{share:g}"

@@ -10,7 +10,7 @@ import torch
 
 import data as data_py
 import train_lm
-from studies import practice, rivals, scale
+from studies import compare, practice, rivals, scale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -314,3 +314,30 @@ def test_lr_sensitivity_is_the_mean_excess_loss_over_the_grid_a_diverged_run_cap
     out = rivals.lr_sensitivity(sweep, {"a": (4e-3, "k"), "b": None}, vocab_size=1000)
     assert set(out) == {"a"}  # b: no selection yet
     assert out["a"]["sensitivity"] == pytest.approx((math.log(1.1) + math.log(1000 / 100)) / 3)
+
+
+def test_the_fits_count_cells_not_seeds_test_their_lack_of_fit_and_predict():
+    """Nine cells on an exact plane (a + b lp + c lt) with seed noise: the fit over cell means recovers the plane with
+    6 degrees of freedom whatever the seeds per cell; a bent cell shows as lack of fit; pooled_by_data pools sizes."""
+    def cells(bend=0.0, seeds=3):
+        out = []
+        for size, lp in (("S", 5.0), ("M", 5.9), ("L", 6.4)):
+            for f, lt in ((0.25, 5.24), (0.5, 5.53), (1.0, 5.85)):
+                mean = 0.1 + 0.02 * lp + 0.15 * lt + (bend if f == 0.5 else 0.0)
+                diffs = [mean + e for e in (-0.01, 0.0, 0.01, -0.005, 0.005)[:seeds]]
+                q = compare.paired_interval(diffs)
+                out.append(dict(size=size, train_fraction=f, n_params_non_embedding=10 ** lp, train_tokens=10 ** lt,
+                                **{k: q for k in ("ppl_log_ratio", "calibrated_ppl_log_ratio",
+                                                  "calibrated_rare_ppl_log_ratio", "gap_closed_by_calibration")}))
+        return out
+    fit = scale.fit_trend(cells(), "ppl_log_ratio")
+    assert fit["cells"] == 9 and fit["seeds_per_cell"] == [3]
+    assert fit["per_decade_tokens"]["value"] == pytest.approx(0.15) and fit["per_decade_params"]["value"] == pytest.approx(0.02)
+    more = scale.fit_trend(cells(seeds=5), "ppl_log_ratio")  # more seeds per cell: the same design, the same dof
+    assert more["per_decade_tokens"]["ci95"] == pytest.approx(fit["per_decade_tokens"]["ci95"], abs=1e-9)
+    assert fit["lack_of_fit"]["p"] > 0.5 and scale.fit_trend(cells(bend=0.05), "ppl_log_ratio")["lack_of_fit"]["p"] < 0.01
+    pred = fit["predictions"]["wikitext103_M_7M"]
+    assert pred["n_params_non_embedding"] == 10 ** 5.9
+    assert pred["prediction"] == pytest.approx(0.1 + 0.02 * 5.9 + 0.15 * math.log10(7e6))
+    pooled = scale.pooled_by_data(cells())
+    assert set(pooled) == {"0.25", "0.5", "1"} and pooled["0.5"]["ppl_log_ratio"]["n"] == 9
