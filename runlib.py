@@ -303,10 +303,13 @@ def same_data(was, now):
 
 def write_text(path, text):
     """The one atomic write: a crash mid-write leaves the old file (or none), never half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(f"{path}.tmp{os.getpid()}", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(f"{path}.tmp{os.getpid()}", path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(f"{path}.tmp{os.getpid()}", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(f"{path}.tmp{os.getpid()}", path)
+    except OSError as e:  # a full disk, a read-only folder
+        raise SystemExit(f"cannot write {path} ({e.strerror or e}): free disk space or choose a writable folder")
 
 
 def write_json(path, obj):

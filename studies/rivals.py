@@ -286,7 +286,7 @@ def write_results(study, path, argv):
                   # the noise floor of one seed's valid loss: its SD over seeds 0-2, median over the finalists
                   valid_loss_seed_sd=float(np.median([np.std(v, ddof=1) for v in finals])) if finals else None,
                   runs=runs, compare=comparisons, compare_knobs=knob_pairs)
-    runlib.write_json(path, result)
+    study.write(path, result)
     if runs:
         plot_pareto(runs, selections, study.table, study.title, os.path.splitext(path)[0] + ".png")
     if sensitivity:

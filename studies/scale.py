@@ -86,6 +86,13 @@ class Study:
     def folder(self, name):
         return os.path.join(self.runs, name)
 
+    def write(self, path, result, elsewhere=()):
+        """Write the results file, saying which runs the prior files held are in neither it nor `elsewhere`."""
+        if lost := sorted(set(self.prior) - set(result["runs"]) - set(elsewhere)):
+            print(f"note: {path} no longer holds {len(lost)} runs of its previous version: {', '.join(lost[:5])}"
+                  + (", ..." if len(lost) > 5 else ""))
+        runlib.write_json(path, result)
+
     def check(self, name, flags):  # a run folder made with other flags than its name stands for is refused
         if name not in self.checked and os.path.exists(os.path.join(self.folder(name), "ckpt.pt")):
             pool.check_flags(self.folder(name), flags)
@@ -355,7 +362,7 @@ def write_results(study, path, argv, corpus_path=None):
                   fits={f"{share:g}": {k: fit_trend(of(share), k) for k in FIT_QUANTITIES}  # per AGG share
                         for share in shares if len(of(share)) >= 3},
                   pooled_by_data={f"{share:g}": pooled_by_data(of(share)) for share in shares if of(share)})
-    runlib.write_json(path, result)
+    study.write(path, result, elsewhere=corpus if corpus_path else ())
     for share in [share for share in shares if of(share)]:  # the selected share's figure, and one per other share
         suffix = "" if share == sel["share"] else f"_share{share:g}"
         plot_cells(of(share), os.path.splitext(path)[0] + suffix + ".png", share)

@@ -417,3 +417,15 @@ def test_resume_keeps_the_saved_dtype_unless_given(corpus, tmp_path):
     train_lm.main(["--out", str(out), "--resume"])
     assert json.load(open(out / "config.json"))["dtype"] == "bfloat16"
     assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["dtype"] == "bfloat16"
+
+
+def test_a_results_write_to_a_full_disk_or_a_read_only_folder_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"cannot write /dev/full/x.json \(.*\): free disk space"):
+        runlib.write_json("/dev/full/x.json", {})
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # root writes anywhere
+        pytest.skip("running as root")
+    with pytest.raises(SystemExit, match="cannot write .*ro/m.json"):
+        runlib.write_json(str(ro / "m.json"), {})

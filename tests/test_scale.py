@@ -341,3 +341,13 @@ def test_the_fits_count_cells_not_seeds_test_their_lack_of_fit_and_predict():
     assert pred["prediction"] == pytest.approx(0.1 + 0.02 * 5.9 + 0.15 * math.log10(7e6))
     pooled = scale.pooled_by_data(cells())
     assert set(pooled) == {"0.25", "0.5", "1"} and pooled["0.5"]["ppl_log_ratio"]["n"] == 9
+
+
+def test_a_study_says_which_runs_of_its_previous_file_it_no_longer_writes(tmp_path, capsys):
+    path = tmp_path / "lm_scale.json"
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs={"a-s0": {}, "b-s0": {}, "c-s0": {}})))
+    study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    study.write(str(path), dict(runs={"a-s0": {}}), elsewhere={"c-s0": {}})
+    assert "no longer holds 1 runs of its previous version: b-s0" in capsys.readouterr().out
+    study.write(str(path), dict(runs={"a-s0": {}, "b-s0": {}, "c-s0": {}}))
+    assert "no longer holds" not in capsys.readouterr().out
