@@ -62,6 +62,8 @@ def parse_sweep(words, methods):
     method of the grid must take it) or another numeric train_lm.py flag (e.g. rare-share, embedding-weight-decay)."""
     keys = {runlib.method_flag(k)[2:]: k for k in agg.HPARAMS}
     flag = words[0].lstrip("-")
+    if flag in ("seed", "lr", "warmup"):  # the grid's own axes
+        raise SystemExit(f"grid: --sweep {flag}: give the values with --{flag}s instead")
     if flag in keys:
         key, typ = keys[flag], agg.HPARAMS[keys[flag]][0]
         if without := [m for m in methods if key not in agg.METHODS[m].defaults]:

@@ -133,6 +133,11 @@ def test_a_knob_sweep_names_a_bad_flag_in_one_line(tmp_path):
     assert grid.parse_sweep(["rare-share", "0.1"], ["agg", "agg+center"])[1] == "rare_share"
     with pytest.raises(SystemExit, match="not a numeric train_lm.py flag"):
         grid.parse_sweep(["optimizer", "adamw"], ["mle"])
+    for axis in ("seed", "lr", "warmup"):  # the grid's own axes: a sweep would train --seed twice
+        with pytest.raises(SystemExit, match=f"--sweep {axis}: give the values with --{axis}s instead"):
+            grid.parse_sweep([axis, "1"], ["mle"])
+    assert grid.parse_sweep(["untie-at", "0.33", "0.67"], ["mle"])[1:] == ("untie_at", [0.33, 0.67])  # today's knobs
+    assert grid.parse_sweep(["logit-softcap", "30"], ["agg"])[1] == "logit_softcap"
     with pytest.raises(SystemExit, match="--sweep gamma x: give a numeric hyper-parameter and its values \\(float\\)"):
         grid.main(["--methods", "cosreg", "--sweep", "gamma", "x", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--sweep use-g1 1: give a numeric"):  # a bool hyper-parameter
