@@ -124,6 +124,8 @@ def resolve_config(args, explicit=None):
     runlib.check_run_flags(cfg, "lm", dict({k: (1, None) for k in (
         "n_layer", "d_model", "n_head", "d_ff", "block_size", "tokens_per_step", "micro_batch", "eval_interval",
         "log_interval", "eval_tokens")}, vocab_size=(0, None), untie_at=(0, 1), logit_softcap=(1e-3, None)))
+    # --untie-at's step, fixed when the run starts (a resume to another --max-steps keeps it)
+    cfg["untie_step"] = None if cfg["untie_at"] is None else max(1, round(cfg["untie_at"] * cfg["max_steps"]))
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"--d-model {cfg['d_model']} is not divisible by --n-head {cfg['n_head']}: change one of them")
     return cfg
@@ -279,8 +281,7 @@ def build_model(cfg, vocab_size, step=0):
 
 def untied(cfg, step):
     """Whether the output matrix is lm_head after `step` steps: --untie, or --untie-at's split step reached."""
-    at = cfg.get("untie_at")
-    return bool(cfg.get("untie")) or at is not None and step >= max(1, round(at * cfg["max_steps"]))
+    return bool(cfg.get("untie")) or cfg.get("untie_step") is not None and step >= cfg["untie_step"]
 
 
 def load_model(ck, device="cpu"):

@@ -70,11 +70,12 @@ max_rel = lambda a, b: max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=
 def numerics(out, device, lm_flags, nmt_flags, steps=8):
     """Per script, tiny fixed-seed runs with the loss of every step: fp32 on `device` vs CPU and bf16 vs fp32 (no
     dropout: its masks differ between devices); with dropout on `device`, a repeat (run-to-run noise of the kernels)
-    and --stop-at steps/2 + --resume, each against the uninterrupted run (losses and ckpt.pt's weights)."""
+    and --stop-at steps/2 + --resume, each against the uninterrupted run (losses and ckpt.pt's weights). lm_practice:
+    the LM with AGG, a late untying at step 6 of 8 (in the resumed half), a soft-cap and an embedding lr."""
     res, work = {}, os.path.join(os.path.dirname(os.path.abspath(out)), "numerics")
 
     def go(script, name, *flags):
-        folder = os.path.join(work, f"{script}-{name}")
+        folder = os.path.join(work, f"{key}-{name}")
         SCRIPTS[script].main([*flags, "--out", folder, *(() if "--resume" in flags else ("--overwrite",))])
         losses = [r["loss"] for r in ev.log_records(folder, "train")]
         return losses, torch.load(f"{folder}/ckpt.pt", weights_only=True)["model"]
@@ -83,7 +84,8 @@ def numerics(out, device, lm_flags, nmt_flags, steps=8):
         (la, wa), (lb, wb) = a, b
         return dict(loss_max_rel=max_rel(la, lb), weights_equal=all(torch.equal(wa[k], wb[k]) for k in wa),
                     weights_max_abs_diff=max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa))
-    for script, flags in (("lm", lm_flags), ("nmt", nmt_flags)):
+    practice = f"{lm_flags} --method agg --untie-at 0.75 --logit-softcap 30 --embedding-lr 3"
+    for key, script, flags in (("lm", "lm", lm_flags), ("lm_practice", "lm", practice), ("nmt", "nmt", nmt_flags)):
         base = [*shlex.split(flags), "--max-steps", str(steps), "--log-interval", "1", "--seed", "0"]
         cpu, fp32, bf16 = (go(script, name, *base, "--device", dev, "--dtype", dtype, "--dropout", "0")[0]
                            for name, dev, dtype in (("cpu", "cpu", "float32"), ("fp32", device, "float32"),
@@ -91,7 +93,7 @@ def numerics(out, device, lm_flags, nmt_flags, steps=8):
         full, again = (go(script, name, *base, "--device", device, "--dtype", "float32") for name in ("full", "again"))
         go(script, "split", *base, "--device", device, "--dtype", "float32", "--stop-at", str(steps // 2))
         split = go(script, "split", "--device", device, "--resume")
-        res[script] = dict(steps=steps, loss_fp32=fp32, loss_cpu=cpu, loss_bf16=bf16,
+        res[key] = dict(steps=steps, loss_fp32=fp32, loss_cpu=cpu, loss_bf16=bf16,
                            device_vs_cpu_fp32_max_rel=max_rel(fp32, cpu), bf16_vs_fp32_max_rel=max_rel(bf16, fp32),
                            repeat=compare(again, full), resume=dict(stop_at=steps // 2, **compare(split, full)))
         runlib.write_json(out, res)

@@ -106,7 +106,7 @@ main() {
     part head-$dtype 70 $PY -m studies.bench --sections head --out "$WORK/head_$dtype" --dtype $dtype --device $DEV \
       $HEAD --methods $methods torch-ce
   done
-  part numerics 80 $M numerics "$WORK/numerics.json" $DEV "$LM_TINY" "$NMT_TINY"
+  part numerics 100 $M numerics "$WORK/numerics.json" $DEV "$LM_TINY" "$NMT_TINY"
   local modes=eager
   [ $MODE = gpu ] && modes="eager compile"
   for mode in $modes; do

@@ -517,6 +517,9 @@ def test_untie_at_is_tied_before_the_split_copies_there_and_resumes_exactly_acro
     emb, head = ck["model"]["tok_emb.weight"], ck["model"]["lm_head.weight"]
     assert not torch.equal(emb, head)  # both trained on after the split
     assert head.mean(0).abs().max() < 1e-6 < emb.mean(0).abs().max()  # center acts on the output matrix after it
+    lm_run(tmp_path / "full", *extra, "--untie-at", "0.5", "--resume", steps=8)  # continued to 8 steps
+    cfg = json.load(open(tmp_path / "full" / "config.json"))
+    assert cfg["max_steps"] == 8 and cfg["untie_step"] == 3  # the split stays where the run made it
     m = train_lm.load_model(dict(ck, step=2))
     assert not m.untied and m.out_weight is m.tok_emb.weight  # a checkpoint from before the split loads tied
     assert train_lm.load_model(dict(ck, step=3)).untied  # from the split step on, lm_head
