@@ -376,6 +376,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
                **{f"{k}_mass_{w}": v / max(1, count) for k, vs in mass.items() for w, v in zip(("pred", "true"), vs)})
     if method_rare is not None:
         out["method_rare_count"] = int(method_rare.sum())
+    out.update({"rare_frozen": method.frozen()} if hasattr(method, "frozen") else {})  # freeze-rare (AGG Fig. 2)
     if method is not None:
         n_seq = max(1, min(cfg["micro_batch"], (len(ids) - 1) // cfg["block_size"]))
         t = torch.from_numpy(np.asarray(ids[:n_seq * cfg["block_size"] + 1], dtype=np.int64)).to(device)
