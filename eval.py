@@ -487,6 +487,9 @@ def evaluate(run_dir, args=None, device=None, probes=None, **flags):
                 tgt_counts=None if src_c is None else c - src_c, out_bias=bias)
 
 
+TASK_FLAGS = dict(lm=("split", "max_tokens", "context_window"), nmt=("max_sentences", "beam", "average_last"))
+
+
 def read_configs(args):
     """{run folder: config} of args.out_dirs (config.json, else the checkpoint's own), checked before any long work:
     the checkpoint to evaluate exists, the task is known, --average-last goes with NMT runs."""
@@ -503,8 +506,11 @@ def read_configs(args):
         cfg = configs[d] = runlib.run_config(d) or runlib.load_checkpoint(path)["config"]
         if cfg.get("task") not in ("lm", "nmt"):
             raise SystemExit(f"{path}: unknown task {cfg.get('task')!r} (expected 'lm' or 'nmt')")
-        if cfg["task"] == "lm" and args.average_last:
-            raise SystemExit(f"{d}: --average-last applies to NMT runs (train_nmt.py --keep-last N)")
+    tasks, default = {c["task"] for c in configs.values()}, vars(build_parser(runs="*").parse_args([]))
+    for task, keys in TASK_FLAGS.items():  # a flag of the other task would be ignored without a word
+        if task not in tasks and (given := [k for k in keys if getattr(args, k, None) != default[k]]):
+            raise SystemExit(f"--{given[0].replace('_', '-')} is a flag of {task.upper()} runs and these are "
+                             f"{'/'.join(sorted(tasks)).upper()} runs ({', '.join(args.out_dirs)}): drop it")
     return configs
 
 

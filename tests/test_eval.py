@@ -306,3 +306,10 @@ def test_device_cuda_without_cuda_ends_in_one_line(runs, tmp_path):
         pytest.skip("this machine has CUDA")
     with pytest.raises(SystemExit, match="--device cuda: CUDA is not available on this machine; use --device cpu"):
         ev.main([runs["mle"], "--out", str(tmp_path / "r"), "--device", "cuda"])
+
+
+def test_a_flag_of_the_other_task_is_refused_in_one_line(runs, tmp_path):
+    lm = runs["mle"]
+    for flag, value in (("--beam", "2"), ("--average-last", "2"), ("--max-sentences", "5")):
+        with pytest.raises(SystemExit, match=f"{flag} is a flag of NMT runs and these are LM runs"):
+            ev.main([str(lm), "--out", str(tmp_path / "r"), flag, value])
