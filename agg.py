@@ -287,6 +287,8 @@ class MLE:
         self.steps += 1
 
     def _check_ids(self, targets, ignore_index):
+        _check(not targets.is_floating_point() and targets.dtype != torch.bool,
+               f"method {self.name!r}: targets must be integer token ids, got {targets.dtype}")
         t = targets[targets != ignore_index]
         if len(t) and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
@@ -317,9 +319,8 @@ class MLE:
         """Mean (label-smoothed) NLL over non-ignored positions + the method's regulariser. hidden (..., d): the input
         of the tied softmax layer; weight (V, d): the tied embedding; targets (...) long; logits = hidden @ weight.T +
         bias, bias (V,) optional (a learned unigram prior; plain gradient, the gates act on the weight); softcap C:
-        logits C tanh(logits / C) (Gemma 2), every method's gradients through it. chunk_size:
-        rows per chunk of the head (peak memory ~ chunk_size x V, same gradients). All targets ignored gives 0.0 with
-        zero gradients (F.cross_entropy: nan), so an all-padding micro-batch cannot poison an accumulated step."""
+        logits C tanh(logits / C) (Gemma 2). chunk_size: rows per chunk of the head (peak memory ~ chunk_size x V,
+        same gradients). All targets ignored gives 0.0 with zero gradients (F.cross_entropy: nan)."""
         d = hidden.shape[-1]
         _check(weight.shape == (self.vocab_size, d),
                f"weight must be (vocab_size={self.vocab_size}, d={d}), got {tuple(weight.shape)}")
@@ -331,6 +332,11 @@ class MLE:
         _check(softcap is None or softcap > 0, f"softcap must be > 0 (or None), got {softcap}")
         if bias is not None and tuple(bias.shape) != (self.vocab_size,):
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
+        ts = [t for t in (hidden, weight, targets, bias) if t is not None]
+        _check(all(t.is_floating_point() != (t is targets) for t in ts) and targets.dtype != torch.bool,
+               f"hidden, weight (and bias) must be floating point, targets integer ids; got {[t.dtype for t in ts]}")
+        _check(len({t.device for t in ts}) == 1 and hidden.device.type != "meta",
+               f"hidden, weight, targets (and bias) must be on one device, with data; got {[t.device for t in ts]}")
         h, y = hidden.reshape(-1, d), targets.reshape(-1)
         valid = y != ignore_index
         # one device sync for both checks: an id outside [0, V) would index another token's row or fail deep inside
@@ -805,9 +811,8 @@ def gradient_parts(hidden, weight, targets, rare, gates=(None, None, None), igno
     (a) the pull towards the features of the positions whose target is k: sum (p_k - 1) h_i;
     (b) the push from the features of positions whose target is not in `rare` (and not k): sum p_k h_i;
     (c) the push from the features of positions whose target is another token of `rare`: sum p_k h_i;
-    each as the method applies it: gates = method.gates(valid targets) (AGG scales (b) of rare rows by g1 and (c) by
-    g2; freeze-b/c drop them); (None, None, None) = MLE; softcap: through C tanh(logits / C), each p_k and p_k - 1
-    times 1 - tanh^2. Returns (V, 3) float64: ||a_k||, ||b_k||, ||c_k|| / n."""
+    each as the method applies it: gates = method.gates(valid targets) ((None, None, None): MLE's); softcap: each term
+    times 1 - tanh^2 of the capped logit. Returns (V, 3) float64: ||a_k||, ||b_k||, ||c_k|| / n."""
     d = hidden.shape[-1]
     h, y = hidden.reshape(-1, d).float(), targets.reshape(-1)
     keep = y != ignore_index
@@ -958,9 +963,8 @@ def isotropy(weight, weights=None, center=False):
 
 @torch.no_grad()
 def isoscore(weight):
-    """IsoScore (Rudman et al. 2022) of the rows of `weight` as points in R^n, n = weight.shape[1]: 1 when
-    the points spread their variance equally over all n dimensions, 0 when they use one dimension. As the `isoscore`
-    package, from the variances along the principal components; float64; nan when all rows are equal."""
+    """IsoScore (Rudman et al. 2022) of the rows of `weight` as points in R^n: 1 when they spread their variance equally
+    over all n dimensions, 0 when they use one (the `isoscore` package's, float64); nan when all rows are equal."""
     x = weight.detach().double()
     n = x.shape[1]
     _check(n >= 2 and len(x) >= 2, f"isoscore needs >= 2 rows in >= 2 dimensions, got {tuple(x.shape)}")
@@ -974,9 +978,8 @@ def isoscore(weight):
 
 @torch.no_grad()
 def undertrained_rows(weight, unused_ids):
-    """The under-trained-token indicator of Land & Bartolo 2024 (magikarp's "cosine distance w/o 1st PC"): each row's
-    cosine (V,) to the mean of the known unused rows `unused_ids` (e.g. never seen in training), the first principal
-    component (fitted on the centered rows, as magikarp does) removed from every row. High = under-trained."""
+    """Land & Bartolo 2024's under-trained-token indicator (magikarp's "cosine distance w/o 1st PC"): each row's cosine
+    (V,) to the mean of the known unused rows (e.g. never seen in training), the centered rows' first PC removed."""
     w = weight.detach().double()
     ids = torch.as_tensor(unused_ids, dtype=torch.long, device=w.device).reshape(-1)
     _check(len(ids) > 0, "undertrained_rows needs at least one known unused token id")
@@ -1066,8 +1069,7 @@ class GroupNLL:
     def tokens(self):
         return int(self.count.sum())
 
-    def loss(self):
-        """Mean NLL over every position."""
+    def loss(self):  # mean NLL over every position
         return float(self.nll.sum()) / max(1, self.tokens())
 
     def ppl(self, group=None):
@@ -1081,16 +1083,16 @@ class GroupNLL:
 def geometry(weight, groups, seen=None):
     """The embedding matrix's geometry, total and per group (*_groups): isotropy (AGG Eq. 3), mean_cosine (AGPS Eq.
     9), norm (mean row norm), rows (counted); mean_row_share (the mean row's norm over the mean row norm: the rows'
-    common drift, Bis et al. 2021) and cosine_rare_freq (AGG Fig. 2). groups: {name: index tensor}, e.g.
-    dict(zip(GROUPS, frequency_groups(counts))); seen: bool (V,) of the rows to count, e.g. counts > 0 (a token never
-    seen in training has no data to shape its embedding, and the papers' vocabularies have none); None: all."""
+    common drift, Bis et al. 2021) and cosine_rare_freq (AGG Fig. 2). groups: {name: index tensor}; seen: bool (V,)
+    of the rows to count, e.g. counts > 0 (a token never seen in training has no data to shape its row); None: all."""
     W = weight.detach().double().cpu()
     keep = torch.ones(len(W), dtype=torch.bool) if seen is None else torch.as_tensor(seen, dtype=torch.bool).cpu()
     rows = {g: idx[keep[idx]] for g, idx in ((g, torch.as_tensor(i).cpu()) for g, i in groups.items())}
     Wk = W[keep]
     out = dict(isotropy=isotropy(Wk), isotropy_groups={g: isotropy(W[i]) for g, i in rows.items()},
                mean_cosine=mean_cosine(Wk), mean_cosine_groups={g: mean_cosine(W[i]) for g, i in rows.items()},
-               norm=float(Wk.norm(dim=1).mean()), norm_groups={g: float(W[i].norm(dim=1).mean()) for g, i in rows.items()},
+               norm=float(Wk.norm(dim=1).mean()),
+               norm_groups={g: float(W[i].norm(dim=1).mean()) for g, i in rows.items()},
                mean_row_share=float(Wk.mean(0).norm() / Wk.norm(dim=1).mean()),
                rows=int(keep.sum()), rows_groups={g: len(i) for g, i in rows.items()})
     if "rare" in rows and "freq" in rows:

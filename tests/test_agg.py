@@ -595,6 +595,22 @@ def test_observe_rejects_ids_outside_the_vocabulary_and_build_rejects_bad_hparam
         agg.build_method("agg", V, window=0)
 
 
+def test_tensors_of_the_wrong_kind_are_a_value_error_naming_them():
+    """What a practitioner can pass by mistake gets agg.py's ValueError, not an error from inside torch (or a number)."""
+    m = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
+    h, w, y = inputs(seed=16)
+    m.observe(y)
+    for kw, match in ((dict(targets=y.float()), "targets integer ids; got .*torch.float32\\]"),
+                      (dict(targets=y > 3), "targets integer ids; got .*torch.bool"),
+                      (dict(hidden=h.long()), "hidden, weight .* must be floating point"),  # ran on, a wrong number
+                      (dict(bias=torch.zeros(V, dtype=torch.long)), "must be floating point"),
+                      (dict(hidden=h.to("meta")), "on one device, with data; got \\[device\\(type='meta'\\)")):
+        with pytest.raises(ValueError, match=match):
+            m.loss(**dict(dict(hidden=h, weight=w, targets=y), **kw))
+    with pytest.raises(ValueError, match="method 'agg': targets must be integer token ids, got torch.float32"):
+        m.observe(y.float())
+
+
 def test_second_backward_through_one_loss_says_what_to_do():
     method = agg.build_method("mle", V)
     h, w, y = inputs()
