@@ -46,7 +46,7 @@ class GatedSoftmaxCE(torch.autograd.Function):
                      1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
     A gate of None means all ones; the gate scales G in place (no T x V gate tensor). An output bias (V,) gets the
     plain gradient sum_i G_i. z_coef > 0 adds the z-loss z_coef (log Z_i)^2 per position. softcap C: the logits are
-    C tanh(logits / C) (Gemma 2's soft-capping), G times its derivative 1 - tanh^2 everywhere. Returns the means of
+    C tanh(logits / C) (Gemma 2's soft-capping), G times 1 - tanh^2 (one more chunk x V buffer). Returns the means of
     (loss, nll, rare-set probability, (log Z)^2). Gradients are computed during forward, `chunk_size` rows at a time
     (peak memory: one chunk x V buffer, not the ~3 T x V of F.cross_entropy); backward only scales them."""
 
