@@ -574,8 +574,8 @@ def write_report(path, metrics, args, argv, summary, comparisons, plots):
          f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
     cols = [c for c in COLUMNS if any(get(s, c[0]) for s in summary.values())]
     cell = lambda s, n, nd: fmt(s["mean"], nd) + (f" ± {fmt(s['std'], nd)}" if n > 1 else "") if s else "-"
-    L += [f"## Mean ± std over the runs (seeds) of each variant (groups: 30% frequent / 50% medium / 20% rare by "
-          f"train counts)", ""] + table(["variant", "n", *(h for _, h, _ in cols)],
+    L += ["## Mean ± std over the runs (seeds) of each variant (groups: 30% frequent / 50% medium / 20% rare by "
+          "train counts)", ""] + table(["variant", "n", *(h for _, h, _ in cols)],
                                         [[v, s["n"], *(cell(get(s, k), s["n"], nd) for k, _, nd in cols)]
                                          for v, s in summary.items()])
     if h := next((m for m in metrics.values() if "uniq_human" in m), None):

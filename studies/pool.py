@@ -11,10 +11,11 @@ import runlib
 import train_lm
 
 
-def run(next_job, jobs, after=None):
+def run(next_job, jobs, after=None, result=lambda name: None):
     """Keep `jobs` commands running until next_job has no more. next_job(busy) returns (name, argv, log path or None)
     for a job whose name is not in `busy`, or None when nothing more can start now; after(name) is called when a job
-    ends. A failed job stops the others (each checkpoints) and the pool, with one line naming its output."""
+    ends. A failed job stops the others (each checkpoints) and the pool, with one line naming its output, unless
+    result(name) says its failure is a result (a diverged run)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // jobs))) if jobs > 1 else None
     procs, logs = {}, {}
 
@@ -51,7 +52,7 @@ def run(next_job, jobs, after=None):
                 done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
                 for future in done:
                     name = running.pop(future)
-                    if future.result():
+                    if future.result() and not result(name):
                         stop_all()
                         raise SystemExit(f"{name} failed (exit {future.result()}"
                                          + (f"; its output: {logs[name]}" if logs[name] else "")

@@ -107,7 +107,8 @@ class Rivals(scale.Study):
     def finalists(self, rival):
         """The FINALISTS (lr, knob) of the lowest seed-0 valid PPL, or None before the seed-0 sweep finished."""
         seed0 = {(lr, k): self.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS for k, _ in self.table[rival][2]}
-        return None if None in seed0.values() else sorted(seed0, key=seed0.get)[:FINALISTS]
+        rank = lambda v: math.inf if math.isnan(seed0[v]) else seed0[v]  # a diverged run is never a finalist
+        return None if None in seed0.values() else sorted(seed0, key=rank)[:FINALISTS]
 
     def selection(self, rival):
         """((lr, knob) or None before its runs finished; runs): seed 0 over the grid, then the finalists' mean."""
@@ -243,7 +244,7 @@ def write_results(study, path, argv):
     names.update({n: ("mle", "") for n, _f, _c in plan if REPLICA.match(n)})
     runs = {n: scale.run_record(study, n, rival=names[n][0], replica=bool(REPLICA.match(n)), knob=names[n][1])
             if os.path.exists(os.path.join(study.folder(n), "report")) else study.prior[n]
-            for n, _f, _c in plan if study.finished(n) and study.evaluated(n)}
+            for n, _f, _c in plan if study.finished(n) and study.evaluated(n) and not study.diverged(n)}
     selections = study.selections()
     chosen = {n: dict(r, variant=r["rival"]) for n, r in runs.items()
               if selections.get(r["rival"]) and (r["lr"], r["knob"]) == tuple(selections[r["rival"]])}
@@ -285,7 +286,8 @@ def write_results(study, path, argv):
                   lr_sensitivity=sensitivity,
                   # the noise floor of one seed's valid loss: its SD over seeds 0-2, median over the finalists
                   valid_loss_seed_sd=float(np.median([np.std(v, ddof=1) for v in finals])) if finals else None,
-                  runs=runs, compare=comparisons, compare_knobs=knob_pairs)
+                  runs=runs, diverged={n: study.failed[n] for n, _f, _c in plan if study.diverged(n)},
+                  compare=comparisons, compare_knobs=knob_pairs)
     study.write(path, result)
     if runs:
         plot_pareto(runs, selections, study.table, study.title, os.path.splitext(path)[0] + ".png")

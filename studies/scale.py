@@ -75,6 +75,7 @@ class Study:
 
     def __init__(self, out, prior=()):
         self.runs, self.done, self.prior, self.checked = os.path.join(out, "runs"), set(), {}, set()
+        self.failed = {}  # runs that stopped on a non-finite loss or weights: {name: the line they ended with}
         for path in [p for p in prior if p and os.path.exists(p)]:
             with open(path) as f:
                 saved = json.load(f)
@@ -82,6 +83,7 @@ class Study:
                 raise SystemExit(f"{path} is not a results file of studies.{self.name} (its command: "
                                  f"{saved['command'][:80]}): give the study its own --results file")
             self.prior.update(saved["runs"])
+            self.failed.update(saved.get("diverged", {}))
 
     def folder(self, name):
         return os.path.join(self.runs, name)
@@ -98,17 +100,30 @@ class Study:
             pool.check_flags(self.folder(name), flags)
         self.checked.add(name)
 
+    def diverged(self, name):
+        """The line a run that stopped on a non-finite loss or weights ended with (a result: NaN), else None."""
+        if name not in self.failed and os.path.exists(log := self.folder(name) + ".log"):
+            with open(log, "rb") as f:
+                f.seek(max(0, os.path.getsize(log) - 4000))
+                tail = f.read().decode(errors="replace")
+            if found := re.findall(r"[^\r\n]*(?:\(diverged\)|: loss is (?:nan|inf))[^\r\n]*", tail):
+                self.failed[name] = found[-1].strip()
+        return self.failed.get(name)
+
     def finished(self, name):
-        if name not in self.done and (name in self.prior or pool.finished(self.folder(name))):
+        if name not in self.done and (name in self.prior or self.diverged(name) or pool.finished(self.folder(name))):
             self.done.add(name)
         return name in self.done
 
-    def evaluated(self, name):
-        return os.path.exists(os.path.join(self.folder(name), "report", "metrics.json")) or (
-            name in self.prior and not os.path.exists(os.path.join(self.folder(name), "ckpt.pt")))
-
-    def valid_ppl(self, name):  # at the last step of a finished run, else None
+    def evaluated(self, name):  # a diverged run has nothing to evaluate
         folder = self.folder(name)
+        return os.path.exists(os.path.join(folder, "report", "metrics.json")) or bool(self.diverged(name)) or (
+            name in self.prior and not os.path.exists(os.path.join(folder, "ckpt.pt")))
+
+    def valid_ppl(self, name):  # at the last step of a finished run (NaN: diverged), else None
+        folder = self.folder(name)
+        if self.diverged(name):
+            return math.nan
         if self.finished(name) and not os.path.exists(os.path.join(folder, "log.jsonl")):
             return self.prior[name]["valid_ppl"]
         return ev.last_valid_ppl(folder, runlib.run_config(folder)["max_steps"]) if self.finished(name) else None
@@ -185,7 +200,7 @@ def next_job(study, busy):
 def train(study, jobs, after=None):
     """Keep jobs runs and evaluations going (studies.pool) until nothing is runnable, calling after() when one ends."""
     os.makedirs(study.runs, exist_ok=True)
-    pool.run(lambda busy: next_job(study, busy), jobs, after and (lambda _name: after()))
+    pool.run(lambda busy: next_job(study, busy), jobs, after and (lambda _name: after()), study.diverged)
 
 
 # ---------------------------------------------------------------------------------------------------------- results
@@ -335,7 +350,8 @@ def write_results(study, path, argv, corpus_path=None):
     names = {n for n, _f, _c in plan} | set(study.prior) | \
         {n for n in (os.listdir(study.runs) if os.path.isdir(study.runs) else ()) if not n.endswith(".log")}
     runs = {n: scale_record(study, n) if os.path.exists(os.path.join(study.folder(n), "report"))
-            else study.prior[n] for n in sorted(names) if study.finished(n) and study.evaluated(n)}
+            else study.prior[n] for n in sorted(names) if study.finished(n) and study.evaluated(n)
+            and not study.diverged(n)}
     sel = study.selections()
     ppl = lambda specs: {name: study.valid_ppl(name) for name, _f in specs}
     lr_runs = {size: {m: ppl(study.lr(size, m, sel["share"] if m == "agg" else None)[1]) for m in METHODS
@@ -358,7 +374,8 @@ def write_results(study, path, argv, corpus_path=None):
                   selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data",
                                  share=sel["share"], share_valid_ppl=ppl(study.share()[1]),
                                  lr=sel["lr"], lr_valid_ppl=lr_runs),
-                  runs=runs, compare=cells,  # one cell per (AGG share, size, data size)
+                  runs=runs, diverged={n: study.failed[n] for n in sorted(names) if study.diverged(n)},
+                  compare=cells,  # one cell per (AGG share, size, data size)
                   fits={f"{share:g}": {k: fit_trend(of(share), k) for k in FIT_QUANTITIES}  # per AGG share
                         for share in shares if len(of(share)) >= 3},
                   pooled_by_data={f"{share:g}": pooled_by_data(of(share)) for share in shares if of(share)})

@@ -3,6 +3,7 @@ nested data, pairs on one host), their results files, and --train-fraction."""
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import data as data_py
 import train_lm
-from studies import compare, practice, rivals, scale
+from studies import compare, pool, practice, rivals, scale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -351,3 +352,21 @@ def test_a_study_says_which_runs_of_its_previous_file_it_no_longer_writes(tmp_pa
     assert "no longer holds 1 runs of its previous version: b-s0" in capsys.readouterr().out
     study.write(str(path), dict(runs={"a-s0": {}, "b-s0": {}, "c-s0": {}}))
     assert "no longer holds" not in capsys.readouterr().out
+
+
+def test_a_diverged_run_is_a_result_and_the_pool_goes_on_past_it(tmp_path):
+    """A run that stopped on a non-finite loss (its log says so) is finished at NaN, never a failure that halts a long
+    study; any other failure still stops the pool."""
+    study = scale.Study(str(tmp_path / "out"))
+    os.makedirs(study.runs)
+    with open(study.folder("x-s0") + ".log", "w") as f:
+        f.write("step 3: valid ppl 500.1\r 10%|#   | 4/40 [loss=9]\rstep 5: loss is nan; lower --lr or check the method\n")
+    assert study.diverged("x-s0").startswith("step 5: loss is nan") and study.finished("x-s0")
+    assert math.isnan(study.valid_ppl("x-s0")) and study.evaluated("x-s0") and study.diverged("y-s0") is None
+    fail = lambda name: (name, [sys.executable, "-c", "raise SystemExit(1)"], None)
+    jobs, ended = iter([fail("x-s0"), (("y-s0", [sys.executable, "-c", "pass"], None))]), []
+    pool.run(lambda busy: next(jobs, None), 1, ended.append, study.diverged)
+    assert ended == ["x-s0", "y-s0"]
+    other = iter([fail("y-s0")])  # no divergence in its log: a failure
+    with pytest.raises(SystemExit, match="y-s0 failed"):
+        pool.run(lambda busy: next(other, None), 1, None, study.diverged)
