@@ -95,7 +95,7 @@ def check_ranges(cfg, ranges):
     for key, (lo, hi) in ranges.items():
         value = cfg.get(key)
         if value is not None and not (lo <= value and (value < math.inf if hi is None else value <= hi)):  # nan fails
-            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            bound = f">= {lo} and finite" if hi is None else f"in [{lo}, {hi}]"
             raise SystemExit(f"--{key.replace('_', '-')} {value}: must be {bound}")
 
 
