@@ -106,7 +106,8 @@ class Study:
             with open(log, "rb") as f:
                 f.seek(max(0, os.path.getsize(log) - 4000))
                 tail = f.read().decode(errors="replace")
-            if found := re.findall(r"[^\r\n]*(?:\(diverged\)|: loss is (?:nan|inf))[^\r\n]*", tail):
+            found = re.findall(r"[^\r\n]*(?:\(diverged\)|: loss is (?:nan|inf))[^\r\n]*", tail)
+            if found and not pool.finished(self.folder(name)):  # a run redone since has its own result
                 self.failed[name] = found[-1].strip()
         return self.failed.get(name)
 
