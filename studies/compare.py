@@ -26,8 +26,6 @@ import runlib
 import train_lm
 import train_nmt
 
-fmt = ev.fmt
-GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}  # as AGG Fig. 1
 SCRIPTS = {"lm": train_lm, "nmt": train_nmt}
 
 
@@ -153,25 +151,22 @@ def comparable_pairs(pairs, configs, variants, default=False):
     return keep
 
 
-def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts=None, configs=None):
+def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts=None):
     """Variant cand against base, paired by seed: per metric the differences (PPLs as log ratios) with intervals; the
-    rare-PPL gap over rare target types (LM), the paired BLEU bootstrap per seed (NMT, texts), calibration."""
+    rare-PPL gap over rare target types (LM), the paired BLEU bootstrap per seed (NMT, texts), the shares of the rare
+    gap that calibrating base / both (eval.py's rare_bias) closes, TOST of the PPLs, the article bootstrap."""
     runs = {v: {m["seed"]: k for k, m in metrics.items() if m.get("variant") == v} for v in (base, cand)}
-    if configs:
-        comparable_pairs([(base, cand)], configs, {k: m.get("variant") for k, m in metrics.items()})
-    seeds = sorted(set(runs[base]) & set(runs[cand]))
-    if not seeds:
+    if not (seeds := sorted(set(runs[base]) & set(runs[cand]))):
         raise SystemExit(f"--compare {base!r} {cand!r}: no seed in common; give runs of both with the same --seed")
     labels = [(runs[base][s], runs[cand][s]) for s in seeds]
     pairs = [(metrics[b], metrics[c]) for b, c in labels]
     out = dict(base=base, cand=cand, seeds=seeds, metrics={})
     for key in COMPARE_KEYS:
         vals = [(get(b, key), get(c, key)) for b, c in pairs]
-        if any(not isinstance(x, (int, float)) or x != x for pair in vals for x in pair):  # missing or nan
-            continue
-        log, diffs = "ppl" in key, [math.log(c / b) if "ppl" in key else c - b for b, c in vals]
-        out["metrics"][key] = dict(base=[b for b, _ in vals], cand=[c for _, c in vals], log_ratio=log,
-                                   **paired_interval(diffs, n_boot, seed))
+        if all(isinstance(x, (int, float)) and x == x for pair in vals for x in pair):  # none missing or nan
+            out["metrics"][key] = dict(base=[b for b, _ in vals], cand=[c for _, c in vals], log_ratio="ppl" in key,
+                                       **paired_interval([math.log(c / b) if "ppl" in key else c - b for b, c in vals],
+                                                         n_boot, seed))
     if all(b in type_stats and c in type_stats and type_stats[b]["count"][type_stats[b]["rare"]].sum() > 0
            for b, c in labels):
         rare = type_stats[labels[0][0]]["rare"]
@@ -181,20 +176,27 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
         gap, count, ids = gap[count > 0], count[count > 0], ids[count > 0]
         order = torch.argsort(gap, descending=True)
         total = float(gap.sum()) or float("nan")  # nan shares when the two variants score alike
-        rng, g_np, c_np = np.random.default_rng(seed), gap.numpy(), count.numpy()  # resample rare target types
-        boot = [math.exp(-g_np[i].sum() / c_np[i].sum()) for i in (rng.integers(0, len(g_np), len(g_np))
-                                                                     for _ in range(n_boot))]  # cand / base rare PPL
         out["rare_types"] = dict(
             types=len(ids), targets=int(count.sum()), ratio=math.exp(-total / float(count.sum())),
-            ratio_type_boot95=np.percentile(boot, [2.5, 97.5]).tolist(),
+            ratio_type_boot95=ratio_boot95(gap.numpy(), count.numpy(), n_boot, seed),  # over rare target types
             share_top1=float(gap[order[:1]].sum()) / total, share_top10=float(gap[order[:10]].sum()) / total,
             top=[dict(token=tokens[int(ids[j])], targets=int(count[j]), share=float(gap[j]) / total)
                  for j in order[:10].tolist()])
     if texts and all(b in texts and c in texts for b, c in labels):
         out["bleu_paired_bootstrap"] = [dict(seed=s, **paired_bleu(
-            texts[b]["hyps"], texts[c]["hyps"], texts[b]["refs"], None, texts[b]["bleu_tokenize"], seed=seed))
+            texts[b]["hyps"], texts[c]["hyps"], texts[b]["refs"], texts[b]["bleu_tokenize"], seed=seed))
             for s, (b, c) in zip(seeds, labels)]
-    out.update(calibration_and_equivalence(pairs, out["metrics"]))
+    if all(b.get("rare_bias") and c.get("rare_bias") for b, c in pairs):
+        rare = lambda r: r["ppl_groups"]["rare"]
+        gap = [math.log(rare(b) / rare(c)) or float("nan") for b, c in pairs]
+        shares = [(math.log(rare(b)) - math.log(rare(b["rare_bias"]))) / g for (b, _), g in zip(pairs, gap)]
+        closed = [1 - math.log(rare(b["rare_bias"]) / rare(c["rare_bias"])) / g for (b, c), g in zip(pairs, gap)]
+        out["free_baseline_share"] = dict(per_seed=shares, mean=float(np.mean(shares)),
+                                          base_bias=[b["rare_bias"]["bias"] for b, _ in pairs])
+        out["gap_closed_by_calibration"] = dict(per_seed=closed, mean=float(np.mean(closed)),
+                                                min=float(np.min(closed)), max=float(np.max(closed)))
+    out["equivalence"] = {k: dict(tost(out["metrics"][k]["diffs"], m), log_ratio=True)
+                          for k, m in EQUIVALENCE_MARGINS.items() if k in out["metrics"]}
     if all(b.get("article_stats") and c.get("article_stats") for b, c in pairs):
         out["rare_articles"] = article_bootstrap(pairs, n_boot, seed)
     return out
@@ -206,18 +208,23 @@ def article_bootstrap(pairs, n_boot=10000, seed=0):
     cand = np.array([c["article_stats"]["nll"] for _, c in pairs])[..., 2].sum(0)
     count = np.array(pairs[0][0]["article_stats"]["count"])[:, 2] * len(pairs)  # the same targets in every run
     gap, count = (base - cand)[count > 0], count[count > 0]
-    rng = np.random.default_rng(seed)
-    boot = [math.exp(-gap[i].sum() / max(count[i].sum(), 1)) for i in rng.integers(0, len(gap), (n_boot, len(gap)))]
     return dict(articles=int(len(gap)), rare_targets=count.tolist(), ratio=math.exp(-gap.sum() / count.sum()),
-                ratio_article_boot95=np.percentile(boot, [2.5, 97.5]).tolist(),
+                ratio_article_boot95=ratio_boot95(gap, count, n_boot, seed),
                 gap_share_per_article=(gap / gap.sum()).tolist() if gap.sum() else None)
+
+
+def ratio_boot95(gap, count, n_boot, seed):
+    """The 95% bootstrap interval over units (rare types, articles) of the PPL ratio exp(-sum gap / sum count)."""
+    rng = np.random.default_rng(seed)
+    return np.percentile([math.exp(-gap[i].sum() / max(count[i].sum(), 1)) for i in (
+        rng.integers(0, len(gap), len(gap)) for _ in range(n_boot))], [2.5, 97.5]).tolist()
 
 
 # Equivalence margins (this project's): "equal" or "matches" in the docs means the 90% interval of the paired mean
 # log ratio lies within these (TOST at 5%): 2% for a total PPL, 10% for a frequency group's PPL.
-EQUIVALENCE_MARGINS = {"ppl": math.log(1.02), "valid_ppl": math.log(1.02), "rare_bias.ppl": math.log(1.02),
-                       "temperature.ppl": math.log(1.02), "ppl_groups.rare": math.log(1.10),
-                       "rare_bias.ppl_groups.rare": math.log(1.10), "test_ppl": math.log(1.02)}
+EQUIVALENCE_MARGINS = {**dict.fromkeys(("ppl", "valid_ppl", "rare_bias.ppl", "temperature.ppl"), math.log(1.02)),
+                       **dict.fromkeys(("ppl_groups.rare", "rare_bias.ppl_groups.rare"), math.log(1.10)),
+                       "test_ppl": math.log(1.02)}
 
 
 def tost(diffs, margin):
@@ -230,23 +237,6 @@ def tost(diffs, margin):
     half = float(stats.t.ppf(0.95, n - 1) * se)
     p = max(stats.t.sf((mean + margin) / se, n - 1), stats.t.cdf((mean - margin) / se, n - 1))
     return dict(margin=margin, n=n, ci90=[mean - half, mean + half], p=float(p), equivalent=bool(p < 0.05))
-
-
-def calibration_and_equivalence(pairs, compared):
-    """The shares of the rare gap that calibrating base / both (eval.py's rare_bias) closes; TOST of the PPLs."""
-    out = {}
-    if all(b.get("rare_bias") and c.get("rare_bias") for b, c in pairs):
-        rare = lambda r: r["ppl_groups"]["rare"]
-        gap = [math.log(rare(b) / rare(c)) or float("nan") for b, c in pairs]
-        shares = [(math.log(rare(b)) - math.log(rare(b["rare_bias"]))) / g for (b, _), g in zip(pairs, gap)]
-        closed = [1 - math.log(rare(b["rare_bias"]) / rare(c["rare_bias"])) / g for (b, c), g in zip(pairs, gap)]
-        out["free_baseline_share"] = dict(per_seed=shares, mean=float(np.mean(shares)),
-                                          base_bias=[b["rare_bias"]["bias"] for b, _ in pairs])
-        out["gap_closed_by_calibration"] = dict(per_seed=closed, mean=float(np.mean(closed)),
-                                                min=float(np.min(closed)), max=float(np.max(closed)))
-    out["equivalence"] = {k: dict(tost(compared[k]["diffs"], m), log_ratio=True)
-                          for k, m in EQUIVALENCE_MARGINS.items() if k in compared}
-    return out
 
 
 # --------------------------------------------------------------------------------------------------- results files
@@ -262,13 +252,11 @@ RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_step
             "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")
 
 
-def paired_bleu(base_hyps, cand_hyps, refs, tgt, tokenize=None, n_boot=1000, seed=0):
-    """Paired bootstrap of corpus BLEU over test sentences (Koehn 2004; sacrebleu's paired test resamples the same
-    way): both systems scored on the same resampled sentences, from sacrebleu's per-sentence statistics.
-    Returns {base, cand, diff (cand - base), boot95 of the difference, p (two-sided: share of resamples whose
-    difference has the other sign, doubled), n_boot, sentences}."""
+def paired_bleu(base_hyps, cand_hyps, refs, tokenize, n_boot=1000, seed=0):
+    """Paired bootstrap of corpus BLEU (Koehn 2004, as sacrebleu's paired test): both systems on the same resampled
+    sentences; p: twice the share of resamples whose difference (cand - base) has the other sign."""
     import sacrebleu
-    metric = sacrebleu.BLEU(tokenize=tokenize or train_nmt.BLEU_TOKENIZE.get(tgt, "13a"))
+    metric = sacrebleu.BLEU(tokenize=tokenize)
     stats = [np.asarray(metric._extract_corpus_statistics(h, [refs]), dtype=np.int64) for h in (base_hyps, cand_hyps)]
     score = lambda st: metric._compute_score_from_stats(st.sum(0).tolist()).score
     base, cand = score(stats[0]), score(stats[1])
@@ -280,11 +268,14 @@ def paired_bleu(base_hyps, cand_hyps, refs, tgt, tokenize=None, n_boot=1000, see
                 p=min(1.0, 2 * other_side), n_boot=n_boot, sentences=len(refs))
 
 
+def repo_relative(words):  # absolute paths relative to the repository, the rest as given
+    return [os.path.relpath(a, runlib.ROOT) if os.path.isabs(a) else str(a) for a in words]
+
+
 def run_command(saved, script):
-    """The command that reproduces a run from its config.json: the first segment's flags, each overridden by the same
-    flag of a later segment (--resume and --stop-at dropped), paths relative to the repository, --lr / --warmup
-    spelled out, and the thread count. A run whose result a later segment changed (another --dtype, or a --max-steps
-    that moved the cosine decay) is its segments, in order."""
+    """The command that reproduces a run from its config.json: its segments' flags, a later one's value winning, with
+    --lr / --warmup and the thread count; the segments in order when a later one changed the result (another --dtype,
+    a --max-steps that moved the cosine decay)."""
     segments = saved.get("segments") or [saved]
     later = {a.split("=")[0] for s in segments[1:] for a in s.get("argv") or []}
 
@@ -295,7 +286,7 @@ def run_command(saved, script):
             for a in seg.get("argv") or []:
                 groups.append([a]) if a.startswith("--") or not groups else groups[-1].append(a)
             flags.update((g[0].split("=")[0], g) for g in groups if g[0].split("=")[0] not in drop)
-        return [os.path.relpath(a, runlib.ROOT) if os.path.isabs(a) else str(a) for g in flags.values() for a in g]
+        return repo_relative(a for g in flags.values() for a in g)
     if "--dtype" in later or (saved.get("schedule") == "cosine" and "--max-steps" in later):
         argv, rest = words(segments[:1], {"--resume"}), [words([s], {"--resume"}) + ["--resume"] for s in segments[1:]]
     else:
@@ -325,30 +316,28 @@ def run_record(m, cfg, **extra):
 
 def write_results(path, metrics, configs, folders, comparisons, argv):
     """A results file: run_record per run (+ gradient parts, NMT's BLEU over training), the command, comparisons."""
-    runs = {}
+    runs = {label: run_record(m, configs[folders[label]]) for label, m in metrics.items()}
     for label, m in metrics.items():
-        folder = folders[label]
-        runs[label] = run_record(m, configs[folder])
+        valid = ev.log_records(folders[label])
         if parts := [{k: v for k, v in r.items() if k in ("step", "grad_parts", "norm_groups")}
-                     for r in ev.log_records(folder) if "grad_parts" in r]:
+                     for r in valid if "grad_parts" in r]:
             runs[label]["gradient_parts"] = parts
         if "bleu" in m:  # NMT: BLEU over training and the test records training wrote (last checkpoint, average)
-            runs[label]["valid_bleu"] = {r["step"]: r["bleu"] for r in ev.log_records(folder) if "bleu" in r}
+            runs[label]["valid_bleu"] = {r["step"]: r["bleu"] for r in valid if "bleu" in r}
             runs[label]["training_test_bleu"] = {r["split"]: r["bleu"] for split in ("test", "test_averaged")
-                                                 for r in ev.log_records(folder, split)[-1:]}
-    rel = [os.path.relpath(a, runlib.ROOT) if os.path.isabs(a) else a for a in argv]
-    runlib.write_json(path, dict(command=shlex.join(["python", "-m", "studies.compare", *rel]), runs=runs,
-                                 compare=comparisons))
+                                                 for r in ev.log_records(folders[label], split)[-1:]}
+    runlib.write_json(path, dict(command=shlex.join(["python", "-m", "studies.compare", *repo_relative(argv)]),
+                                 runs=runs, compare=comparisons))
 
 
 def record_config(record):
     """The part of a config that pair_difference reads, from a results record (threads: else its command's)."""
-    threads = re.match(r"OMP_NUM_THREADS=(\d+) ", record.get("command") or "")
-    threads = record["threads"] if record.get("threads") is not None else threads and int(threads.group(1))
-    task = record.get("task") or ("nmt" if "train_nmt.py" in (record.get("command") or "") else "lm")
-    return dict(seed=record["seed"], task=task, data_fingerprint=record.get("data_fingerprint"),
-                vocab_size_actual=record.get("vocab_size_actual"), versions=dict(threads=threads,
-                                                                                 kernels=record.get("kernels")))
+    command, threads = record.get("command") or "", record.get("threads")
+    if threads is None and (given := re.match(r"OMP_NUM_THREADS=(\d+) ", command)):
+        threads = int(given.group(1))
+    return dict(seed=record["seed"], task=record.get("task") or ("nmt" if "train_nmt.py" in command else "lm"),
+                data_fingerprint=record.get("data_fingerprint"), vocab_size_actual=record.get("vocab_size_actual"),
+                versions=dict(threads=threads, kernels=record.get("kernels")))
 
 
 def variant_of(record, variants):
@@ -375,9 +364,8 @@ def reanalyse(path, add=()):
         with open(other) as f:
             more = json.load(f)
         first = dict(record_config(next(iter(runs.values()))), versions={})  # one task and one corpus a file
-        for k, problem in [(k, pair_difference(first, dict(record_config(r), versions={})))
-                           for k, r in more["runs"].items()]:
-            if problem:
+        for k, r in more["runs"].items():
+            if problem := pair_difference(first, dict(record_config(r), versions={})):
                 raise SystemExit(f"--add {other}: its run {k} and the runs of {path} differ in {problem}: a results "
                                  f"file holds one task and one corpus")
         known = {variant(r) for r in runs.values()}
@@ -393,10 +381,10 @@ def reanalyse(path, add=()):
                     (entry["base"], b["seed"]) not in replaced and (entry["cand"], b["seed"]) not in replaced]
             if "bleu_paired_bootstrap" in entry or new:
                 entry["bleu_paired_bootstrap"] = sorted(kept + list(new.values()), key=lambda b: b["seed"])
-    configs = {k: record_config(r) for k, r in runs.items()}
+    configs, variants = {k: record_config(r) for k, r in runs.items()}, {k: variant(r) for k, r in runs.items()}
     for entry in res.get("compare") or []:
-        new = compare({k: dict(r, variant=variant(r)) for k, r in runs.items()}, {}, entry["base"], entry["cand"], [],
-                      configs=configs)
+        comparable_pairs([(entry["base"], entry["cand"])], configs, variants)
+        new = compare({k: dict(r, variant=variants[k]) for k, r in runs.items()}, {}, entry["base"], entry["cand"], [])
         if new["seeds"] != entry["seeds"] or any((v, s) in replaced for v in (entry["base"], entry["cand"])
                                                  for s in new["seeds"]):
             entry.pop("rare_types", None)
@@ -409,8 +397,11 @@ def reanalyse(path, add=()):
 
 
 # ----------------------------------------------------------------------------------------------------------- plots
-def save(fig, path, dpi=120):
-    fig.savefig(path, dpi=dpi)
+PLOT_STYLE = {"axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "figure.titlesize": 9}
+
+
+def save(fig, path):
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
@@ -425,36 +416,55 @@ def plot_singular_values(spectra, path):
     return save(fig, path)
 
 
+def scatter_groups(ax, x, y, gid, title):  # AGG Fig. 1's colours; gid -1: not drawn
+    for g in (2, 1, 0):  # frequent drawn last, on top
+        ax.scatter(x[gid == g], y[gid == g], s=2, alpha=0.5, c=("tab:blue", "tab:green", "tab:red")[g],
+                   label=agg.GROUPS[g], rasterized=True)
+    ax.set_title(title)
+
+
 def plot_svd(rows, path, title):
     """AGG Fig. 1/3: W on its top two right singular vectors (uncentred). rows: {row: [(title, W or file, gid)]}."""
     n_col = max(len(panels) for panels in rows.values())
     fig, axes = plt.subplots(len(rows), n_col, figsize=(4 * n_col, 4 * len(rows)), squeeze=False)
-    for r, panels in enumerate(rows.values()):
-        for c, (name, W, gid) in enumerate(panels):
+    for row, panels in zip(axes, rows.values()):
+        for ax, (name, W, gid) in zip(row, panels):
             W = torch.load(W, map_location="cpu", weights_only=True)["weight"] if isinstance(W, str) else W
             W = W.detach().double().cpu()
             P = (W @ torch.linalg.svd(W, full_matrices=False)[2][:2].T).numpy()
-            for g in (2, 1, 0):  # frequent drawn last, on top
-                m = (gid == g).numpy()
-                axes[r][c].scatter(P[m, 0], P[m, 1], s=2, alpha=0.5, c=GROUP_COLOURS[agg.GROUPS[g]],
-                                   label=agg.GROUPS[g], rasterized=True)
-            axes[r][c].set_title(name, fontsize=9)
-            axes[r][c].set_aspect("equal", adjustable="datalim")
-        for c in range(len(panels), n_col):
-            axes[r][c].axis("off")
+            scatter_groups(ax, P[:, 0], P[:, 1], gid.numpy(), name)
+            ax.set_aspect("equal", adjustable="datalim")
+        for ax in row[len(panels):]:
+            ax.axis("off")
     axes[0][0].legend(markerscale=5, fontsize=8)
-    fig.suptitle(f"{title} (red rare, green medium, blue frequent)", fontsize=9)
+    fig.suptitle(f"{title} (red rare, green medium, blue frequent)")
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def plot_output_bias(biases, counts, path):
+    """The learned output bias against the log train count (seen tokens)."""
+    fig, axes = plt.subplots(1, len(biases), figsize=(4 * len(biases), 3.6), squeeze=False, sharey=True)
+    for ax, (label, b) in zip(axes[0], biases.items()):
+        c = torch.as_tensor(counts[label]).double()
+        gid = torch.where(c > 0, ev.group_index(counts[label])[0], -1).numpy()
+        scatter_groups(ax, c.log().numpy(), b.double().numpy(), gid, label)
+        ax.set_xlabel("log train count")
+    axes[0][0].set_ylabel("learned output bias")
+    axes[0][0].legend(markerscale=5)
+    fig.suptitle("Learned output bias against token frequency (--output-bias)")
     fig.tight_layout()
     return save(fig, path)
 
 
 def by_variant(folders, variants, key, split="valid"):
-    """{variant: [the `split` records of each of its runs]}, of the runs whose records carry `key`."""
+    """[(variant, colour, [the `split` records of each of its runs])], of the runs whose records carry `key`."""
     out = {}
     for label, d in folders.items():
         if recs := [r for r in ev.log_records(d, split) if key in r]:
             out.setdefault(variants[label], []).append(recs)
-    return out
+    colours = plt.get_cmap("tab20" if len(out) > 10 else "tab10")
+    return [(variant, colours(i % colours.N), runs) for i, (variant, runs) in enumerate(out.items())]
 
 
 def seed_curve(ax, runs, key, colour, label, band=True, **style):
@@ -467,31 +477,26 @@ def seed_curve(ax, runs, key, colour, label, band=True, **style):
 
 
 def plot_training_curves(folders, variants, path):
-    """AGG Fig. 2: the valid records over training per variant; the path, or None without valid records."""
+    """AGG Fig. 2: the valid records over training per variant, a dotted line at freeze-rare's release step."""
     if not (groups := by_variant(folders, variants, "isotropy_groups")):
         return None
     keys = [("isotropy_groups.freq", "I(W) frequent"), ("isotropy_groups.med", "I(W) medium"),
             ("isotropy_groups.rare", "I(W) rare"), ("cosine_rare_freq", "cos(rare, frequent)"), ("ppl", "valid PPL")]
-    if all("bleu" in r for runs in groups.values() for recs in runs for r in recs):  # NMT: the seeds' spread
+    if all("bleu" in r for _, _, runs in groups for recs in runs for r in recs):  # NMT: the seeds' spread
         keys.append(("bleu", "valid BLEU"))
-    release = {variants[k]: until for k, d in folders.items()  # freeze-rare's release step
+    release = {variants[k]: until for k, d in folders.items()
                if (until := (runlib.run_config(d) or {}).get("method_hparams", {}).get("until")) is not None}
-    colours = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.4))
     for ax, (key, title) in zip(axes, keys):
-        for i, (variant, runs) in enumerate(groups.items()):
-            colour = colours(i % colours.N)
+        for variant, colour, runs in groups:
             if variant in release:
                 ax.axvline(release[variant], color=colour, ls=":", lw=1)
             seed_curve(ax, runs, key, colour, f"{variant} (mean of {len(runs)})" if len(runs) > 1
                        else next(k for k in folders if variants[k] == variant))
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        if key == "ppl":
-            ax.set_yscale("log")
+        ax.set(title=title, xlabel="step", yscale="log" if key == "ppl" else "linear")
     fig.legend(*axes[0].get_legend_handles_labels(), fontsize=6, loc="lower center", ncol=min(len(groups), 7),
                frameon=False)
-    fig.suptitle("Validation records over training (AGG Fig. 2)", fontsize=9)
+    fig.suptitle("Validation records over training (AGG Fig. 2)")
     fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(groups) - 1) // 7), 1, 1))
     return save(fig, path)
 
@@ -500,20 +505,17 @@ def plot_gradient_parts(folders, variants, path):
     """AGG Eq. 4 over training: the mean row norm of the gradient's parts (a), (b), (c) per group."""
     if not (groups := by_variant(folders, variants, "grad_parts")):
         return None
-    colours = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")  # one colour per method
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
     for ax, group in zip(axes, agg.GROUPS):
-        for i, (variant, runs) in enumerate(groups.items()):
+        for variant, colour, runs in groups:
             for part, ls in zip("abc", ("--", "-", ":")):
-                seed_curve(ax, runs, f"grad_parts.{part}.{group}", colours(i % colours.N),
+                seed_curve(ax, runs, f"grad_parts.{part}.{group}", colour,
                            f"{variant} {part}" if group == "rare" else None, band=False, ls=ls, lw=1.2)
-        ax.set_yscale("log")
-        ax.set_title(f"{group} rows", fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-    axes[0].set_ylabel("mean row norm of the part", fontsize=8)
+        ax.set(yscale="log", title=f"{group} rows", xlabel="step")
+    axes[0].set_ylabel("mean row norm of the part")
     fig.legend(loc="center right", fontsize=6, ncol=1 + len(groups) // 6)  # beside the axes: many methods fit
     fig.suptitle("Parts of the embeddings' gradient (AGG Eq. 4): (a) dashed, (b) solid, (c) dotted, as each method "
-                 "applies them", fontsize=9)
+                 "applies them")
     fig.tight_layout(rect=(0, 0, 0.93 - 0.08 * (len(groups) // 6), 1))
     return save(fig, path)
 
@@ -523,31 +525,11 @@ def plot_rare_share(folders, variants, path):
     if not (groups := by_variant(folders, variants, "method_rare_fraction", "train")):
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for i, (variant, runs) in enumerate(groups.items()):
-        seed_curve(ax, runs, "method_rare_fraction", f"C{i % 10}", f"{variant} ({len(runs)} runs)", band=False, lw=1.2)
-    ax.set_xscale("log")
-    ax.set_xlabel("optimizer step", fontsize=8)
-    ax.set_ylabel("rare group / vocabulary", fontsize=8)
-    ax.set_title("Size of the rare group over training (AGG Fig. 4)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save(fig, path)
-
-
-def plot_output_bias(biases, counts, path):
-    """The learned output bias against the log train count (seen tokens)."""
-    fig, axes = plt.subplots(1, len(biases), figsize=(4 * len(biases), 3.6), squeeze=False, sharey=True)
-    for ax, (label, b) in zip(axes[0], biases.items()):
-        c, gid = torch.as_tensor(counts[label]).double(), ev.group_index(counts[label])[0]
-        for k, g in enumerate(agg.GROUPS):
-            m = (c > 0) & (gid == k)
-            ax.scatter(c[m].log().numpy(), b.double()[m].numpy(), s=2, alpha=0.4, c=GROUP_COLOURS[g], label=g,
-                       rasterized=True)
-        ax.set_title(label, fontsize=9)
-        ax.set_xlabel("log train count", fontsize=8)
-    axes[0][0].set_ylabel("learned output bias", fontsize=8)
-    axes[0][0].legend(markerscale=5, fontsize=7)
-    fig.suptitle("Learned output bias against token frequency (--output-bias)", fontsize=9)
+    for variant, colour, runs in groups:
+        seed_curve(ax, runs, "method_rare_fraction", colour, f"{variant} ({len(runs)} runs)", band=False, lw=1.2)
+    ax.set(xscale="log", xlabel="optimizer step", ylabel="rare group / vocabulary",
+           title="Size of the rare group over training (AGG Fig. 4)")
+    ax.legend()
     fig.tight_layout()
     return save(fig, path)
 
@@ -569,32 +551,33 @@ def table(header, rows):
     return [row(header), "|" + " --- |" * len(header), *map(row, rows), ""]
 
 
+def cell(node, n, nd):  # a summary node as "mean ± std" over n runs (one run: its value), "-" without one
+    return ev.fmt(node["mean"], nd) + (f" ± {ev.fmt(node['std'], nd)}" if n > 1 else "") if node else "-"
+
+
 def write_report(path, metrics, args, argv, summary, comparisons, plots):
-    L = ["# Evaluation report", "", f"`{shlex.join(['python', '-m', 'studies.compare', *argv])}`", "",
-         f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", ""]
     cols = [c for c in COLUMNS if any(get(s, c[0]) for s in summary.values())]
-    cell = lambda s, n, nd: fmt(s["mean"], nd) + (f" ± {fmt(s['std'], nd)}" if n > 1 else "") if s else "-"
-    L += ["## Mean ± std over the runs (seeds) of each variant (groups: 30% frequent / 50% medium / 20% rare by "
-          "train counts)", ""] + table(["variant", "n", *(h for _, h, _ in cols)],
-                                        [[v, s["n"], *(cell(get(s, k), s["n"], nd) for k, _, nd in cols)]
-                                         for v, s in summary.items()])
+    L = ["# Evaluation report", "", f"`{shlex.join(['python', '-m', 'studies.compare', *argv])}`", "",
+         f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", "",
+         "## Mean ± std over the runs (seeds) of each variant (groups: 30% frequent / 50% medium / 20% rare by train "
+         "counts)", "", *table(["variant", "n", *(h for _, h, _ in cols)], [
+             [v, s["n"], *(cell(get(s, k), s["n"], nd) for k, _, nd in cols)] for v, s in summary.items()])]
     if h := next((m for m in metrics.values() if "uniq_human" in m), None):
         L += [f"Human text ({h['split']} split): Uniq {h['uniq_human']} (" + ", ".join(
-            f"{g} {h['uniq_human_groups'][g]}" for g in G) + f"), Uniq per sample {fmt(h['gen_uniq_human'], 1)}, "
-            f"seq-rep-4 {fmt(h['gen_rep4_human'], 3)}. Word similarity, pairs used / total: " + "; ".join(
+            f"{g} {h['uniq_human_groups'][g]}" for g in G) + f"), Uniq per sample {ev.fmt(h['gen_uniq_human'], 1)}, "
+            f"seq-rep-4 {ev.fmt(h['gen_rep4_human'], 3)}. Word similarity, pairs used / total: " + "; ".join(
             f"{n} {u}/{t}" for n, (u, t) in h["word_similarity_pairs"].items()) + ".", ""]
     for c in comparisons:
         rows = []
         for key, r in c["metrics"].items():
             f = (lambda x: f"x{math.exp(x):.3f}") if r["log_ratio"] else (lambda x: f"{x:+.4g}")
             iv = lambda name: f"[{f(r[name][0])}, {f(r[name][1])}]" if name in r else "-"
-            rows.append([key, fmt(float(np.mean(r["base"])), 3), fmt(float(np.mean(r["cand"])), 3), f(r["mean"]),
-                         iv("t95"), iv("boot95"), f(r["median"]), fmt(r.get("p", float("nan")), 3)])
-        L += [f"## Paired comparison: {c['cand']} against {c['base']} (seeds {', '.join(map(str, c['seeds']))})", ""]
-        L += table(["metric", "base (mean)", "cand (mean)", "change", "95% t interval", "95% bootstrap", "median",
-                    "p (paired t)"], rows)
-        if "rare_types" in c:
-            t = c["rare_types"]
+            rows.append([key, ev.fmt(float(np.mean(r["base"])), 3), ev.fmt(float(np.mean(r["cand"])), 3),
+                         f(r["mean"]), iv("t95"), iv("boot95"), f(r["median"]), ev.fmt(r.get("p", float("nan")), 3)])
+        L += [f"## Paired comparison: {c['cand']} against {c['base']} (seeds {', '.join(map(str, c['seeds']))})", "",
+              *table(["metric", "base (mean)", "cand (mean)", "change", "95% t interval", "95% bootstrap", "median",
+                      "p (paired t)"], rows)]
+        if t := c.get("rare_types"):
             L += [f"Rare PPL ratio x{t['ratio']:.3f}, type bootstrap [x{t['ratio_type_boot95'][0]:.3f}, "
                   f"x{t['ratio_type_boot95'][1]:.3f}], {t['targets']} targets of {t['types']} types; gap share of the "
                   f"top type {t['share_top1']:.0%}, top 10 {t['share_top10']:.0%} (" + ", ".join(
@@ -603,16 +586,15 @@ def write_report(path, metrics, args, argv, summary, comparisons, plots):
             L += ["BLEU, paired bootstrap per seed (cand - base): " + "; ".join(
                 f"seed {x['seed']}: {x['diff']:+.2f} [{x['boot95'][0]:+.2f}, {x['boot95'][1]:+.2f}], p {x['p']:.3f}"
                 for x in c["bleu_paired_bootstrap"]) + ".", ""]
-        if "free_baseline_share" in c:
-            s = c["free_baseline_share"]
+        if s := c.get("free_baseline_share"):
             L += [f"Share of the rare-PPL gain that calibrating {c['base']} gets: {s['mean']:.0%} (per seed: "
                   + ", ".join(f"{x:.0%}" for x in s["per_seed"]) + ").", ""]
     L += ["## Top-5 cosine neighbours of rare tokens (AGG Tables 12-13; * = neighbour in the rare group)", ""]
     for k, m in metrics.items():
         L += [f"**{k}**", ""] + table(["token", "top-5 neighbours"],
                                       [[_md(t), ", ".join(_md(n) for n in ns)] for t, ns in m["neighbours"].items()])
-    runlib.write_text(path, "\n".join(L + ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})\n"
-                                                             for p in plots if p]))
+    L += ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in plots if p]
+    runlib.write_text(path, "\n".join(L))
 
 
 def main(argv=None):
@@ -634,8 +616,8 @@ def main(argv=None):
         raise SystemExit("--add goes with --reanalyse FILE (the results file the runs join)")
     if not args.out_dirs:
         raise SystemExit("give run folders (or --reanalyse RESULTS.json)")
-    for d in [d for i, d in enumerate(args.out_dirs) if os.path.realpath(d) in map(os.path.realpath,
-                                                                                   args.out_dirs[:i])][:1]:
+    real = [os.path.realpath(d) for d in args.out_dirs]
+    for d in [d for i, d in enumerate(args.out_dirs) if real[i] in real[:i]][:1]:
         raise SystemExit(f"{d}: this run folder is given twice (under two paths): each run once")
     for base, cand in [pair for pair in args.compare if pair[0] == pair[1]][:1]:
         raise SystemExit(f"--compare {base} {cand}: compare two different variants")
@@ -650,13 +632,12 @@ def main(argv=None):
     args.compare = comparable_pairs(args.compare, configs, variants, default)
     results = ev.evaluate_runs(args)
     folders = dict(zip(ev.labels_for(args.out_dirs), args.out_dirs))
-    metrics = {label: dict(res["metrics"], variant=variants[folders[label]]) for label, res in results.items()}
-    variants = {label: m["variant"] for label, m in metrics.items()}
+    variants = {label: variants[d] for label, d in folders.items()}
+    metrics = {label: dict(res["metrics"], variant=variants[label]) for label, res in results.items()}
     summary = summarise(metrics)
-    type_stats = {k: r["type_stats"] for k, r in results.items() if "type_stats" in r}
-    texts = {k: r["texts"] for k, r in results.items() if "texts" in r}
-    tokens = next(iter(results.values()))["tokens"]
-    comparisons = [compare(metrics, type_stats, base, cand, tokens, texts=texts) for base, cand in args.compare]
+    extra = {key: {k: r[key] for k, r in results.items() if key in r} for key in ("type_stats", "texts")}
+    comparisons = [compare(metrics, extra["type_stats"], base, cand, next(iter(results.values()))["tokens"],
+                           texts=extra["texts"]) for base, cand in args.compare]
     out = lambda name: os.path.join(args.out, name)
     for name, data in (("metrics", metrics), ("summary", summary), ("compare", comparisons)):
         if data:  # compare.json only with comparisons
@@ -666,17 +647,17 @@ def main(argv=None):
     gid = {k: ev.group_index(r["counts"])[0] for k, r in results.items()}
     snapshots = {k: [(f"{k} step {s}", f, gid[k]) for s in configs[d].get("snapshot_steps") or []  # train_lm.py's
                      if os.path.exists(f := os.path.join(d, "snapshots", f"emb_{s}.pt"))] for k, d in folders.items()}
-    snapshots = {k: v for k, v in snapshots.items() if v}
     biases = {k: r["out_bias"] for k, r in results.items() if r["out_bias"] is not None}
-    plots = [plot_singular_values({k: m["singular_values"] for k, m in metrics.items()}, out("singular_values.png")),
-             plot_svd({"": [(k, r["weight"], gid[k]) for k, r in results.items()]}, out("svd_projection.png"),
-                      "2-D SVD projection of the tied embedding"),
-             snapshots and plot_svd(snapshots, out("svd_over_time.png"),  # AGG Fig. 1 over time: one row per run
-                                    "Embeddings over training: 2-D SVD projection"),
-             plot_training_curves(folders, variants, out("training_curves.png")),
-             plot_gradient_parts(folders, variants, out("gradient_parts.png")),
-             plot_rare_share(folders, variants, out("rare_share.png")),
-             biases and plot_output_bias(biases, {k: results[k]["counts"] for k in biases}, out("output_bias.png"))]
+    with plt.rc_context(PLOT_STYLE):
+        plots = [plot_singular_values({k: m["singular_values"] for k, m in metrics.items()}, out("singular_values.png")),
+                 plot_svd({"": [(k, r["weight"], gid[k]) for k, r in results.items()]}, out("svd_projection.png"),
+                          "2-D SVD projection of the tied embedding"),
+                 any(snapshots.values()) and plot_svd({k: v for k, v in snapshots.items() if v}, out(
+                     "svd_over_time.png"), "Embeddings over training: 2-D SVD projection"),  # one row per run
+                 plot_training_curves(folders, variants, out("training_curves.png")),
+                 plot_gradient_parts(folders, variants, out("gradient_parts.png")),
+                 plot_rare_share(folders, variants, out("rare_share.png")),
+                 biases and plot_output_bias(biases, {k: results[k]["counts"] for k in biases}, out("output_bias.png"))]
     write_report(out("report.md"), metrics, args, argv, summary, comparisons, plots)
     print(f"wrote {args.out}/metrics.json, summary.json, report.md and plots")
     return metrics

@@ -14,6 +14,7 @@ OUT/tables.md: AGG Tables 1-2, 3, 4, 7-8, 9, 10 and Table 6's peers, mean +- std
 --warmups, --sweep) also writes OUT/sweep.json: each run's valid and test PPL, each method's lowest mean valid PPL.
 """
 import argparse
+import itertools
 import os
 import shlex
 import sys
@@ -46,15 +47,13 @@ HEADERS = {"ppl": "PPL", "uniq": "Uniq", "isotropy": "I(W)", "mean_cosine": "mea
               for g in ("freq", "med", "rare")}}
 
 
-def run_dir(out, method, seed, lr=None, warmup=None, knob=None):  # knob: (flag, value) of a --sweep
-    setting = (f"-lr{lr:g}" if lr is not None else "") + (f"-wu{warmup}" if warmup is not None else "") \
-        + (f"-{knob[0]}={knob[1]:g}" if knob is not None else "")  # :g names 1 and 1.0 alike
-    return os.path.join(out, "runs", f"{method}{setting}-s{seed}")
-
-
-def settings(args):  # (lr, warmup, knob) of each setting; None: the preset's
-    knobs = [(args.sweep[0], v) for v in args.sweep[1]] if args.sweep else [None]
-    return [(lr, wu, k) for lr in (args.lrs or [None]) for wu in (args.warmups or [None]) for k in knobs]
+def settings(args):
+    """[(folder name part, train_lm.py flags)] of each setting: --lrs x --warmups x --sweep (none given: the preset's)."""
+    axes = [[(f"-lr{v:g}", ["--lr", f"{v:g}"]) for v in args.lrs or []],  # :g names 1 and 1.0 alike
+            [(f"-wu{v}", ["--warmup", str(v)]) for v in args.warmups or []],
+            [(f"-{args.sweep[0]}={v:g}", [f"--{args.sweep[0]}", f"{v:g}"]) for v in (args.sweep or [0, []])[1]]]
+    return [("".join(n for n, _ in s), [f for _, fs in s for f in fs]) for s in itertools.product(*(
+        axis or [("", [])] for axis in axes))]
 
 
 def parse_sweep(words, methods):
@@ -82,33 +81,17 @@ def parse_sweep(words, methods):
                          f"({typ.__name__}), e.g. --sweep gamma 0.3 1 3") from None
 
 
-def train_command(args, extra, method, seed, lr=None, wu=None, knob=None):
+def train_command(args, extra, method, seed, setting):
     """(folder, the train_lm.py command) of one run of the grid; --resume when it has a checkpoint."""
-    folder = run_dir(args.out, method, seed, lr, wu, knob)
-    resume = os.path.exists(os.path.join(folder, "ckpt.pt"))
-    return folder, [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed),
-                    "--out", folder, *(["--resume"] if resume else []), *extra,
-                    *(["--lr", f"{lr:g}"] if lr is not None else []),
-                    *(["--warmup", str(wu)] if wu is not None else []),
-                    *([f"--{knob[0]}", f"{knob[1]:g}"] if knob is not None else [])]
+    folder = os.path.join(args.out, "runs", f"{method}{setting[0]}-s{seed}")
+    return folder, [sys.executable, os.path.join(ROOT, "train_lm.py"), "--method", method, "--seed", str(seed), "--out",
+                    folder, *(["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []), *extra,
+                    *setting[1]]
 
 
-def cell(summary, method, key):
-    if not (node := compare.get(summary.get(method), key)):
-        return "-"
+def cell(summary, method, key):  # decimals: 3 for the geometry, 0 for Uniq, 1 for PPL
     nd = 3 if any(w in key for w in ("isotropy", "cosine", "rep4")) else (0 if key.startswith("uniq") else 1)
-    return f"{node['mean']:.{nd}f}" + (f" ± {node['std']:.{nd}f}" if summary[method]["n"] > 1 else "")
-
-
-def write_tables(summary, path, command):
-    lines = ["# Methods table", "", f"`{command}`", "",
-             "Each cell: mean ± std over seeds (n = runs per method; one run: its value). Test split, frequency "
-             "groups 30/50/20% of the vocabulary by train counts; Uniq = distinct next-token argmax predictions.", ""]
-    for title, methods, cols in TABLES:
-        if methods := [m for m in methods if m in summary]:
-            lines += [f"## {title}", ""] + compare.table(["method", "n", *(HEADERS.get(c, c) for c in cols)], [
-                [m, summary[m]["n"], *(cell(summary, m, c) for c in cols)] for m in methods])
-    runlib.write_text(path, "\n".join(lines))
+    return compare.cell(compare.get(summary[method], key), summary[method]["n"], nd)
 
 
 def sweep_table(metrics, command, key=None):
@@ -118,8 +101,7 @@ def sweep_table(metrics, command, key=None):
     for m in metrics.values():
         cfg = runlib.run_config(m["out_dir"])
         runs.append(dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"], **({key: cfg[key]} if key else {}),
-                         seed=m["seed"], step=m["step"],
-                         valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
+                         seed=m["seed"], step=m["step"], valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
                          isotropy=m["isotropy"], run=os.path.relpath(m["out_dir"], ROOT),
                          command=compare.run_command(cfg, "train_lm.py"),
                          threads=cfg.get("versions", {}).get("threads"), git_commit=cfg.get("git_commit")))
@@ -127,10 +109,8 @@ def sweep_table(metrics, command, key=None):
     table = [dict(method=k[0], lr=k[1], warmup=k[2], **({key: k[3]} if key else {}), n=len(rs),
                   valid_ppl_mean=sum(r["valid_ppl"] for r in rs) / len(rs),
                   test_ppl_mean=sum(r["test_ppl"] for r in rs) / len(rs)) for k, rs in sorted(by.items())]
-    selected = {}
-    for s in table:
-        if s["method"] not in selected or s["valid_ppl_mean"] < selected[s["method"]]["valid_ppl_mean"]:
-            selected[s["method"]] = s
+    best = lambda method: min((s for s in table if s["method"] == method), key=lambda s: s["valid_ppl_mean"])
+    selected = {s["method"]: best(s["method"]) for s in table}
     return dict(command=command, selection="lowest mean valid PPL over seeds (last checkpoint)", runs=runs,
                 settings=table, selected=selected)
 
@@ -157,7 +137,7 @@ def main(argv=None):
         p.error(f"--jobs {args.jobs}: give 1 or more runs at once")
     flag, key, values = parse_sweep(args.sweep, args.methods) if args.sweep else (None, None, None)
     args.sweep = (flag, values) if args.sweep else None
-    runs = {(m, s, st): train_command(args, extra, m, s, *st) for m in args.methods for st in settings(args)
+    runs = {(m, s, st[0]): train_command(args, extra, m, s, st) for m in args.methods for st in settings(args)
             for s in args.seeds}
     done = {f: pool.finished(f) for f, _ in runs.values()}
     folders = [f for f in done if done[f] or not args.no_train]  # --no-train: the finished runs only
@@ -170,7 +150,7 @@ def main(argv=None):
         print(f"grid: {len(runs) - len(folders)} runs not finished, left out: "
               + " ".join(os.path.basename(f) for f in done if not done[f]))
     if not args.no_train:  # seed-major, --jobs at a time (studies.pool; with several jobs each run writes NAME.log)
-        todo = [runs[m, s, st] for s in args.seeds for st in settings(args) for m in args.methods]
+        todo = [runs[m, s, st[0]] for s in args.seeds for st in settings(args) for m in args.methods]
         queue = []
         for i, (folder, cmd) in enumerate(todo):
             name = f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
@@ -184,7 +164,14 @@ def main(argv=None):
     report = os.path.join(args.out, "report")
     metrics = compare.main([*folders, "--out", report, *args.eval_args.split()])  # report/summary.json: summarise's
     command = shlex.join(["python", "-m", "studies.grid", *argv])
-    write_tables(compare.summarise(metrics), os.path.join(args.out, "tables.md"), command)
+    summary, lines = compare.summarise(metrics), ["# Methods table", "", f"`{command}`", "",
+        "Each cell: mean ± std over seeds (n = runs per method; one run: its value). Test split, frequency groups "
+        "30/50/20% of the vocabulary by train counts; Uniq = distinct next-token argmax predictions.", ""]
+    for title, methods, cols in TABLES:
+        if methods := [m for m in methods if m in summary]:
+            lines += [f"## {title}", ""] + compare.table(["method", "n", *(HEADERS.get(c, c) for c in cols)], [
+                [m, summary[m]["n"], *(cell(summary, m, c) for c in cols)] for m in methods])
+    runlib.write_text(os.path.join(args.out, "tables.md"), "\n".join(lines))
     if args.lrs or args.warmups or args.sweep:
         sweep = sweep_table(metrics, command, key)
         runlib.write_json(os.path.join(args.out, "sweep.json"), sweep)

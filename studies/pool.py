@@ -2,6 +2,7 @@
 thread of a concurrent.futures pool that waits on its subprocess. SIGTERM / SIGINT send SIGTERM to every running
 command (a training run checkpoints at its next step and exits 1) and stop the study: rerun it to continue."""
 import concurrent.futures as cf
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,18 +13,15 @@ import train_lm
 
 
 def run(next_job, jobs, after=None, result=lambda name: None):
-    """Keep `jobs` commands running until next_job has no more. next_job(busy) returns (name, argv, log path or None)
-    for a job whose name is not in `busy`, or None when nothing more can start now; after(name) is called when a job
-    ends. A failed job stops the others (each checkpoints) and the pool, with one line naming its output, unless
-    result(name) says its failure is a result (a diverged run)."""
+    """Keep `jobs` commands running: next_job(busy names) gives (name, argv, log path or None), or None when nothing
+    more can start now; after(name) when a job ends. A failed job stops the pool unless result(name) says its failure
+    is a result (a diverged run)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // jobs))) if jobs > 1 else None
     procs, logs = {}, {}
 
     def start(name, argv, log):
-        out = open(log, "a") if log else None
-        procs[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
-        if out:
-            out.close()  # the child holds its own handle
+        with open(log, "a") if log else contextlib.nullcontext() as out:  # the child holds its own handle
+            procs[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=out and subprocess.STDOUT)
         return procs[name].wait()
 
     def stop_all():
@@ -49,8 +47,7 @@ def run(next_job, jobs, after=None, result=lambda name: None):
                     running[pool.submit(start, *job)] = name
                 if not running:
                     return
-                done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
-                for future in done:
+                for future in cf.wait(running, return_when=cf.FIRST_COMPLETED)[0]:
                     name = running.pop(future)
                     if future.result() and not result(name):
                         stop_all()

@@ -142,10 +142,9 @@ def test_runs_on_other_data_or_thread_counts_are_never_paired(runs, corpus, lm_t
     assert compare.pair_difference(dict(task="lm", vocab_size_actual=300), dict(task="lm", vocab_size_actual=280)) == \
         "vocabulary size (300 vs 280)"
     assert compare.pair_difference(dict(task="lm"), dict(task="nmt")) == "task (lm vs nmt)"
-    metrics = {"a": dict(variant="mle", seed=0, ppl=2.0), "b": dict(variant="agg", seed=0, ppl=1.0)}
     with pytest.raises(SystemExit, match=r"--compare mle agg: .*differ in data \(x vs y\)"):
-        compare.compare(metrics, {}, "mle", "agg", [], configs={"a": dict(data_fingerprint="x"),
-                                                           "b": dict(data_fingerprint="y")})
+        compare.comparable_pairs([("mle", "agg")], {"a": dict(seed=0, data_fingerprint="x"),
+                                                    "b": dict(seed=0, data_fingerprint="y")}, {"a": "mle", "b": "agg"})
 
 
 def test_compare_splits_the_rare_gap_over_types_and_pools_the_seeds():
@@ -364,10 +363,10 @@ def test_paired_bleu_matches_sacrebleu_and_detects_a_real_difference():
     refs = [f"the cat number {i} sat on the mat today" for i in range(60)]
     good = list(refs)
     bad = [r.replace("sat on", "ran under") if i % 2 else r for i, r in enumerate(refs)]
-    res = compare.paired_bleu(bad, good, refs, "en", n_boot=300)
+    res = compare.paired_bleu(bad, good, refs, "13a", n_boot=300)
     assert res["base"] == pytest.approx(sacrebleu.corpus_bleu(bad, [refs]).score)
     assert res["cand"] == pytest.approx(100.0) and res["diff"] > 0 and res["boot95"][0] > 0 and res["p"] < 0.01
-    same = compare.paired_bleu(good, good, refs, "en", n_boot=100)
+    same = compare.paired_bleu(good, good, refs, "13a", n_boot=100)
     assert same["diff"] == 0 and same["boot95"] == [0.0, 0.0]
 
 
