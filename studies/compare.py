@@ -536,14 +536,14 @@ def plot_rare_share(folders, variants, path):
 
 # ---------------------------------------------------------------------------------------------------------- report
 _md = lambda s: str(s).replace("|", "\\|").replace("\n", " ⏎ ").strip()  # a markdown table cell
-# report.md's table over the variants: (metric, header, decimals), the columns some variant has
-COLUMNS = [*((f"ppl_groups.{g}", f"PPL {g}", 2) for g in G), ("ppl", "PPL", 2), ("rare_bias.ppl", "PPL calibrated", 2),
-           ("rare_bias.ppl_groups.rare", "PPL rare calibrated", 2), *((f"uniq_groups.{g}", f"Uniq {g}", 1) for g in G),
-           ("uniq", "Uniq", 1), *((f"isotropy_groups.{g}", f"I {g}", 3) for g in G), ("isotropy", "I(W)", 3),
-           ("mean_cosine", "mean cos", 3), ("mean_cosine_groups.rare", "cos rare", 3), ("word_similarity.ws353",
-           "WS353", 3), ("word_similarity.simlex999", "SimLex", 3), ("gen_uniq", "Uniq per sample", 1),
-           ("gen_rep4", "seq-rep-4", 3), ("bleu", "BLEU", 2), ("test_ppl", "test PPL", 2),
-           ("group_rare_mass_pred", "rare mass pred", 4), ("group_rare_mass_true", "rare mass true", 4)]
+# the tables over variants (report.md, studies.grid): {metric: (header, decimals)}
+COLUMNS = {**{f"ppl_groups.{g}": (f"PPL {g}", 2) for g in G}, "ppl": ("PPL", 2), "rare_bias.ppl": ("PPL calibrated", 2),
+           "rare_bias.ppl_groups.rare": ("PPL rare calibrated", 2), **{f"uniq_groups.{g}": (f"Uniq {g}", 1) for g in G},
+           "uniq": ("Uniq", 1), **{f"isotropy_groups.{g}": (f"I(W) {g}", 3) for g in G}, "isotropy": ("I(W)", 3),
+           "mean_cosine": ("mean cos", 3), "mean_cosine_groups.rare": ("cos rare", 3), "word_similarity.ws353":
+           ("WS353", 3), "word_similarity.simlex999": ("SimLex", 3), "gen_uniq": ("Uniq per sample", 1),
+           "gen_rep4": ("seq-rep-4", 3), "bleu": ("BLEU", 2), "test_ppl": ("test PPL", 2),
+           "group_rare_mass_pred": ("rare mass pred", 4), "group_rare_mass_true": ("rare mass true", 4)}
 
 
 def table(header, rows):
@@ -551,17 +551,18 @@ def table(header, rows):
     return [row(header), "|" + " --- |" * len(header), *map(row, rows), ""]
 
 
-def cell(node, n, nd):  # a summary node as "mean ± std" over n runs (one run: its value), "-" without one
-    return ev.fmt(node["mean"], nd) + (f" ± {ev.fmt(node['std'], nd)}" if n > 1 else "") if node else "-"
+def cell(summary, key):  # a variant's summary at COLUMNS key: "mean ± std" over its runs (one run: its value), or "-"
+    node, nd = get(summary, key), COLUMNS[key][1]
+    return ev.fmt(node["mean"], nd) + (f" ± {ev.fmt(node['std'], nd)}" if summary["n"] > 1 else "") if node else "-"
 
 
 def write_report(path, metrics, args, argv, summary, comparisons, plots):
-    cols = [c for c in COLUMNS if any(get(s, c[0]) for s in summary.values())]
+    cols = [k for k in COLUMNS if any(get(s, k) for s in summary.values())]
     L = ["# Evaluation report", "", f"`{shlex.join(['python', '-m', 'studies.compare', *argv])}`", "",
          f"Checkpoint: {args.checkpoint} ({'ckpt.pt' if args.checkpoint == 'last' else 'ckpt_best.pt'}).", "",
          "## Mean ± std over the runs (seeds) of each variant (groups: 30% frequent / 50% medium / 20% rare by train "
-         "counts)", "", *table(["variant", "n", *(h for _, h, _ in cols)], [
-             [v, s["n"], *(cell(get(s, k), s["n"], nd) for k, _, nd in cols)] for v, s in summary.items()])]
+         "counts)", "", *table(["variant", "n", *(COLUMNS[k][0] for k in cols)],
+                               [[v, s["n"], *(cell(s, k) for k in cols)] for v, s in summary.items()])]
     if h := next((m for m in metrics.values() if "uniq_human" in m), None):
         L += [f"Human text ({h['split']} split): Uniq {h['uniq_human']} (" + ", ".join(
             f"{g} {h['uniq_human_groups'][g]}" for g in G) + f"), Uniq per sample {ev.fmt(h['gen_uniq_human'], 1)}, "
@@ -635,9 +636,9 @@ def main(argv=None):
     variants = {label: variants[d] for label, d in folders.items()}
     metrics = {label: dict(res["metrics"], variant=variants[label]) for label, res in results.items()}
     summary = summarise(metrics)
-    extra = {key: {k: r[key] for k, r in results.items() if key in r} for key in ("type_stats", "texts")}
-    comparisons = [compare(metrics, extra["type_stats"], base, cand, next(iter(results.values()))["tokens"],
-                           texts=extra["texts"]) for base, cand in args.compare]
+    type_stats, texts = ({k: r[key] for k, r in results.items() if key in r} for key in ("type_stats", "texts"))
+    comparisons = [compare(metrics, type_stats, base, cand, next(iter(results.values()))["tokens"], texts=texts)
+                   for base, cand in args.compare]
     out = lambda name: os.path.join(args.out, name)
     for name, data in (("metrics", metrics), ("summary", summary), ("compare", comparisons)):
         if data:  # compare.json only with comparisons
@@ -647,13 +648,15 @@ def main(argv=None):
     gid = {k: ev.group_index(r["counts"])[0] for k, r in results.items()}
     snapshots = {k: [(f"{k} step {s}", f, gid[k]) for s in configs[d].get("snapshot_steps") or []  # train_lm.py's
                      if os.path.exists(f := os.path.join(d, "snapshots", f"emb_{s}.pt"))] for k, d in folders.items()}
+    snapshots = {k: v for k, v in snapshots.items() if v}
     biases = {k: r["out_bias"] for k, r in results.items() if r["out_bias"] is not None}
     with plt.rc_context(PLOT_STYLE):
-        plots = [plot_singular_values({k: m["singular_values"] for k, m in metrics.items()}, out("singular_values.png")),
+        plots = [plot_singular_values({k: m["singular_values"] for k, m in metrics.items()},
+                                      out("singular_values.png")),
                  plot_svd({"": [(k, r["weight"], gid[k]) for k, r in results.items()]}, out("svd_projection.png"),
                           "2-D SVD projection of the tied embedding"),
-                 any(snapshots.values()) and plot_svd({k: v for k, v in snapshots.items() if v}, out(
-                     "svd_over_time.png"), "Embeddings over training: 2-D SVD projection"),  # one row per run
+                 snapshots and plot_svd(snapshots, out("svd_over_time.png"),  # AGG Fig. 1 over time: one row per run
+                                        "Embeddings over training: 2-D SVD projection"),
                  plot_training_curves(folders, variants, out("training_curves.png")),
                  plot_gradient_parts(folders, variants, out("gradient_parts.png")),
                  plot_rare_share(folders, variants, out("rare_share.png")),

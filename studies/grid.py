@@ -29,7 +29,7 @@ METHODS = ["mle", "agg", "agg-no-g1", "agg-no-g2", "agg-static", "ul", "ul+agg",
            "freeze-c", "freeze-bc", "cosreg", "frage"]
 PPL3, ISO3 = ([f"{k}_groups.{g}" for g in ("freq", "med", "rare")] for k in ("ppl", "isotropy"))
 RARE = ["ppl_groups.rare", "ppl", "uniq", "isotropy"]
-# (title, methods, columns): columns are summary.json keys, dotted for groups
+# (title, methods, columns): the columns are keys of compare.COLUMNS
 TABLES = [
     ("AGG Table 3: MLE vs AGG", ["mle", "agg"], PPL3 + ["ppl", "uniq_groups.rare", "uniq", "isotropy"]),
     ("AGG Table 4: UL vs UL + AGG", ["ul", "ul+agg"],
@@ -42,43 +42,36 @@ TABLES = [
     ("Other methods against the degeneration (AGG Table 6's Adv-MLE and spectrum control are not implemented)",
      ["mle", "agg", "agps", "cosreg", "frage", "ul", "ul+agg"], RARE + ["mean_cosine"]),
 ]
-HEADERS = {"ppl": "PPL", "uniq": "Uniq", "isotropy": "I(W)", "mean_cosine": "mean cos", "gen_rep4": "seq-rep-4",
-           **{f"{k}_groups.{g}": f"{h} {g}" for k, h in (("ppl", "PPL"), ("uniq", "Uniq"), ("isotropy", "I(W)"))
-              for g in ("freq", "med", "rare")}}
 
 
 def settings(args):
-    """[(folder name part, train_lm.py flags)] of each setting: --lrs x --warmups x --sweep (none given: the preset's)."""
+    """[(folder name part, train_lm.py flags)] of each setting: --lrs x --warmups x --sweep (none: the preset's)."""
+    flag, values = args.sweep or (None, [])
     axes = [[(f"-lr{v:g}", ["--lr", f"{v:g}"]) for v in args.lrs or []],  # :g names 1 and 1.0 alike
             [(f"-wu{v}", ["--warmup", str(v)]) for v in args.warmups or []],
-            [(f"-{args.sweep[0]}={v:g}", [f"--{args.sweep[0]}", f"{v:g}"]) for v in (args.sweep or [0, []])[1]]]
-    return [("".join(n for n, _ in s), [f for _, fs in s for f in fs]) for s in itertools.product(*(
-        axis or [("", [])] for axis in axes))]
+            [(f"-{flag}={v:g}", [f"--{flag}", f"{v:g}"]) for v in values]]
+    return [("".join(n for n, _ in s), [f for _, fs in s for f in fs])
+            for s in itertools.product(*(axis or [("", [])] for axis in axes))]
 
 
 def parse_sweep(words, methods):
-    """--sweep FLAG V...: (flag, config key, values) of a method hyper-parameter (e.g. 'lambda' -> 'lambda_'; every
-    method of the grid must take it) or another numeric train_lm.py flag (e.g. rare-share, embedding-weight-decay)."""
-    keys = {runlib.method_flag(k)[2:]: k for k in agg.HPARAMS}
+    """--sweep FLAG V...: (flag, config key, values) of a numeric train_lm.py flag: a method hyper-parameter (e.g.
+    'lambda' -> 'lambda_'; every method of the grid must take it) or another (rare-share, embedding-weight-decay)."""
     flag = words[0].lstrip("-")
     if flag in ("seed", "lr", "warmup"):  # the grid's own axes
         raise SystemExit(f"grid: --sweep {flag}: give the values with --{flag}s instead")
-    if flag in keys:
-        key, typ = keys[flag], agg.HPARAMS[keys[flag]][0]
-        if without := [m for m in methods if key not in agg.METHODS[m].defaults]:
-            raise SystemExit(f"grid: --sweep {flag}: {', '.join(without)} do not take --{flag}; give --methods that do")
-    else:
-        action = next((a for a in train_lm.build_parser()._actions if f"--{flag}" in a.option_strings), None)
-        if action is None or action.type not in (int, float):
-            raise SystemExit(f"grid: --sweep {flag}: not a numeric train_lm.py flag; give a method hyper-parameter "
-                             f"({', '.join(keys)}) or a flag such as rare-share, embedding-weight-decay, weight-decay")
-        key, typ = action.dest, action.type
+    action = next((a for a in train_lm.build_parser()._actions if f"--{flag}" in a.option_strings), None)
+    if action is None or action.type not in (int, float):
+        knobs = ", ".join(runlib.method_flag(k)[2:] for k, (typ, _) in agg.HPARAMS.items() if typ in (int, float))
+        raise SystemExit(f"grid: --sweep {flag}: not a numeric train_lm.py flag; give a method hyper-parameter "
+                         f"({knobs}) or a flag such as rare-share, embedding-weight-decay, weight-decay")
+    if without := [m for m in methods if action.dest in agg.HPARAMS and action.dest not in agg.METHODS[m].defaults]:
+        raise SystemExit(f"grid: --sweep {flag}: {', '.join(without)} do not take --{flag}; give --methods that do")
     try:
-        assert typ in (int, float) and words[1:]
-        return flag, key, [typ(v) for v in words[1:]]
-    except (AssertionError, ValueError):
+        return flag, action.dest, [action.type(v) for v in words[1:] or [""]]  # no value: "" fails as a bad one
+    except ValueError:
         raise SystemExit(f"grid: --sweep {' '.join(words)}: give a numeric hyper-parameter and its values "
-                         f"({typ.__name__}), e.g. --sweep gamma 0.3 1 3") from None
+                         f"({action.type.__name__}), e.g. --sweep gamma 0.3 1 3") from None
 
 
 def train_command(args, extra, method, seed, setting):
@@ -89,11 +82,6 @@ def train_command(args, extra, method, seed, setting):
                     *setting[1]]
 
 
-def cell(summary, method, key):  # decimals: 3 for the geometry, 0 for Uniq, 1 for PPL
-    nd = 3 if any(w in key for w in ("isotropy", "cosine", "rep4")) else (0 if key.startswith("uniq") else 1)
-    return compare.cell(compare.get(summary[method], key), summary[method]["n"], nd)
-
-
 def sweep_table(metrics, command, key=None):
     """{"command", "runs": [{method, lr, warmup, [key,] seed, valid_ppl, test_ppl, ...}], "settings": [mean valid and
     test PPL per method, lr, warm-up (, key)], "selected": {method: the setting with the lowest mean valid PPL}}."""
@@ -101,9 +89,9 @@ def sweep_table(metrics, command, key=None):
     for m in metrics.values():
         cfg = runlib.run_config(m["out_dir"])
         runs.append(dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"], **({key: cfg[key]} if key else {}),
-                         seed=m["seed"], step=m["step"], valid_ppl=m["valid_ppl"], test_ppl=m["ppl"], test_ppl_rare=m["ppl_groups"]["rare"],
-                         isotropy=m["isotropy"], run=os.path.relpath(m["out_dir"], ROOT),
-                         command=compare.run_command(cfg, "train_lm.py"),
+                         seed=m["seed"], step=m["step"], valid_ppl=m["valid_ppl"], test_ppl=m["ppl"],
+                         test_ppl_rare=m["ppl_groups"]["rare"], isotropy=m["isotropy"],
+                         run=os.path.relpath(m["out_dir"], ROOT), command=compare.run_command(cfg, "train_lm.py"),
                          threads=cfg.get("versions", {}).get("threads"), git_commit=cfg.get("git_commit")))
         by.setdefault((runs[-1]["method"], cfg["lr"], cfg["warmup"], runs[-1].get(key)), []).append(runs[-1])
     table = [dict(method=k[0], lr=k[1], warmup=k[2], **({key: k[3]} if key else {}), n=len(rs),
@@ -151,26 +139,23 @@ def main(argv=None):
               + " ".join(os.path.basename(f) for f in done if not done[f]))
     if not args.no_train:  # seed-major, --jobs at a time (studies.pool; with several jobs each run writes NAME.log)
         todo = [runs[m, s, st[0]] for s in args.seeds for st in settings(args) for m in args.methods]
-        queue = []
-        for i, (folder, cmd) in enumerate(todo):
-            name = f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
-            if done[folder]:
-                print(f"{name}: done, skipped")
-            else:
-                queue.append((f"{name}: {'resuming' if '--resume' in cmd else 'training'}", cmd,
-                              folder + ".log" if args.jobs > 1 else None))
+        name = lambda i, folder: f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
+        print("".join(f"{name(i, f)}: done, skipped\n" for i, (f, _) in enumerate(todo) if done[f]), end="")
+        queue = iter([(f"{name(i, f)}: {'resuming' if '--resume' in cmd else 'training'}", cmd,
+                       f + ".log" if args.jobs > 1 else None) for i, (f, cmd) in enumerate(todo) if not done[f]])
         os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-        pool.run(lambda busy: queue.pop(0) if queue else None, args.jobs)
+        pool.run(lambda busy: next(queue, None), args.jobs)
     report = os.path.join(args.out, "report")
     metrics = compare.main([*folders, "--out", report, *args.eval_args.split()])  # report/summary.json: summarise's
     command = shlex.join(["python", "-m", "studies.grid", *argv])
-    summary, lines = compare.summarise(metrics), ["# Methods table", "", f"`{command}`", "",
-        "Each cell: mean ± std over seeds (n = runs per method; one run: its value). Test split, frequency groups "
-        "30/50/20% of the vocabulary by train counts; Uniq = distinct next-token argmax predictions.", ""]
+    summary = compare.summarise(metrics)
+    lines = ["# Methods table", "", f"`{command}`", "", "Each cell: mean ± std over seeds (n = runs per method; one "
+             "run: its value). Test split, frequency groups 30/50/20% of the vocabulary by train counts; Uniq = "
+             "distinct next-token argmax predictions.", ""]
     for title, methods, cols in TABLES:
         if methods := [m for m in methods if m in summary]:
-            lines += [f"## {title}", ""] + compare.table(["method", "n", *(HEADERS.get(c, c) for c in cols)], [
-                [m, summary[m]["n"], *(cell(summary, m, c) for c in cols)] for m in methods])
+            lines += [f"## {title}", ""] + compare.table(["method", "n", *(compare.COLUMNS[c][0] for c in cols)], [
+                [m, summary[m]["n"], *(compare.cell(summary[m], c) for c in cols)] for m in methods])
     runlib.write_text(os.path.join(args.out, "tables.md"), "\n".join(lines))
     if args.lrs or args.warmups or args.sweep:
         sweep = sweep_table(metrics, command, key)

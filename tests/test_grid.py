@@ -1,5 +1,6 @@
 """studies.grid: trains the grid in subprocesses (studies.pool), skips finished runs, resumes stopped ones, writes the
 tables."""
+import argparse
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import train_lm
-from studies import grid, pool
+from studies import compare, grid, pool
 
 
 @pytest.mark.slow
@@ -35,8 +36,9 @@ def test_grid_trains_skips_and_writes_the_tables(corpus, lm_tiny, tmp_path, caps
     tables = (tmp_path / "tables.md").read_text()
     row = next(line for line in tables.split("## AGG Table 3")[1].splitlines() if line.startswith("| agg |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[:2] == ["agg", "1"] and cells[5] == f"{summary['agg']['ppl']['mean']:.1f}"  # one run: no ± std
-    assert grid.cell({"agg": {"n": 3, "ppl": {"mean": 271.04, "std": 6.61}}}, "agg", "ppl") == "271.0 ± 6.6"
+    assert cells[:2] == ["agg", "1"] and cells[5] == f"{summary['agg']['ppl']['mean']:.2f}"  # one run: no ± std
+    assert compare.cell({"n": 3, "ppl": {"mean": 271.041, "std": 6.612}}, "ppl") == "271.04 ± 6.61"
+    assert compare.cell({"n": 3, "isotropy": {"mean": 0.5, "std": 0.01}}, "ppl") == "-"
     capsys.readouterr()
     mtime = os.path.getmtime(tmp_path / "runs" / "mle-s0" / "ckpt.pt")
     grid.main(argv)
@@ -85,10 +87,19 @@ def test_sigterm_to_the_pool_stops_its_jobs_with_checkpoints(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == handler  # the pool's handler is gone with the pool
 
 
+def grid_runs(method, seed, **axes):
+    """(folder, command) of each setting of a grid over `axes` (lrs, warmups, sweep) with --out o."""
+    args = argparse.Namespace(**{"out": "o", "lrs": None, "warmups": None, "sweep": None, **axes})
+    return [grid.train_command(args, ["--x"], method, seed, setting) for setting in grid.settings(args)]
+
+
 def test_sweep_folders_and_selection_on_valid_ppl(tmp_path):
-    assert grid.run_dir("o", "agg", 2, 1e-3) == os.path.join("o", "runs", "agg-lr0.001-s2")
-    assert grid.run_dir("o", "mle", 0, 5e-4, 100) == os.path.join("o", "runs", "mle-lr0.0005-wu100-s0")
-    assert grid.run_dir("o", "mle", 0) == os.path.join("o", "runs", "mle-s0")
+    assert [f for f, _ in grid_runs("agg", 2, lrs=[1e-3])] == [os.path.join("o", "runs", "agg-lr0.001-s2")]
+    ((folder, cmd),) = grid_runs("mle", 0, lrs=[5e-4], warmups=[100])
+    assert folder == os.path.join("o", "runs", "mle-lr0.0005-wu100-s0")
+    assert cmd[-5:] == ["--x", "--lr", "0.0005", "--warmup", "100"] and "--resume" not in cmd
+    assert [f for f, _ in grid_runs("mle", 0)] == [os.path.join("o", "runs", "mle-s0")]
+    assert len(grid_runs("mle", 0, lrs=[1e-3, 2e-3], warmups=[10, 20], sweep=("gamma", [1.0, 2.0]))) == 8
     metrics = {}
     # mle: lr 1e-3 is best on valid, 2e-3 on test; the selection must follow valid
     for method, lr, seed, valid, test in [("mle", 1e-3, 0, 300, 310), ("mle", 1e-3, 1, 310, 320),
@@ -140,11 +151,12 @@ def test_a_knob_sweep_names_a_bad_flag_in_one_line(tmp_path):
     assert grid.parse_sweep(["logit-softcap", "30"], ["agg"])[1] == "logit_softcap"
     with pytest.raises(SystemExit, match="--sweep gamma x: give a numeric hyper-parameter and its values \\(float\\)"):
         grid.main(["--methods", "cosreg", "--sweep", "gamma", "x", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--sweep use-g1 1: give a numeric"):  # a bool hyper-parameter
+    with pytest.raises(SystemExit, match="--sweep use-g1: not a numeric train_lm.py flag"):  # a bool one
         grid.parse_sweep(["use-g1", "1"], ["agg"])
     with pytest.raises(SystemExit, match="--sweep gamma: give a numeric"):  # no values
         grid.parse_sweep(["gamma"], ["cosreg"])
-    assert grid.run_dir("o", "agps", 1, knob=("mu1", 17.0)) == os.path.join("o", "runs", "agps-mu1=17-s1")
+    ((folder, cmd),) = grid_runs("agps", 1, sweep=("mu1", [17.0]))
+    assert folder == os.path.join("o", "runs", "agps-mu1=17-s1") and cmd[-2:] == ["--mu1", "17"]
 
 
 def test_a_finished_run_with_other_flags_is_refused(corpus, lm_tiny, tmp_path):
