@@ -604,10 +604,8 @@ def main(argv=None):
     p.add_argument("--compare", nargs=2, action="append", default=[], metavar=("BASE", "CAND"),
                    help="paired comparison of two variants (as in summary.json) over their common seeds -> "
                         "compare.json (repeatable; default for two variants: the two, mle as the base)")
-    p.add_argument("--results", default=None, metavar="FILE",
-                   help="also write FILE: every run's record and the comparisons (for results/)")
-    p.add_argument("--reanalyse", default=None, metavar="FILE",
-                   help="recompute the comparisons of a results file from its per-run records (no run folders)")
+    p.add_argument("--results", metavar="FILE", help="also write FILE: every run's record and the comparisons")
+    p.add_argument("--reanalyse", metavar="FILE", help="recompute a results file's comparisons from its run records")
     p.add_argument("--add", nargs="+", default=[], metavar="FILE",
                    help="with --reanalyse: results files whose runs join FILE's (a rerun replaces the run of its name)")
     args = p.parse_args(argv)

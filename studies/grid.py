@@ -113,12 +113,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "out", "grid"))
     p.add_argument("--eval-args", default="", help="studies.compare flags, e.g. '--checkpoint best --n-samples 0'")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once (on a CPU 2 one-thread runs are faster)")
-    p.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
-                   help="a learning-rate sweep: every method x seed at each of these (default: the preset's lr)")
-    p.add_argument("--warmups", nargs="+", type=int, default=None, metavar="N",
-                   help="a warm-up sweep: every method x seed at each of these warm-up lengths (default: the preset's)")
-    p.add_argument("--sweep", nargs="+", default=None, metavar=("FLAG", "V"),
-                   help="every method x seed at each value of a method hyper-parameter or numeric train_lm.py flag")
+    p.add_argument("--lrs", nargs="+", type=float, metavar="LR", help="each method x seed at each lr (default: preset)")
+    p.add_argument("--warmups", nargs="+", type=int, metavar="N", help="... at each warm-up length (default: preset)")
+    p.add_argument("--sweep", nargs="+", metavar=("FLAG", "V"), help="... at each value of a numeric train_lm.py flag")
     p.add_argument("--no-train", action="store_true", help="train nothing: evaluate the grid's finished runs only")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.jobs < 1:
