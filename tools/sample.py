@@ -37,9 +37,12 @@ def load(run, checkpoint, device):
 def export_hf(args, model, tok, cfg):
     """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-    if model.lm_head is not None or model.out_bias is not None:
-        raise SystemExit(f"{args.run} was trained with {'--untie' if model.lm_head is not None else '--output-bias'}, "
-                         f"which GPT-2 (tied embeddings, no output bias) has no place for; export a run without it")
+    extra = [flag for flag, on in (("--untie-at" if cfg.get("untie_at") is not None else "--untie", model.untied),
+                                   ("--output-bias", model.out_bias is not None),
+                                   ("--logit-softcap", model.softcap is not None)) if on]
+    if extra:  # GPT-2 would silently compute other logits
+        raise SystemExit(f"{args.run} was trained with {extra[0]}, which GPT-2 (tied embeddings, no output bias, no "
+                         f"logit soft-cap) has no place for; export a run without it")
     sd = model.cpu().state_dict()
     V, d = sd["tok_emb.weight"].shape
     eos = tok.token_to_id(EOT)  # the model's own end of text as bos, eos and pad: generate() stops where a text ends
