@@ -15,8 +15,9 @@ Writes OUT/bench.md (the tables) and OUT/bench.json (ms: median ms of a step; pe
 import argparse
 import concurrent.futures as cf
 import contextlib
+import functools
 import gc
-import hashlib
+import itertools
 import multiprocessing as mp
 import os
 import platform
@@ -47,9 +48,9 @@ class TorchCE:  # plain PyTorch: F.cross_entropy(h @ W.T, y) (logits, log-softma
         return F.cross_entropy((hidden @ weight.T).reshape(-1, weight.shape[0]).float(), targets.reshape(-1))
 
 
-def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, dtype="float32", n_batches=4):
-    """Inputs of all candidates of one (V, device): Zipf(1.1) targets, (T / seq_len, seq_len) (ul needs (B, T)); a
-    history of `window` steps for the counters (its counts are the static methods'); alpha makes ~rare_fraction rare."""
+def make_data(V, T, d, seq_len, window, device, dtype="float32", seed=0, rare_fraction=0.2, n_batches=4):
+    """Zipf(1.1) targets (T / seq_len, seq_len) (ul needs (B, T)) and a history of `window` steps for the counters
+    (its counts are the static methods'); alpha makes ~rare_fraction of the vocabulary rare."""
     g = torch.Generator().manual_seed(seed)
     p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
     p = (p / p.sum()).float()
@@ -72,8 +73,7 @@ def make_data(V, T, d, seq_len, seed, rare_fraction, window, device, dtype="floa
 
 
 class Runner:
-    """One candidate: its method (counters filled with the history), its own leaf tensors (sharing storage with the
-    data: freeze-rare hooks its weight); one step = observe + loss + backward on the next batch of targets."""
+    """One candidate: its method (counters filled with the history); a step: observe + loss + backward."""
 
     def __init__(self, name, data, chunk_size=None):
         self.name, self.chunk_size, V = name, chunk_size, data["weight"].shape[0]
@@ -151,10 +151,9 @@ def cpu_peak_mb(method, chunk_size=None, **data):
     with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2 ** 20)), cf.ProcessPoolExecutor(1, ctx) as pool:
         try:
             return pool.submit(_cpu_peak, spec).result()
-        except Exception as e:  # BrokenProcessPool: killed before it could answer (the OOM killer, most likely)
-            why = "the child process died; out of memory? Try a smaller --tokens / --vocab, or --no-memory" \
-                if isinstance(e, cf.process.BrokenProcessPool) else f"{type(e).__name__}: {e}"
-            raise RuntimeError(f"peak memory of {method} at V={data['V']}: {why}") from None
+        except cf.process.BrokenProcessPool:  # killed before it could answer (the OOM killer, most likely)
+            raise SystemExit(f"peak memory of {method} at V={data['V']}: the child process died; out of memory? "
+                             "Try a smaller --tokens / --vocab, or --no-memory") from None
 
 
 def peak_mb(runner, device, data):
@@ -181,8 +180,7 @@ fmt = lambda x, spec: "n/a" if x is None else spec.format(x)
 def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
     """Time the (method, chunk_size) candidates interleaved on one data set, then measure their peak memory:
     ({V, device, alpha, rare shares, load}, {candidate: ([wall ms], [CPU ms], peak MB or None)})."""
-    spec = dict(V=V, T=T, d=d, seq_len=seq_len, seed=args.seed, rare_fraction=args.rare_fraction, window=args.window,
-                dtype=args.dtype)
+    spec = dict(V=V, T=T, d=d, seq_len=seq_len, window=args.window, dtype=args.dtype)
     data = make_data(device=device, **spec)
     info = dict(V=V, device=device, alpha=data["alpha"], rare_vocab=data["rare_vocab"], rare_rows=data["rare_rows"],
                 load_before=os.getloadavg())
@@ -198,45 +196,43 @@ def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
 
 def bench_head(args, devices, log, result, save):
     """The method table of each (device, V): rows of result's cases and spread, an entry of its meta's head_groups."""
-    for device in devices:
-        for V in args.vocab:
-            i, res = measure(args, device, V, args.tokens, args.d_model, args.seq_len,
-                             [(n, None) for n in args.methods], args.repeats, args.warmup, "head")
-            result["meta"]["head_groups"].append(i)
-            med = {n: (statistics.median(res[n, None][0]), statistics.median(res[n, None][1])) for n in args.methods}
-            (mle_wall, _, mle_peak), rows = res["mle", None], []
-            for n in args.methods:
-                (wall, cpu, peak), (ms, cpu_ms) = res[n, None], med[n]
-                result["cases"].append(c := dict(
-                    method=n, V=V, device=device, ms=round(ms, 3), ms_ratio_vs_mle=round(ms / med["mle"][0], 4),
-                    peak_mb=None if peak is None else round(peak, 2),
-                    mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
-                result["spread"].append(s := dict(
-                    method=n, V=V, device=device, ms_min=round(min(wall), 3), ms_max=round(max(wall), 3),
-                    samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms, 3),
-                    cpu_ratio_vs_mle=round(cpu_ms / med["mle"][1], 4), cpu_samples_ms=[round(x, 3) for x in cpu]))
-                rows.append([n, f"{ms:.0f} ({min(wall):.0f}-{max(wall):.0f})", f"{c['ms_ratio_vs_mle']:.2f}x "
-                             f"({min(wall) / min(mle_wall):.2f}x)", f"{s['cpu_ratio_vs_mle']:.2f}x",
-                             fmt(c["peak_mb"], "{:.0f}"), fmt(c["mem_ratio_vs_mle"], "{:.2f}x")])
-            log(table(f"\nhead: T={args.tokens}, d={args.d_model}, V={V}, {device}; alpha={i['alpha']:.4g}: rare vocab "
-                      f"{100 * i['rare_vocab']:.1f}%, rare-target rows {100 * i['rare_rows']:.1f}%; median of "
-                      f"{args.repeats} (min-max); load average {i['load_before'][0]:.1f} -> {i['load_after'][0]:.1f}",
-                      ["method", "ms: median (min-max)", "time vs MLE: median (min)", "CPU time vs MLE", "peak MB",
-                       "memory vs MLE"], rows))
-            save()
+    for device, V in itertools.product(devices, args.vocab):
+        i, res = measure(args, device, V, args.tokens, args.d_model, args.seq_len,
+                         [(n, None) for n in args.methods], args.repeats, args.warmup, "head")
+        result["meta"]["head_groups"].append(i)
+        med = {n: (statistics.median(res[n, None][0]), statistics.median(res[n, None][1])) for n in args.methods}
+        (mle_wall, _, mle_peak), rows = res["mle", None], []
+        for n in args.methods:
+            (wall, cpu, peak), (ms, cpu_ms) = res[n, None], med[n]
+            result["cases"].append(c := dict(
+                method=n, V=V, device=device, ms=round(ms, 3), ms_ratio_vs_mle=round(ms / med["mle"][0], 4),
+                peak_mb=None if peak is None else round(peak, 2),
+                mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
+            result["spread"].append(s := dict(
+                method=n, V=V, device=device, ms_min=round(min(wall), 3), ms_max=round(max(wall), 3),
+                samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms, 3),
+                cpu_ratio_vs_mle=round(cpu_ms / med["mle"][1], 4), cpu_samples_ms=[round(x, 3) for x in cpu]))
+            rows.append([n, f"{ms:.0f} ({min(wall):.0f}-{max(wall):.0f})", f"{c['ms_ratio_vs_mle']:.2f}x "
+                         f"({min(wall) / min(mle_wall):.2f}x)", f"{s['cpu_ratio_vs_mle']:.2f}x",
+                         fmt(c["peak_mb"], "{:.0f}"), fmt(c["mem_ratio_vs_mle"], "{:.2f}x")])
+        log(table(f"\nhead: T={args.tokens}, d={args.d_model}, V={V}, {device}; alpha={i['alpha']:.4g}: rare vocab "
+                  f"{100 * i['rare_vocab']:.1f}%, rare-target rows {100 * i['rare_rows']:.1f}%; median of "
+                  f"{args.repeats} (min-max); load average {i['load_before'][0]:.1f} -> {i['load_after'][0]:.1f}",
+                  ["method", "ms: median (min-max)", "time vs MLE: median (min)", "CPU time vs MLE", "peak MB",
+                   "memory vs MLE"], rows))
+        save()
 
 
 def bench_chunked(args, devices, log):
     """chunk_size at large V: the same step timed and measured with the full T x V head and with chunks."""
     rows, T, d = [], args.chunk_tokens, args.chunk_d
-    for device in devices:
-        for V in args.chunk_vocab:
-            _, res = measure(args, device, V, T, d, T, [(m, c or None) for m in args.chunk_methods
-                                                        for c in args.chunk_sizes], args.chunk_repeats, 1, "chunked")
-            rows += [dict(method=m, V=V, T=T, d=d, device=device, chunk_size=c, ms=round(statistics.median(wall), 3),
-                          peak_mb=None if peak is None else round(peak, 2),
-                          logits_mb=round((c or T) * V * 4 / 2 ** 20, 2),  # one float32 rows x V buffer
-                          weight_grad_mb=round(V * d * 4 / 2 ** 20, 2)) for (m, c), (wall, _, peak) in res.items()]
+    for device, V in itertools.product(devices, args.chunk_vocab):
+        candidates = [(m, c or None) for m in ("mle", "agg") for c in args.chunk_sizes]
+        _, res = measure(args, device, V, T, d, T, candidates, args.chunk_repeats, 1, "chunked")
+        rows += [dict(method=m, V=V, T=T, d=d, device=device, chunk_size=c, ms=round(statistics.median(wall), 3),
+                      peak_mb=None if peak is None else round(peak, 2),
+                      logits_mb=round((c or T) * V * 4 / 2 ** 20, 2),  # one float32 rows x V buffer
+                      weight_grad_mb=round(V * d * 4 / 2 ** 20, 2)) for (m, c), (wall, _, peak) in res.items()]
     log(table("\nchunked head (chunk_size of loss()): peak MB above set-up; one rows x V float32 buffer = logits MB",
               ["method", "V", "T", "d", "chunk_size", "ms", "peak MB", "logits MB", "weight grad MB"],
               [[r["method"], *(str(r[k]) for k in "VTd"), str(r["chunk_size"] or "none (T)"),
@@ -244,46 +240,24 @@ def bench_chunked(args, devices, log):
     return rows
 
 
-def lm_trainer(cfg, V, counts, special, **sizes):
-    """(model, method, step(x, y)): one method's training step of train_lm.py (train_lm.train_step, AdamW)."""
-    torch.manual_seed(0)  # same initial model for every method
-    model = train_lm.build_model(cfg, V).train()
-    method, _ = runlib.build_method(cfg, {}, vocab_size=V, counts=counts, special_ids=special, **sizes)
-    opt, ac = runlib.make_optimizer(model, cfg), runlib.autocast(cfg)
-    return model, method, lambda x, y: train_lm.train_step(model, model, method, opt, x, y, cfg["micro_batch"], ac)
-
-
 def bench_lm(args, log):
-    """tokens/s of train_lm.py's training step per method vs MLE (cpu preset), on its training split (synthetic Zipf
-    ids if that cannot be prepared: the step's cost does not depend on the text)."""
+    """tokens/s of train_lm.py's training step (train_lm.train_step, AdamW) per method vs MLE, cpu preset."""
     cfg = train_lm.make_config(device="cpu", preset="cpu")
-    try:
-        data = prepare_lm(cfg, log=lambda *a: None)
-        ids = torch.from_numpy(data["ids"]["train"].astype("int64"))
-        V, counts, special = data["vocab_size"], data["counts"], [data["pad_id"], data["eos_id"]]
-        source = f"train_lm.py training split ({data['dir']})"
-    except Exception as e:  # noqa: BLE001 - fall back, and say so in the result
-        V = cfg["vocab_size"]
-        p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
-        ids = torch.multinomial(p, 500_000, replacement=True, generator=torch.Generator().manual_seed(args.seed))
-        counts, special = torch.bincount(ids, minlength=V), [0]
-        source = f"synthetic Zipf(1.1) ids (data.prepare_lm failed: {type(e).__name__}: {e})"
-    block, tps = cfg["block_size"], cfg["tokens_per_step"]
-    seqs_per_step = max(1, round(tps / block))
-    n_windows = (len(ids) - 1) // block
-    steps_per_epoch = n_windows / seqs_per_step
-
-    def batch(step):  # consecutive windows (the cost does not depend on the shuffling)
-        starts = [((step * seqs_per_step + i) % n_windows) * block for i in range(seqs_per_step)]
-        t = torch.stack([ids[s:s + block + 1] for s in starts])
-        return t[:, :-1], t[:, 1:]
-
+    data = prepare_lm(cfg, log=lambda *a: None)
+    V, block, tps = data["vocab_size"], cfg["block_size"], cfg["tokens_per_step"]
+    seq, seqs_per_step = train_lm.Sequences(data["ids"]["train"], block, seed=0), max(1, round(tps / block))
+    steps_per_epoch = seq.n / seqs_per_step
+    batch = lambda step: seq.get(step * seqs_per_step, seqs_per_step, "cpu")  # (x, y) of a step, as training reads
     names = ["mle"] + [m for m in args.lm_methods if m != "mle"]
     trainers, rare, K = {}, {}, max(1, int(round(steps_per_epoch)))
     for name in names:
-        alpha = args.lm_alpha if agg.agg_family(name) else None
-        _, method, trainers[name] = lm_trainer(dict(cfg, method=name, alpha=alpha), V, counts, special,
-                                               steps_per_epoch=steps_per_epoch, tokens_per_step=tps)
+        c = dict(cfg, method=name, alpha=args.lm_alpha if agg.agg_family(name) else None)
+        torch.manual_seed(0)  # same initial model for every method
+        model = train_lm.build_model(c, V).train()
+        method, _ = runlib.build_method(c, {}, vocab_size=V, counts=data["counts"], steps_per_epoch=steps_per_epoch,
+                                        special_ids=[data["pad_id"], data["eos_id"]], tokens_per_step=tps)
+        trainers[name] = functools.partial(train_lm.train_step, model, model, method, runlib.make_optimizer(model, c),
+                                           micro_batch=c["micro_batch"], autocast=runlib.autocast(c))
         for s in range(K if "window" in method.hparams else 0):  # a full window, as after epoch 1
             method.observe(batch(s)[1])
         if method.rare_mask() is not None:
@@ -301,11 +275,11 @@ def bench_lm(args, log):
     rows = [dict(method=n, tokens_per_s=round(med[n], 1), ratio_vs_mle=round(med[n] / med["mle"], 4),
                  min=round(min(samples[n]), 1), max=round(max(samples[n]), 1), rare_vocab=rare.get(n))
             for n in names]
-    res = dict(preset="cpu", data=source, vocab_size=V, tokens_per_step=seqs_per_step * block, block_size=block,
-               window=K, alpha=args.lm_alpha, steps_per_round=args.lm_steps, rounds=args.lm_rounds, rows=rows,
-               model={k: cfg[k] for k in train_lm.MODEL_FIELDS})
+    res = dict(preset="cpu", data=f"train_lm.py training split ({data['dir']})", vocab_size=V, block_size=block,
+               tokens_per_step=seqs_per_step * block, window=K, alpha=args.lm_alpha, steps_per_round=args.lm_steps,
+               rounds=args.lm_rounds, rows=rows, model={k: cfg[k] for k in train_lm.MODEL_FIELDS})
     log(table(f"\ntrain_lm.py training step, cpu preset ({res['model']}), V={V}, {res['tokens_per_step']} tokens/step, "
-              f"AGG alpha={args.lm_alpha} window={K}; data: {source}; median of {args.lm_rounds} rounds x "
+              f"AGG alpha={args.lm_alpha} window={K}; data: {res['data']}; median of {args.lm_rounds} rounds x "
               f"{args.lm_steps} steps (min-max)", ["method", "tokens/s (min-max)", "vs MLE", "rare share of vocab"],
               [[r["method"], f"{r['tokens_per_s']:.0f} ({r['min']:.0f}-{r['max']:.0f})", f"{r['ratio_vs_mle']:.2f}x",
                 "" if r["rare_vocab"] is None else f"{100 * r['rare_vocab']:.1f}%"] for r in rows]))
@@ -322,7 +296,6 @@ def build_parser():
     p.add_argument("--device", default="cpu,cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cpu,cuda")
     p.add_argument("--methods", nargs="+", default=NAMES, choices=NAMES, metavar="NAME",
                    help="candidates (agg.METHODS names, official-ref, torch-ce); mle is always added")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: the loss autocast")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
     g = p.add_argument_group("head")
@@ -332,7 +305,6 @@ def build_parser():
     g.add_argument("--seq-len", type=int, default=1024, help="targets are (T / seq-len, seq-len): ul needs (B, T)")
     g.add_argument("--repeats", type=int, default=3, help="timed runs per candidate (after --warmup)")
     g.add_argument("--warmup", type=int, default=1)
-    g.add_argument("--rare-fraction", type=float, default=0.2, help="share of the vocabulary in the rare group")
     g.add_argument("--window", type=int, default=200, help="AGG counter memory K (steps of synthetic history)")
     g.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     g = p.add_argument_group("chunked")
@@ -340,7 +312,6 @@ def build_parser():
     g.add_argument("--chunk-tokens", type=int, default=1024)
     g.add_argument("--chunk-d", type=int, default=256)
     g.add_argument("--chunk-sizes", type=int, nargs="+", default=[0, 512, 128], help="0 = unchunked (T x V)")
-    g.add_argument("--chunk-methods", nargs="+", default=["mle", "agg"], choices=NAMES, metavar="NAME")
     g.add_argument("--chunk-repeats", type=int, default=2)
     g = p.add_argument_group("lm")
     g.add_argument("--lm-methods", nargs="+", default=list(agg.METHODS), choices=list(agg.METHODS), metavar="NAME")
@@ -377,11 +348,8 @@ def main(argv=None):
     meta = dict(command="python -m studies.bench " + " ".join(argv), torch=torch.__version__,
                 threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                 cuda=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                load_before=os.getloadavg(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
-                tokens=args.tokens, d_model=args.d_model, seq_len=args.seq_len, repeats=args.repeats,
-                warmup=args.warmup, window=args.window, rare_fraction=args.rare_fraction,
-                memory="CUDA: max_memory_allocated above set-up; CPU: peak RSS (VmHWM) above set-up of a fresh process",
-                agg_sha256=hashlib.sha256(open(agg.__file__, "rb").read()).hexdigest()[:16], head_groups=[])
+                load_before=os.getloadavg(), started=time.strftime("%Y-%m-%d %H:%M:%S"), head_groups=[],
+                **{k: vars(args)[k] for k in ("tokens", "d_model", "seq_len", "repeats", "warmup", "window")})
     log(f"bench: torch {meta['torch']}, {meta['threads']} threads, devices {devices}, "
         f"load average {' '.join(f'{x:.2f}' for x in meta['load_before'])}")
     result = {"cases": [], "spread": [], "chunked": [], "lm": {"skipped": "section not run"}, "meta": meta}

@@ -1,9 +1,8 @@
-"""The parts of studies/gpu_check.sh (its header says how to run it; the head is studies.bench --dtype), each in a
-process of its own:
+"""The parts of studies/gpu_check.sh (its header says how to run it), each in a process of its own:
 
     python -m studies.gpu_check train OUT.json STEPS lm|nmt METHODS TRAIN_FLAGS...  # tokens/s, peak memory
     python -m studies.gpu_check numerics OUT.json DEVICE "LM_FLAGS" "NMT_FLAGS"     # device vs CPU, bf16, resume
-    python -m studies.gpu_check report WORK GPU.json              # the parts' outputs and the issue's targets
+    python -m studies.gpu_check report WORK GPU.json                                # gpu.json: parts and targets
 """
 import glob
 import json

@@ -11,10 +11,7 @@
 #   bash studies/gpu_check.sh              # on the GPU: $OUT/gpu.json (else results/gpu.json), gpu_check.log and
 #                                          # gpu_raw.tar.gz (bench.json, throughput rows, numerics, runs' logs)
 #   bash studies/gpu_check.sh --cpu-test   # the same end to end on CPU at tiny sizes: $OUT (else out/gpu_check_cpu)
-#   --parts head,numerics,eager,compile    # a subset (a rerun), with GPU_CHECK_BUDGET=SECONDS to fit what is left
-# When a machine is lent (the device tool; ~8 min of the 15, leaving a shortened rerun):
-#   run(command="bash studies/gpu_check.sh", carry=["data_cache/gpu"], timeout_s=510)
-#   rerun what failed:  run(command="GPU_CHECK_BUDGET=200 bash studies/gpu_check.sh --parts numerics", ...)
+#   --parts=head,numerics,eager,compile    # a subset (a rerun), with GPU_CHECK_BUDGET=SECONDS to fit what is left
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,7 +21,6 @@ for a in "$@"; do
     --prepare) MODE=prepare ;;
     --cpu-test) MODE=cpu ;;
     --parts=*) PARTS=${a#--parts=} ;;
-    --parts) echo "use --parts=LIST" >&2; exit 2 ;;
     *) echo "usage: bash studies/gpu_check.sh [--prepare | --cpu-test] [--parts=head,numerics,eager,compile]" >&2
        exit 2 ;;
   esac

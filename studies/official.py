@@ -2,20 +2,15 @@
 tests hold agg.py's one-logit 'agg' against, and the cost baseline `official-ref` of studies.bench. As the official
 code does, it counts into a dense (K, V) memory by comparing every target with every other (T x T), builds dense gate
 matrices and three logit matrices with three log-softmaxes. The loss is a mean over positions (fairseq sums) so that
-gradients compare with agg.py's 'agg'; no ignore_index / label smoothing.
-"""
+gradients compare with agg.py's 'agg'; no ignore_index / label smoothing."""
 import torch
 import torch.nn.functional as F
 
 
 class OfficialAGGRef:
-    name = "official-ref"
-
     def __init__(self, vocab_size, alpha, window, special_ids=()):
-        self.vocab_size, self.alpha, self.window = vocab_size, alpha, window
-        self.special_ids = list(special_ids)
-        self.memory = torch.zeros(window, vocab_size)  # m_1..m_K, dense, as in the official code
-        self.itr = 0
+        self.vocab_size, self.alpha, self.window, self.special_ids = vocab_size, alpha, window, list(special_ids)
+        self.memory, self.itr = torch.zeros(window, vocab_size), 0  # m_1..m_K, dense, as in the official code
 
     def prefill(self, batches):
         """Set-up only (not timed): the memory as it would be after the steps whose targets are `batches`."""
@@ -29,7 +24,6 @@ class OfficialAGGRef:
     def loss(self, hidden, weight, targets, chunk_size=None):
         d, V, K = hidden.shape[-1], self.vocab_size, self.window
         h, y = hidden.reshape(-1, d), targets.reshape(-1)
-        n = len(y)
         self.memory = self.memory.to(h.device)
         # token counter memory (AGG Sec. 4.1): this step's counts by a T x T comparison, into the oldest slot
         self.itr += 1
@@ -62,4 +56,4 @@ class OfficialAGGRef:
         lp0, lp1, lp2 = (F.log_softmax(z.to(acc), dim=-1) for z in (z0, z1, z2))
         nll = -(lp0.gather(1, y[:, None]).sum() + lp1.gather(1, y[rows_n, None]).sum()
                 + lp2.gather(1, y[rows_r, None]).sum())  # AGG Eq. 10
-        return nll / max(n, 1)
+        return nll / max(len(y), 1)

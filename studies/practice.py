@@ -17,32 +17,21 @@ The protocol (this project's choices):
   evaluated by eval.py as in studies.rivals; selections read validation only; the lr sensitivity of every rival at
   its selected knob from the seed-0 sweep (studies.rivals.lr_sensitivity).
 """
-import sys
+from studies import rivals, scale
 
-from studies import rivals
-
-SHARE = ["--rare-share", "0.2"]
-UNTIE = [(f"at{f:g}", ["--untie-at", f"{f:g}"]) for f in (0.33, 0.67)]
-EMB_LR = [(f"x{m:g}", ["--embedding-lr", f"{m:g}"]) for m in (0.3, 3, 10)]
-CAP = [(f"cap{c:g}", ["--logit-softcap", f"{c:g}"]) for c in (15, 30, 60)]
-# name: (method, flags, [(knob label, knob flags)]), as studies.rivals.RIVALS
-PRACTICE = {
-    "mle": rivals.RIVALS["mle"],
-    "agg": rivals.RIVALS["agg"],
-    "untie-at": ("mle", [], UNTIE),
-    "agg+untie-at": ("agg", SHARE, UNTIE),
-    "emb-lr": ("mle", [], EMB_LR),
-    "agg+emb-lr": ("agg", SHARE, EMB_LR),
-    "softcap": ("mle", [], CAP),
-    "agg+softcap": ("agg", SHARE, CAP),
-}
+KNOBS = {"untie-at": [(f"at{f:g}", ["--untie-at", f"{f:g}"]) for f in (0.33, 0.67)],
+         "emb-lr": [(f"x{m:g}", ["--embedding-lr", f"{m:g}"]) for m in (0.3, 3, 10)],
+         "softcap": [(f"cap{c:g}", ["--logit-softcap", f"{c:g}"]) for c in (15, 30, 60)]}
+# name: (method, flags, [(knob label, knob flags)]), as studies.rivals.RIVALS: each knob with MLE, then with AGG 0.2
+PRACTICE = {"mle": rivals.RIVALS["mle"], "agg": rivals.RIVALS["agg"], **{name: rival for knob, knobs in KNOBS.items()
+            for name, rival in ((knob, ("mle", [], knobs)), ("agg+" + knob, ("agg", ["--rare-share", "0.2"], knobs)))}}
 
 
 class Practice(rivals.Rivals):
     label, name, title = "out/practice", "practice", "AGG and today's practice"
-    table, seeds, knob_seeds, doc = PRACTICE, {rival: 5 for rival in PRACTICE}, {}, sys.modules[__name__].__doc__
-    pairs = [(knob, "agg+" + knob) for knob in ("untie-at", "emb-lr", "softcap")]
+    table, seeds, knob_seeds = PRACTICE, {rival: 5 for rival in PRACTICE}, {}
+    pairs = [(knob, "agg+" + knob) for knob in KNOBS]
 
 
 if __name__ == "__main__":
-    rivals.main(sys.argv[1:], Practice)
+    scale.main(None, Practice)

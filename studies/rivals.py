@@ -20,13 +20,9 @@ The protocol (this project's choices):
   method, Uniq, greedy and sampled continuations); selections read validation only.
 The study machinery (restartable runs, results files that continue the study elsewhere) is scale.py's.
 """
-import argparse
-import json
 import math
 import os
 import re
-import shlex
-import sys
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -35,7 +31,6 @@ import runlib
 import train_lm
 from studies import compare, scale
 
-ROOT = runlib.ROOT
 LRS = [2e-3, 4e-3, 8e-3]
 # AGG's share, three values like every rival's knob: 0.05 is scale.py's selection at this very setting (M, full
 # data, lr 4e-3; 0.025 no better on the mean), 0.2 the headline's, 0.4 the peers' selection (AGPS, FRAGE)
@@ -65,44 +60,30 @@ def run_name(rival, lr, knob, seed):
     return f"{rival}-lr{lr:g}" + (f"-{knob}" if knob else "") + f"-s{seed}"
 
 
-def run_flags(rival, lr, knob, seed, table=RIVALS):
-    method, flags, knobs = table[rival]
-    return ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", *flags, *dict(knobs)[knob]]
-
-
-def replica_name(lr, seed, host):
-    return f"{run_name('mle', lr, '', seed)}-k{host[:8]}"
-
-
 class Rivals(scale.Study):
-    """The rivals' runs as far as the finished sweeps decide them."""
     eval_args = ["--n-samples", "5"]  # greedy and sampled continuations for seq-rep-4 and distinct-n
-    label, name = "out/rivals", "rivals"
-    # the study's rivals, their seeds, the pairs beyond each rival against MLE, its protocol (the module's docstring)
+    label, name, title = "out/rivals", "rivals", "AGG and its rivals"
     table, seeds, knob_seeds, pairs = RIVALS, SEEDS, KNOB_SEEDS, [("untied-mle", "untied-agg")]
-    doc = sys.modules[__name__].__doc__
-    title = "AGG and its rivals"
-    host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count): replicas are made here
 
-    def kernels(self, name):  # the host kernels a run recorded (config.json, else the results file), or None
-        cfg = runlib.run_config(self.folder(name))
-        return (cfg.get("versions") or {}).get("kernels") if cfg else (self.prior.get(name) or {}).get("kernels")
+    def flags(self, rival, lr, knob, seed):  # train_lm.py's
+        method, flags, knobs = self.table[rival]
+        return ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", *flags, *dict(knobs)[knob]]
 
     def replicas(self, mle_best):
         """The MLE replicas {name: flags} made so far, and one here per selected run whose MLE ran on another host."""
+        def kernels(name):  # the host kernels a run recorded (config.json, else the results file), or None
+            cfg = runlib.run_config(self.folder(name))
+            return (cfg.get("versions") or {}).get("kernels") if cfg else (self.prior.get(name) or {}).get("kernels")
         out = {n: self.flags("mle", float(m["lr"]), "", int(m["seed"])) for n in [*self.prior, *(
             os.listdir(self.runs) if os.path.isdir(self.runs) else [])] if (m := REPLICA.match(n)) and self.finished(n)}
         selected = {r: b for r, b in self.selections().items() if r != "mle" and b} if mle_best and self.host else {}
         for rival, best in selected.items():
             for seed in range(self.seeds.get(rival, 3)):
                 mle, run = run_name("mle", *mle_best, seed), run_name(rival, *best, seed)
-                if (self.finished(run) and self.kernels(run) == self.host
-                        and self.finished(mle) and self.kernels(mle) not in (None, self.host)):
-                    out[replica_name(mle_best[0], seed, self.host)] = self.flags("mle", mle_best[0], "", seed)
+                if (self.finished(run) and kernels(run) == self.host
+                        and self.finished(mle) and kernels(mle) not in (None, self.host)):
+                    out[f"{mle}-k{self.host[:8]}"] = self.flags("mle", mle_best[0], "", seed)
         return out
-
-    def flags(self, rival, lr, knob, seed):
-        return run_flags(rival, lr, knob, seed, self.table)
 
     def finalists(self, rival):
         """The FINALISTS (lr, knob) of the lowest seed-0 valid PPL, or None before the seed-0 sweep finished."""
@@ -120,52 +101,93 @@ class Rivals(scale.Study):
         return best, sweep + [r for r in final if r not in sweep]
 
     def plan(self):
-        runs, pending = {}, False
+        runs = {}
         for rival in self.table:
             best, sweep = self.selection(rival)
             runs.update({name: (flags, 1.0) for name, flags in sweep})
-            if best is None:
-                pending = True
-                continue
-            for seed in range(self.seeds.get(rival, 3)):
+            for seed in range(self.seeds.get(rival, 3)) if best else []:
                 runs[run_name(rival, *best, seed)] = (self.flags(rival, *best, seed), 1.5)
-            for knob, _ in self.table[rival][2]:  # the knob curve at the selected lr
+            for knob, _ in self.table[rival][2] if best else []:  # the knob curve at the selected lr
                 for seed in range(self.knob_seeds.get((rival, knob), 3)):
                     runs.setdefault(run_name(rival, best[0], knob, seed), (self.flags(rival, best[0], knob, seed), 2.0))
         runs.update({name: (flags, 1.5) for name, flags in self.replicas(self.selection("mle")[0]).items()})
-        return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
+        return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0]))
 
     def selections(self):
         return {rival: self.selection(rival)[0] for rival in self.table}
 
+    def write_results(self, path, argv, _corpus_path=None):
+        plan = [n for n, _f, _c in self.plan()]
+        names = {run_name(rival, lr, k, s): (rival, k) for rival, (_m, _f, knobs) in self.table.items()
+                 for lr in LRS for k, _ in knobs for s in range(max(self.seeds.values()))}  # the others: replicas
+        record = lambda n, rival, k: scale.run_record(self, n, rival=rival, replica=bool(REPLICA.match(n)), knob=k)
+        runs, diverged = self.records(plan, lambda n: record(n, *names.get(n, ("mle", ""))))
+        selections = self.selections()
+        chosen = {n: r for n, r in runs.items() if (r["lr"], r["knob"]) == tuple(selections.get(r["rival"]) or ())}
+        # every rival against MLE, and the study's own pairs (does AGG act on an untied output matrix, add to a knob?)
+        comparisons = [c for base, rival in [("mle", r) for r in self.table if r != "mle"] + self.pairs
+                       if (c := paired(chosen, base, rival, rival))]
+        # every other knob value at a rival's selected lr against MLE too: the knob's PPL cost with a seed interval
+        mle = {n: r for n, r in chosen.items() if r["rival"] == "mle"}
+        knob_pairs = [c for rival, best in selections.items() if best and rival != "mle"
+                      for knob, rs in knob_curve(self, runs, rival, best, True).items() if knob != best[1]
+                      if (c := paired({**rs, **mle}, "mle", rival, f"{rival} {knob}"))]
+        sweep = {rival: {f"lr{lr:g} {k}".strip(): self.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
+                         for k, _ in self.table[rival][2]} for rival in self.table}
+        finalists = {rival: {f"lr{lr:g} {k}".strip(): [self.valid_ppl(run_name(rival, lr, k, s)) for s in (0, 1, 2)]
+                             for lr, k in self.finalists(rival) or []} for rival in self.table}
+        sds = [np.std(np.log(v), ddof=1) for f in finalists.values() for v in f.values() if None not in v]
+        curve = lambda rs: {name: [compare.get(r, key) for r in rs.values()] for name, key in (
+            ("valid_ppl", "valid_ppl"), ("rare_isotropy", "isotropy_groups.rare"), ("isoscore", "isoscore"))}
+        sensitivity = lr_sensitivity(sweep, selections, train_lm.PRESETS["cpu"]["vocab_size"])
+        self.write(path, argv, dict(
+            selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best on the "
+                                "mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,
+                           finalists_valid_ppl=finalists, knob_curve={rival: {k: curve(rs) for k, rs in knob_curve(
+                               self, runs, rival, best).items()} for rival, best in selections.items() if best}),
+            lr_sensitivity=sensitivity,
+            # the noise floor of one seed's valid loss: its SD over seeds 0-2, median over the finalists
+            valid_loss_seed_sd=float(np.median(sds)) if sds else None,
+            runs=runs, diverged=diverged, compare=comparisons, compare_knobs=knob_pairs))
+        if runs:
+            plot_pareto(self, runs, selections, os.path.splitext(path)[0] + ".png")
+        if sensitivity:
+            plot_lr_sensitivity(sensitivity, self.title, os.path.splitext(path)[0] + "_lr.png")
+        print(f"wrote {path}: {len(runs)} runs, {len(comparisons)} comparisons with MLE")
 
-def host_pairs(chosen, rival, base="mle"):
-    """The runs of base and rival whose seeds pair (compare.pair_difference: one host), and {seed: why not}."""
+
+def paired(chosen, base, rival, label):
+    """compare.compare of base's and rival's runs paired by seed on one host, {seed: why not}; None if none pair."""
     pairs, unpaired = {}, {}
     for nc, c in sorted((n, c) for n, c in chosen.items() if c["rival"] == rival):
         bases = sorted((n, r) for n, r in chosen.items() if r["rival"] == base and r["seed"] == c["seed"])
         whys = [compare.pair_difference(compare.record_config(b), compare.record_config(c)) for _n, b in bases]
         if None in whys:  # the seed's base run on the same host: the run itself or (MLE's) its replica there
             nb, b = bases[whys.index(None)]
-            pairs.update({nb: dict(b, variant=base), nc: c})
+            pairs.update({nb: dict(b, variant=base), nc: dict(c, variant=label)})
         elif bases:
             unpaired[c["seed"]] = whys[0]
-    return pairs, unpaired
+    return dict(compare.compare(pairs, {}, base, label, []), unpaired=unpaired) if pairs else None
 
 
-def knob_curve(runs, rival, best, knobs, seeds=lambda knob: 3):
-    """{knob: [run records of seeds 0..seeds(knob)-1]} at the selected lr, for the knobs whose seeds are all in runs."""
-    curve = {knob: [r for r in runs.values() if r["rival"] == rival and r["seed"] < seeds(knob) and not r.get("replica")
-                    and (r["lr"], r["knob"]) == (best[0], knob)] for knob, _ in knobs}
+def knob_curve(study, runs, rival, best, more_seeds=False):
+    """{knob: {name: record} of seeds 0-2 (more_seeds: KNOB_SEEDS's)} at the selected lr, the knobs with all seeds."""
+    seeds = lambda knob: study.knob_seeds.get((rival, knob), 3) if more_seeds else 3
+    curve = {knob: {n: r for n, r in runs.items() if (r["rival"], r["lr"], r["knob"]) == (rival, best[0], knob)
+                    and r["seed"] < seeds(knob) and not r.get("replica")} for knob, _ in study.table[rival][2]}
     return {knob: rs for knob, rs in curve.items() if len(rs) == seeds(knob)}
 
 
-def plot_pareto(runs, selections, table, title, path):
+def plot_pareto(study, runs, selections, path):
     """Valid PPL against rare I(W) and against IsoScore: every rival's sweep (seed 0, faint), its knob at the
     selected lr (mean and range of seeds 0-2, joined by a line) and its selection (large; all its seeds)."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
-    colours = dict(zip(table, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    colours = dict(zip(study.table, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
     spread = lambda v: [[max(v.mean() - v.min(), 0)], [max(v.max() - v.mean(), 0)]]  # >= 0 despite rounding
+
+    # the frame holds the knob curves and the selections; sweep runs above it sit on its top edge as triangles
+    shown = [r["valid_ppl"] for r in runs.values() if (selections.get(r["rival"]) or (None,))[0] == r["lr"]]
+    top = max(shown) + 8 if shown else max([r["valid_ppl"] for r in runs.values()], default=1.0)
 
     def point(ax, rs, x, colour, **style):  # the mean of runs rs (x(run), valid PPL) with their range
         x, y = np.array([x(r) for r in rs]), np.array([r["valid_ppl"] for r in rs])
@@ -173,25 +195,20 @@ def plot_pareto(runs, selections, table, title, path):
     for ax, (key, label) in zip(axes, (("isotropy_groups.rare", "I(W) of the rare 20% (sign-invariant, seen tokens)"),
                                        ("isoscore", "IsoScore (seen tokens)"))):
         get = lambda r: compare.get(r, key)
-        # the frame holds the knob curves and the selections; sweep runs above it sit on its top edge as triangles
-        shown = [r["valid_ppl"] for rival, best in selections.items() if best for r in runs.values()
-                 if r["rival"] == rival and r["lr"] == best[0]]
-        top = max(shown) + 8 if shown else max([r["valid_ppl"] for r in runs.values()], default=1.0)
-        for rival in table:
-            sweep = [r for r in runs.values() if r["rival"] == rival and r["seed"] == 0]
-            for over, marker in ((False, "o"), (True, "^")):
-                rs = [r for r in sweep if (r["valid_ppl"] > top) == over]
-                ax.scatter([get(r) for r in rs], [min(r["valid_ppl"], top - 1) for r in rs], s=10 if not over else 25,
-                           alpha=0.3 if not over else 0.6, marker=marker, color=colours[rival])
+        for rival in study.table:
+            for over, marker, size, alpha in ((False, "o", 10, 0.3), (True, "^", 25, 0.6)):  # the sweep
+                rs = [r for r in runs.values() if (r["rival"], r["seed"], r["valid_ppl"] > top) == (rival, 0, over)]
+                ax.scatter([get(r) for r in rs], [min(r["valid_ppl"], top - 1) for r in rs], s=size, alpha=alpha,
+                           marker=marker, color=colours[rival])
             if not (best := selections.get(rival)):
                 continue
-            curve = knob_curve(runs, rival, best, table[rival][2])
+            curve = knob_curve(study, runs, rival, best)
             if len(curve) > 1:
-                means = lambda f: [np.mean([f(r) for r in rs]) for rs in curve.values()]
+                means = lambda f: [np.mean([f(r) for r in rs.values()]) for rs in curve.values()]
                 ax.plot(means(get), means(lambda r: r["valid_ppl"]), "-", lw=1, color=colours[rival], alpha=0.7)
                 for rs in curve.values():
-                    point(ax, rs, get, colours[rival], ms=4, capsize=2, alpha=0.7)
-            chosen = [r for r in runs.values() if r["rival"] == rival and (r["lr"], r["knob"]) == tuple(best)
+                    point(ax, rs.values(), get, colours[rival], ms=4, capsize=2, alpha=0.7)
+            chosen = [r for r in runs.values() if (r["rival"], r["lr"], r["knob"]) == (rival, *best)
                       and not r.get("replica")]
             if chosen:
                 point(ax, chosen, get, colours[rival], ms=9, capsize=3,
@@ -200,9 +217,9 @@ def plot_pareto(runs, selections, table, title, path):
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:  # the selections, once there are any, in one legend below both panels
         fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"{title} at the cpu preset. Faint: the sweeps (seed 0; triangles: above the frame);\n"
-                 "lines: each rival's knob at its selected lr (mean and range of seeds 0-2); large: the selections (mean "
-                 "and range over seeds)", fontsize=9)
+    fig.suptitle(f"{study.title} at the cpu preset. Faint: the sweeps (seed 0; triangles: above the frame);\n"
+                 "lines: each rival's knob at its selected lr (mean and range of seeds 0-2); large: the selections "
+                 "(mean and range over seeds)", fontsize=9)
     fig.tight_layout(rect=(0, 0.1 if handles else 0, 1, 1))
     compare.save(fig, path)
 
@@ -213,11 +230,10 @@ def lr_sensitivity(sweep, selections, vocab_size):
     uniform prediction: a diverged run costs what no training costs). {rival: {sensitivity, valid_ppl: {lr: PPL}}}."""
     out = {}
     for rival, best in selections.items():
-        ppl = {lr: sweep[rival].get(f"lr{lr:g} {best[1]}".strip()) for lr in LRS} if best else {}
+        ppl = {f"{lr:g}": sweep[rival].get(f"lr{lr:g} {best[1]}".strip()) for lr in LRS} if best else {}
         if ppl and None not in ppl.values():
             loss = np.minimum(np.log(np.nan_to_num(list(ppl.values()), nan=np.inf)), math.log(vocab_size))
-            out[rival] = dict(sensitivity=float(np.mean(loss - loss.min())),
-                              valid_ppl={f"{lr:g}": v for lr, v in ppl.items()})
+            out[rival] = dict(sensitivity=float(np.mean(loss - loss.min())), valid_ppl=ppl)
     return out
 
 
@@ -226,9 +242,8 @@ def plot_lr_sensitivity(sensitivity, title, path):
     fig, ax = plt.subplots(figsize=(8, 5))
     for rival, s in sorted(sensitivity.items(), key=lambda kv: kv[1]["sensitivity"]):
         ax.plot(LRS, list(s["valid_ppl"].values()), "o-", label=f"{rival}: {s['sensitivity']:.3f}")
-    ax.set(xscale="log", xlabel="lr (seed 0)", ylabel="valid PPL")
+    ax.set(xscale="log", xlabel="lr (seed 0)", ylabel="valid PPL", xticks=LRS, xticklabels=[f"{lr:g}" for lr in LRS])
     ax.minorticks_off()
-    ax.set_xticks(LRS, [f"{lr:g}" for lr in LRS])
     ax.set_title(f"{title}: valid PPL over the lr grid at each selected knob (seed 0)\nlegend: lr sensitivity, the "
                  "mean over the grid of the valid loss above its best (nats)", fontsize=9)
     ax.legend(fontsize=8)
@@ -236,86 +251,5 @@ def plot_lr_sensitivity(sensitivity, title, path):
     compare.save(fig, path)
 
 
-def write_results(study, path, argv):
-    """results/lm_rivals.json: every finished run, the sweeps and selections, each rival paired with MLE by seed."""
-    plan, _ = study.plan()
-    names = {run_name(rival, lr, k, s): (rival, k) for rival, (_m, _f, knobs) in study.table.items()
-             for lr in LRS for k, _ in knobs for s in range(max(study.seeds.values()))}
-    names.update({n: ("mle", "") for n, _f, _c in plan if REPLICA.match(n)})
-    runs = {n: scale.run_record(study, n, rival=names[n][0], replica=bool(REPLICA.match(n)), knob=names[n][1])
-            if os.path.exists(os.path.join(study.folder(n), "report")) else study.prior[n]
-            for n, _f, _c in plan if study.finished(n) and study.evaluated(n) and not study.diverged(n)}
-    selections = study.selections()
-    chosen = {n: dict(r, variant=r["rival"]) for n, r in runs.items()
-              if selections.get(r["rival"]) and (r["lr"], r["knob"]) == tuple(selections[r["rival"]])}
-
-    def paired(runs, base, cand, label):  # compare.compare of the runs host_pairs pairs, or None
-        pairs, unpaired = host_pairs(runs, cand, base)
-        return dict(compare.compare(pairs, {}, base, label, []), unpaired=unpaired) if pairs else None
-    # every rival against MLE, and the study's own pairs (untied AGG against untied MLE: does AGG act on an output
-    # matrix alone?; AGG with a knob against MLE with it: does AGG add to the knob?)
-    comparisons = [c for base, rival in [("mle", r) for r in study.table if r != "mle"] + study.pairs
-                   if (c := paired(chosen, base, rival, rival))]
-    # every other knob value at a rival's selected lr against MLE too: the knob's PPL cost with a seed interval
-    mle, knob_pairs = {n: r for n, r in chosen.items() if r["rival"] == "mle"}, []
-    for rival, best in selections.items():
-        seeds = lambda k: study.knob_seeds.get((rival, k), 3)
-        curve = knob_curve(runs, rival, best, study.table[rival][2], seeds) if best and rival != "mle" else {}
-        for knob, rs in curve.items():
-            label = f"{rival} {knob}"
-            runs_k = {run_name(rival, best[0], knob, r["seed"]): dict(r, variant=label) for r in rs}
-            if (best[0], knob) != tuple(best) and (c := paired({**runs_k, **mle}, "mle", rival, label)):
-                knob_pairs.append(c)
-    sweep = {rival: {f"lr{lr:g} {k}".strip(): study.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
-                     for k, _ in study.table[rival][2]} for rival in study.table}
-    sensitivity = lr_sensitivity(sweep, selections, train_lm.PRESETS["cpu"]["vocab_size"])
-    finals = [np.log(v) for rival in study.table for lr, k in study.finalists(rival) or []
-              if None not in (v := [study.valid_ppl(run_name(rival, lr, k, seed)) for seed in (0, 1, 2)])]
-    result = dict(command=shlex.join(["python", "-m", f"studies.{study.name}", *scale.portable(argv)]),
-                  protocol=study.doc.split("The protocol")[1].strip(),
-                  selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best "
-                                      "on the mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,
-                                 finalists_valid_ppl={rival: {f"lr{lr:g} {k}".strip(): [
-                                     study.valid_ppl(run_name(rival, lr, k, seed)) for seed in (0, 1, 2)]
-                                     for lr, k in study.finalists(rival) or []} for rival in study.table},
-                                 knob_curve={rival: {k: {name: [compare.get(r, key) for r in rs] for name, key in (
-                                     ("valid_ppl", "valid_ppl"), ("rare_isotropy", "isotropy_groups.rare"),
-                                     ("isoscore", "isoscore"))} for k, rs in knob_curve(
-                                     runs, rival, best, study.table[rival][2]).items()}
-                                     for rival, best in selections.items() if best}),
-                  lr_sensitivity=sensitivity,
-                  # the noise floor of one seed's valid loss: its SD over seeds 0-2, median over the finalists
-                  valid_loss_seed_sd=float(np.median([np.std(v, ddof=1) for v in finals])) if finals else None,
-                  runs=runs, diverged={n: study.failed[n] for n, _f, _c in plan if study.diverged(n)},
-                  compare=comparisons, compare_knobs=knob_pairs)
-    study.write(path, result)
-    if runs:
-        plot_pareto(runs, selections, study.table, study.title, os.path.splitext(path)[0] + ".png")
-    if sensitivity:
-        plot_lr_sensitivity(sensitivity, study.title, os.path.splitext(path)[0] + "_lr.png")
-    print(f"wrote {path}: {len(runs)} runs, {len(comparisons)} comparisons with MLE")
-
-
-def main(argv=None, study_class=Rivals):
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog=f"python -m studies.{study_class.name}", description=study_class.doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, study_class.label))
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (2 on a 2-core CPU: one thread each)")
-    p.add_argument("--no-train", action="store_true", help="train nothing: write the results of the finished runs")
-    p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and the Pareto PNG)")
-    args = p.parse_args(argv)
-    if args.jobs < 1:
-        p.error(f"--jobs {args.jobs}: give 1 or more")
-    study = study_class(args.out, prior=[args.results])
-    study.host = runlib.kernel_fingerprint(max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None)
-    results = (lambda: write_results(study, args.results, argv)) if args.results else None
-    if not args.no_train:
-        scale.train(study, args.jobs, results)
-    print(json.dumps({k: v and dict(lr=v[0], knob=v[1]) for k, v in study.selections().items()}))
-    if results:
-        results()
-
-
 if __name__ == "__main__":
-    main()
+    scale.main(None, Rivals)

@@ -55,27 +55,23 @@ SECOND_CORPUS = dict(name="bible", size="M", flags=["--dataset", "bible-en"], co
 FULL_STEPS = 2400
 
 
-def run_name(size, fraction, method, lr, seed, share=None):
-    return f"{size}-f{fraction:g}-{method}" + (f"-r{share:g}" if share is not None else "") + f"-lr{lr:g}-s{seed}"
-
-
 def run_spec(size, fraction, method, lr, seed, share=None):  # (name, train_lm.py flags) of a run
     steps = round(FULL_STEPS * fraction)
     flags = ["--method", method, "--seed", str(seed), "--lr", f"{lr:g}", "--train-fraction", f"{fraction:g}",
              "--max-steps", str(steps), "--warmup", str(steps // 10), "--eval-interval", str(steps // 12)]
     flags += [x for k, v in SIZES[size].items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    return run_name(size, fraction, method, lr, seed, share), flags + (
-        ["--rare-share", f"{share:g}"] if share is not None else [])
+    name = f"{size}-f{fraction:g}-{method}" + (f"-r{share:g}" if share is not None else "") + f"-lr{lr:g}-s{seed}"
+    return name, flags + (["--rare-share", f"{share:g}"] if share is not None else [])
 
 
 class Study:
     """The runs of the study as far as the finished ones decide them; prior: its results files (their runs count)."""
     eval_args = ["--n-samples", "0"]  # eval.py flags of every run's evaluation
     label, name = "out/scale", "scale"  # the default --out, as the results' commands say; the study's module
+    host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count), set by main
 
     def __init__(self, out, prior=()):
-        self.runs, self.done, self.prior, self.checked = os.path.join(out, "runs"), set(), {}, set()
-        self.failed = {}  # runs that stopped on a non-finite loss or weights: {name: the line they ended with}
+        self.runs, self.done, self.prior, self.checked, self.failed = os.path.join(out, "runs"), set(), {}, set(), {}
         for path in [p for p in prior if p and os.path.exists(p)]:
             with open(path) as f:
                 saved = json.load(f)
@@ -88,12 +84,20 @@ class Study:
     def folder(self, name):
         return os.path.join(self.runs, name)
 
-    def write(self, path, result, elsewhere=()):
-        """Write the results file, saying which runs the prior files held are in neither it nor `elsewhere`."""
+    def write(self, path, argv, result, elsewhere=()):
+        result = dict(command=shlex.join(["python", "-m", f"studies.{self.name}", *portable(argv)]),
+                      protocol=sys.modules[type(self).__module__].__doc__.split("The protocol")[1].strip(), **result)
         if lost := sorted(set(self.prior) - set(result["runs"]) - set(elsewhere)):
             print(f"note: {path} no longer holds {len(lost)} runs of its previous version: {', '.join(lost[:5])}"
                   + (", ..." if len(lost) > 5 else ""))
         runlib.write_json(path, result)
+        return result
+
+    def records(self, names, record):
+        """The records of the finished, evaluated runs of names (record(n), else the prior file's) and the diverged."""
+        runs = {n: record(n) if os.path.exists(os.path.join(self.folder(n), "report")) else self.prior[n]
+                for n in names if self.finished(n) and self.evaluated(n) and not self.diverged(n)}
+        return runs, {n: self.failed[n] for n in names if self.diverged(n)}
 
     def check(self, name, flags):  # a run folder made with other flags than its name stands for is refused
         if name not in self.checked and os.path.exists(os.path.join(self.folder(name), "ckpt.pt")):
@@ -123,68 +127,99 @@ class Study:
 
     def valid_ppl(self, name):  # at the last step of a finished run (NaN: diverged), else None
         folder = self.folder(name)
-        if self.diverged(name):
-            return math.nan
-        if self.finished(name) and not os.path.exists(os.path.join(folder, "log.jsonl")):
+        if self.diverged(name) or not self.finished(name):
+            return math.nan if self.diverged(name) else None
+        if not os.path.exists(os.path.join(folder, "log.jsonl")):  # a run of a prior file, no folder here
             return self.prior[name]["valid_ppl"]
-        return ev.last_valid_ppl(folder, runlib.run_config(folder)["max_steps"]) if self.finished(name) else None
+        return ev.last_valid_ppl(folder, runlib.run_config(folder)["max_steps"])
 
     def select(self, candidates):
         """(value of the lowest mean valid PPL once all ran, else None; wanted runs) of {value: [(name, flags)]}."""
-        for name, flags in (spec for specs in candidates.values() for spec in specs):
+        wanted = [spec for group in candidates.values() for spec in group]
+        for name, flags in wanted:
             self.check(name, flags)
-        ppl = {v: [self.valid_ppl(name) for name, _f in specs] for v, specs in candidates.items()}
+        ppl = {v: [self.valid_ppl(name) for name, _f in group] for v, group in candidates.items()}
         mean = lambda v: float(np.nan_to_num(np.mean(ppl[v]), nan=np.inf))  # a diverged run (NaN) never wins
-        best = None if None in sum(ppl.values(), []) else min(ppl, key=mean)
-        return best, [spec for specs in candidates.values() for spec in specs]
+        return (None if None in sum(ppl.values(), []) else min(ppl, key=mean)), wanted
 
     def bracketed(self, values, spec):
         """select over values on SELECTION_SEEDS; a winner at an edge extends the list by a factor 2 (twice at most)."""
-        values, wanted = list(values), []
-        for _ in range(3):
-            best, wanted = self.select({v: [spec(v, s) for s in SELECTION_SEEDS] for v in values})
-            if best is None or min(values) < best < max(values) or len(values) >= 5:
-                return best, wanted
-            values.append(best * 2 if best == max(values) else best / 2)
-        return best, wanted
+        best, wanted = self.select({v: [spec(v, s) for s in SELECTION_SEEDS] for v in values})
+        if best is None or min(values) < best < max(values) or len(values) >= 5:
+            return best, wanted
+        return self.bracketed([*values, best * 2 if best == max(values) else best / 2], spec)
 
-    def share(self):
+    def share(self):  # the selected share and the sweep's runs
         size, lr = SHARE_SETTING["size"], SHARE_SETTING["lr"]
         return self.bracketed(SHARES, lambda sh, seed: run_spec(size, 1.0, "agg", lr, seed, sh))
 
-    def lr(self, size, method, share):  # the selected lr of (size, method) and the sweep's runs
+    def lr(self, size, method, share):  # the selected lr of (size, method) and the sweep's runs; MLE has no share
+        share = share if method == "agg" else None
         return self.bracketed(LRS[size], lambda lr, seed: run_spec(size, 1.0, method, lr, seed, share))
 
     def plan(self):
-        """[(name, flags, cost)] of every run wanted so far, and whether selections are still pending."""
+        """[(name, flags, cost)] of every run wanted so far, cheapest first."""
         share, wanted = self.share()
-        runs, pending = {name: (flags, COST[SHARE_SETTING["size"]]) for name, flags in wanted}, share is None
-        for size, method in itertools.product(SIZES, METHODS):
-            if method == "agg" and share is None:
-                continue
-            lr, sweep = self.lr(size, method, share if method == "agg" else None)
+        runs = {name: (flags, COST[SHARE_SETTING["size"]]) for name, flags in wanted}
+        for size, method in itertools.product(SIZES, METHODS if share is not None else ["mle"]):
+            lr, sweep = self.lr(size, method, share)
             runs.update({name: (flags, COST[size]) for name, flags in sweep})
-            if lr is None:
-                pending = True
-                continue
-            for sh in (sorted({share, HEADLINE_SHARE}) if method == "agg" else [None]):  # selected and headline
-                for fraction, seed in itertools.product(FRACTIONS, SEEDS):
+            for sh in (sorted({share, HEADLINE_SHARE}) if method == "agg" else [None]) if lr is not None else []:
+                for fraction, seed in itertools.product(FRACTIONS, SEEDS):  # the selected share and the headline's
                     name, flags = run_spec(size, fraction, method, lr, seed, sh)
                     runs[name] = (flags, COST[size] * fraction)
-                for seed in SEEDS if size == SECOND_CORPUS["size"] else []:  # the same pair on the second corpus
-                    name, flags = run_spec(size, 1.0, method, lr, seed, sh)
-                    runs[f"{SECOND_CORPUS['name']}-{name}"] = (flags + SECOND_CORPUS["flags"], SECOND_CORPUS["cost"])
-        return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0])), pending
+                    if size == SECOND_CORPUS["size"] and fraction == 1.0:  # the full-data pair on the second corpus
+                        runs[f"{SECOND_CORPUS['name']}-{name}"] = flags + SECOND_CORPUS["flags"], SECOND_CORPUS["cost"]
+        return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0]))
 
     def selections(self):
         share, _ = self.share()
-        return dict(share=share, lr={size: {m: self.lr(size, m, share if m == "agg" else None)[0] for m in METHODS}
-                                     for size in SIZES})
+        return dict(share=share, lr={size: {m: self.lr(size, m, share)[0] for m in METHODS} for size in SIZES})
+
+    def write_results(self, path, argv, corpus_path=None):
+        names = {n for n, _f, _c in self.plan()} | set(self.prior) | \
+            {n for n in (os.listdir(self.runs) if os.path.isdir(self.runs) else ()) if not n.endswith(".log")}
+        runs, diverged = self.records(sorted(names), lambda n: run_record(self, n, sizes=True))
+        sel = self.selections()
+        ppl = lambda specs: {name: self.valid_ppl(name) for name, _f in specs}
+        lr_runs = {size: {m: ppl(self.lr(size, m, sel["share"])[1]) for m in METHODS
+                          if m == "mle" or sel["share"] is not None} for size in SIZES}
+        corpus = {n: r for n, r in runs.items() if n.startswith(SECOND_CORPUS["name"] + "-")}
+        runs = {n: r for n, r in runs.items() if n not in corpus}
+        shares = sorted({sel["share"], HEADLINE_SHARE}) if sel["share"] is not None else []
+        at = lambda rs, lrs, share: [r for r in rs if r["lr"] == lrs.get(r["method"]) and
+                                     (r["method"] == "mle" or r["rare_share"] == share)]  # a pair's runs
+        cells = []
+        for share, size, fraction in itertools.product(shares, SIZES, FRACTIONS):
+            members = at([r for r in runs.values() if r["size"] == size and r["train_fraction"] == fraction],
+                         sel["lr"][size], share)
+            if (cell := paired_cell(members)) is not None:
+                cells.append(dict(agg_share=share, size=size, train_fraction=fraction, **{k: members[0][k] for k in (
+                    "train_tokens", "n_params_non_embedding", "d_model", "n_layer")}, lr=sel["lr"][size], **cell))
+        of = {share: [c for c in cells if c["agg_share"] == share] for share in shares}
+        result = self.write(path, argv, dict(
+            selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data", share=sel["share"],
+                           share_valid_ppl=ppl(self.share()[1]), lr=sel["lr"], lr_valid_ppl=lr_runs),
+            runs=runs, diverged=diverged, compare=cells,  # one cell per (AGG share, size, data size)
+            fits={f"{sh:g}": {k: fit_trend(of[sh], k) for k in FIT_QUANTITIES} for sh in shares if len(of[sh]) >= 3},
+            pooled_by_data={f"{sh:g}": pooled_by_data(of[sh]) for sh in shares if of[sh]}),
+            elsewhere=corpus if corpus_path else ())
+        for share in [share for share in shares if of[share]]:  # the selected share's figure, one per other share
+            suffix = "" if share == sel["share"] else f"_share{share:g}"
+            plot_cells(of[share], os.path.splitext(path)[0] + suffix + ".png", share)
+        print(f"wrote {path}: {len(runs)} runs, {len(cells)} paired cells")
+        if corpus_path and corpus:
+            lrs = sel["lr"][SECOND_CORPUS["size"]]
+            pairs = [dict(agg_share=share, **cell) for share in shares
+                     if (cell := paired_cell(at(corpus.values(), lrs, share))) is not None]
+            runlib.write_json(corpus_path, dict(command=result["command"], corpus=SECOND_CORPUS,
+                                                selection=dict(share=sel["share"], lr=lrs), runs=corpus, compare=pairs))
+            print(f"wrote {corpus_path}: {len(corpus)} runs")
 
 
 def next_job(study, busy):
     """The next job for studies.pool (name, command, log), or None: evaluations first, then the cheapest run."""
-    plan = [(name, flags, study.folder(name)) for name, flags, _cost in study.plan()[0] if name not in busy]
+    plan = [(name, flags, study.folder(name)) for name, flags, _cost in study.plan() if name not in busy]
     for name, flags, folder in plan:
         study.check(name, flags)
     for name, _flags, folder in plan:
@@ -198,32 +233,21 @@ def next_job(study, busy):
                 folder + ".log"
 
 
-def train(study, jobs, after=None):
-    """Keep jobs runs and evaluations going (studies.pool) until nothing is runnable, calling after() when one ends."""
-    os.makedirs(study.runs, exist_ok=True)
-    pool.run(lambda busy: next_job(study, busy), jobs, after and (lambda _name: after()), study.diverged)
-
-
-# ---------------------------------------------------------------------------------------------------------- results
-def run_record(study, name, **extra):
-    """A finished, evaluated run's results record (compare.run_record), the commands as run in study.label/runs."""
+def run_record(study, name, sizes=False, **extra):
+    """A run's results record (compare.run_record), its commands as run in study.label/runs; sizes: the sizes too."""
     folder, label, cfg = study.folder(name), f"{study.label}/runs", runlib.run_config(study.folder(name))
     with open(os.path.join(folder, "report", "metrics.json")) as f:
         m = next(iter(json.load(f).values()))
-    command = compare.run_command(cfg, "train_lm.py").replace(os.path.relpath(study.runs, ROOT), label)
-    return compare.run_record(
-        m, cfg, **extra, command=command,
-        eval_command=shlex.join(["python", "eval.py", f"{label}/{name}", "--out", f"{label}/{name}/report",
-                                 *study.eval_args]))
-
-
-def scale_record(study, name):  # a run of this study: its record with its sizes
-    cfg = runlib.run_config(study.folder(name))
-    V, d = cfg["vocab_size_actual"], cfg["d_model"]
-    return run_record(study, name, size=next(k for k, v in SIZES.items() if all(cfg[f] == x for f, x in v.items())),
-                      n_params=cfg["n_params"], n_params_non_embedding=cfg["n_params"] - V * d - cfg["block_size"] * d,
-                      d_model=d, n_layer=cfg["n_layer"], head_rank=d, train_tokens=cfg["data_tokens"]["train"],
-                      rare_share=cfg.get("rare_share"))
+    if sizes:
+        V, d = cfg["vocab_size_actual"], cfg["d_model"]
+        extra = dict(size=next(k for k, v in SIZES.items() if all(cfg[f] == x for f, x in v.items())),
+                     n_params=cfg["n_params"], n_params_non_embedding=cfg["n_params"] - V * d - cfg["block_size"] * d,
+                     d_model=d, n_layer=cfg["n_layer"], head_rank=d, train_tokens=cfg["data_tokens"]["train"],
+                     rare_share=cfg.get("rare_share"))
+    record = compare.run_record(m, cfg, **extra, eval_command=shlex.join(
+        ["python", "eval.py", f"{label}/{name}", "--out", f"{label}/{name}/report", *study.eval_args]))
+    record["command"] = record["command"].replace(os.path.relpath(study.runs, ROOT), label)
+    return record
 
 
 def paired_cell(runs):
@@ -292,29 +316,26 @@ def fit_trend(cells, key):
 def pooled_by_data(cells):
     """Per data size, the paired quantities pooled over the model sizes (each size's seeds are independent pairs)."""
     return {f"{f:g}": {k: compare.paired_interval([v for c in cells if c["train_fraction"] == f for v in c[k]["diffs"]])
-                       for k in ("ppl_log_ratio", "calibrated_ppl_log_ratio", "calibrated_rare_ppl_log_ratio",
-                                 "gap_closed_by_calibration")}
-            for f in sorted({c["train_fraction"] for c in cells})}
+                       for k in FIT_QUANTITIES} for f in sorted({c["train_fraction"] for c in cells})}
 
 
 def plot_cells(cells, path, share):
     """Each paired quantity against model size and against data size: mean over seeds and paired 95% t interval."""
-    panels = [("ppl_log_ratio", "AGG / MLE test PPL", True), ("calibrated_rare_ppl_log_ratio",
-              "AGG / MLE rare PPL, both calibrated", True), ("gap_closed_by_calibration",
-              "share of the rare gap closed by calibrating both", False), ("rare_isotropy_diff",
-              "rare I(W): AGG - MLE", False), ("uniq_diff", "Uniq: AGG - MLE", False)]
+    panels = [("ppl_log_ratio", "AGG / MLE test PPL", math.exp), ("calibrated_rare_ppl_log_ratio",  # exp: ratios
+              "AGG / MLE rare PPL, both calibrated", math.exp), ("gap_closed_by_calibration",
+              "share of the rare gap closed by calibrating both", float), ("rare_isotropy_diff",
+              "rare I(W): AGG - MLE", float), ("uniq_diff", "Uniq: AGG - MLE", float)]
     fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7.5))
     for row, (x_key, line_key, x_label, line_label) in enumerate(
             [("n_params_non_embedding", "train_tokens", "non-embedding parameters", "{:,.0f} train tokens"),
              ("train_tokens", "n_params_non_embedding", "training tokens", "{:,.0f} non-emb. params")]):
-        for ax, (key, title, ratio) in zip(axes[row], panels):
+        for ax, (key, title, f) in zip(axes[row], panels):
             for line in sorted({c[line_key] for c in cells if key in c}):
                 cs = sorted((c for c in cells if c[line_key] == line and key in c), key=lambda c: c[x_key])
-                f = math.exp if ratio else (lambda v: v)
                 mean, lo, hi = ([f(v) for v in vs] for vs in zip(*((c[key]["mean"], *c[key]["t95"]) for c in cs)))
                 ax.errorbar([c[x_key] for c in cs], mean, yerr=[np.subtract(mean, lo), np.subtract(hi, mean)],
                             marker="o", capsize=3, label=line_label.format(line))
-            ax.axhline(1.0 if ratio else 0.0, color="0.6", lw=0.8)
+            ax.axhline(f(0.0), color="0.6", lw=0.8)  # no difference
             ax.set_xscale("log")
             xs = sorted({c[x_key] for c in cells})  # ticks at the grid's sizes only, e.g. "793k"
             ax.set_xticks(xs, [f"{x / 1e6:.2g}M" if x >= 1e6 else f"{x / 1e3:.0f}k" for x in xs], minor=False)
@@ -329,87 +350,39 @@ def plot_cells(cells, path, share):
 
 
 def portable(argv):
-    """The study's command as a user runs it: the runs in the default --out, training on, and the results file
-    relative (named by its folder when written from another checkout)."""
+    """The command as a user runs it: the default --out, training on, the results file relative (else folder/name)."""
     out, args = [], iter(argv)
     for a in args:
-        if a in ("--out", "--results"):
-            value = next(args, None)
-            path = value and os.path.relpath(os.path.abspath(value), ROOT)
-            if a == "--results" and path:
-                out += [a, os.path.join(os.path.basename(os.path.dirname(os.path.abspath(value))),
-                                        os.path.basename(path)) if path.startswith("..") else path]
+        if a == "--results":
+            path = os.path.relpath(value := os.path.abspath(next(args)), ROOT)
+            out += [a, os.path.join(*value.split(os.sep)[-2:]) if path.startswith("..") else path]
+        elif a == "--out":
+            next(args)
         elif a != "--no-train" and not a.startswith("--out="):
             out.append(a)
     return out
 
 
-def write_results(study, path, argv, corpus_path=None):
-    """results JSON: every finished run (also those an earlier selection asked for), the selections with the valid
-    PPL behind them, the paired cells, the fits."""
-    plan, _ = study.plan()
-    names = {n for n, _f, _c in plan} | set(study.prior) | \
-        {n for n in (os.listdir(study.runs) if os.path.isdir(study.runs) else ()) if not n.endswith(".log")}
-    runs = {n: scale_record(study, n) if os.path.exists(os.path.join(study.folder(n), "report"))
-            else study.prior[n] for n in sorted(names) if study.finished(n) and study.evaluated(n)
-            and not study.diverged(n)}
-    sel = study.selections()
-    ppl = lambda specs: {name: study.valid_ppl(name) for name, _f in specs}
-    lr_runs = {size: {m: ppl(study.lr(size, m, sel["share"] if m == "agg" else None)[1]) for m in METHODS
-                      if m == "mle" or sel["share"] is not None} for size in SIZES}
-    corpus = {n: r for n, r in runs.items() if n.startswith(SECOND_CORPUS["name"] + "-")}
-    runs = {n: r for n, r in runs.items() if n not in corpus}
-    shares = sorted({sel["share"], HEADLINE_SHARE}) if sel["share"] is not None else []
-    at = lambda rs, lrs, share: [r for r in rs if r["lr"] == lrs.get(r["method"]) and
-                                 (r["method"] == "mle" or r["rare_share"] == share)]  # a pair's runs
-    cells = []
-    for share, size, fraction in itertools.product(shares, SIZES, FRACTIONS):
-        members = at([r for r in runs.values() if r["size"] == size and r["train_fraction"] == fraction],
-                     sel["lr"][size], share)
-        if (cell := paired_cell(members)) is not None:
-            cells.append(dict(agg_share=share, size=size, train_fraction=fraction, **{k: members[0][k] for k in (
-                "train_tokens", "n_params_non_embedding", "d_model", "n_layer")}, lr=sel["lr"][size], **cell))
-    of = lambda share: [c for c in cells if c["agg_share"] == share]
-    result = dict(command=shlex.join(["python", "-m", "studies.scale", *portable(argv)]),
-                  protocol=__doc__.split("The protocol")[1].strip(),
-                  selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data",
-                                 share=sel["share"], share_valid_ppl=ppl(study.share()[1]),
-                                 lr=sel["lr"], lr_valid_ppl=lr_runs),
-                  runs=runs, diverged={n: study.failed[n] for n in sorted(names) if study.diverged(n)},
-                  compare=cells,  # one cell per (AGG share, size, data size)
-                  fits={f"{share:g}": {k: fit_trend(of(share), k) for k in FIT_QUANTITIES}  # per AGG share
-                        for share in shares if len(of(share)) >= 3},
-                  pooled_by_data={f"{share:g}": pooled_by_data(of(share)) for share in shares if of(share)})
-    study.write(path, result, elsewhere=corpus if corpus_path else ())
-    for share in [share for share in shares if of(share)]:  # the selected share's figure, and one per other share
-        suffix = "" if share == sel["share"] else f"_share{share:g}"
-        plot_cells(of(share), os.path.splitext(path)[0] + suffix + ".png", share)
-    print(f"wrote {path}: {len(runs)} runs, {len(cells)} paired cells")
-    if corpus_path and corpus:
-        lrs = sel["lr"][SECOND_CORPUS["size"]]
-        pairs = [dict(agg_share=share, **cell) for share in shares
-                 if (cell := paired_cell(at(corpus.values(), lrs, share))) is not None]
-        runlib.write_json(corpus_path, dict(command=result["command"], corpus=SECOND_CORPUS,
-                                            selection=dict(share=sel["share"], lr=lrs), runs=corpus, compare=pairs))
-        print(f"wrote {corpus_path}: {len(corpus)} runs")
-    return result
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, "out", "scale"))
+def main(argv=None, study_class=Study):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog=f"python -m studies.{study_class.name}", description=sys.modules[
+        study_class.__module__].__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, study_class.label))
     p.add_argument("--jobs", type=int, default=1, help="runs at once (2 on a 2-core CPU: one thread each)")
     p.add_argument("--no-train", action="store_true", help="train nothing: write the results of the finished runs")
-    p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and a figure)")
-    p.add_argument("--corpus-results", default=None, metavar="FILE", help="write the second corpus's pair here")
+    p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and its figures)")
+    p.set_defaults(corpus_results=None)
+    if study_class is Study:
+        p.add_argument("--corpus-results", default=None, metavar="FILE", help="write the second corpus's pair here")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more")
-    study = Study(args.out, prior=[args.results, args.corpus_results])
-    argv = sys.argv[1:] if argv is None else argv
-    results = (lambda: write_results(study, args.results, argv, args.corpus_results)) if args.results else None
-    if not args.no_train:
-        train(study, args.jobs, results)
+    study = study_class(args.out, prior=[args.results, args.corpus_results])
+    study.host = runlib.kernel_fingerprint(max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None)
+    results = (lambda *_: study.write_results(args.results, argv, args.corpus_results)) if args.results else None
+    if not args.no_train:  # keep jobs runs and evaluations going until nothing is runnable, writing as each ends
+        os.makedirs(study.runs, exist_ok=True)
+        pool.run(lambda busy: next_job(study, busy), args.jobs, results, study.diverged)
     print(json.dumps(study.selections()))
     if results:
         results()

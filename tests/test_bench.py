@@ -133,32 +133,31 @@ def test_quick_run_writes_every_key(tmp_path):
     assert (out / "bench.md").read_text().count("| official-ref |") == 1
 
 
-def test_lm_section_falls_back_to_synthetic_ids_and_says_so(monkeypatch):
-    def fail(cfg, log):
-        raise OSError("no corpus here")
-    monkeypatch.setattr(bench, "prepare_lm", fail)
+def test_lm_section_times_train_lms_step(monkeypatch):
+    """The lm section runs train_lm.train_step (AdamW, the method's observe) per method on the preset's training split
+    (here a tiny Zipf stream), AGG's window full, and reports tokens/s against MLE."""
+    V = 300
+    ids = torch.multinomial(torch.arange(1, V + 1.0) ** -1.1, 5000, replacement=True,
+                            generator=torch.Generator().manual_seed(0))
+    data = dict(ids={"train": ids.numpy().astype("uint16")}, counts=torch.bincount(ids, minlength=V), vocab_size=V,
+                pad_id=1, eos_id=0, dir="tiny")
+    monkeypatch.setattr(bench, "prepare_lm", lambda cfg, log: data)
+    calls, train_step = [], bench.train_lm.train_step
+
+    def spy(model, raw, method, *a, **k):  # the method and the weights before each step
+        calls.append((method, model.tok_emb.weight.detach().clone()))
+        return train_step(model, raw, method, *a, **k)
+    monkeypatch.setattr(bench.train_lm, "train_step", spy)
     logged = []
-    args = bench.build_parser().parse_args(["--lm-methods", "agg", "--lm-steps", "1", "--lm-rounds", "1"])
+    args = bench.build_parser().parse_args(["--lm-methods", "agg", "--lm-steps", "2", "--lm-rounds", "1"])
     res = bench.bench_lm(args, logged.append)
-    assert res["data"] == "synthetic Zipf(1.1) ids (data.prepare_lm failed: OSError: no corpus here)"
     assert [r["method"] for r in res["rows"]] == ["mle", "agg"] and res["rows"][0]["ratio_vs_mle"] == 1.0
     assert res["rows"][1]["tokens_per_s"] > 0 and 0 < res["rows"][1]["rare_vocab"] < 1
-    assert "| agg |" in logged[0] and "synthetic Zipf(1.1)" in logged[0]
-
-
-def test_lm_trainer_runs_train_lm_step():
-    """The lm section's step (train_lm's model, AdamW, observe + micro-batches) trains: weights move, AGG counts."""
-    cfg = dict(n_layer=1, d_model=16, n_head=2, d_ff=32, dropout=0.0, block_size=8, weight_decay=0.01, lr=1e-2,
-               micro_batch=2, device="cpu", dtype="float32")
-    V = 50
-    model, method, step = bench.lm_trainer(dict(cfg, method="agg", alpha=0.5, window=3), V, torch.arange(V), [0])
-    x = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(0))
-    y = torch.roll(x, -1, dims=1)
-    before = model.tok_emb.weight.detach().clone()
-    step(x, y)
-    step(x, y)
-    assert method.steps == 2
-    assert not torch.equal(before, model.tok_emb.weight.detach())
+    assert res["data"] == "train_lm.py training split (tiny)" and res["window"] == 5  # 39 windows / 8 per step
+    assert [m.name for m, _ in calls] == ["mle", "agg", "agg", "agg", "mle", "mle"]  # warm-up, then a rotated round
+    assert calls[0][0].steps == 3 and calls[1][0].steps == 5 + 3  # one observe per step, after a 5-step window
+    assert not torch.equal(calls[1][1], calls[2][1])  # the step trains
+    assert "| agg |" in logged[0]
 
 
 def test_flag_mistakes_are_one_line_errors(capsys):

@@ -93,3 +93,14 @@ def test_an_nmt_run_translates_a_file(nmt_tiny, tmp_path, capsys):
 def test_bad_sampling_flags_end_in_one_line(lm_folder, flags, match):
     with pytest.raises(SystemExit, match=match):
         sample.main([lm_folder, "--device", "cpu", *flags])
+
+
+@pytest.mark.parametrize("flags, named", [(["--logit-softcap", "30"], "--logit-softcap"),
+                                          (["--untie-at", "0.5"], "--untie-at"), (["--output-bias"], "--output-bias")])
+def test_export_refuses_what_gpt2_has_no_place_for(corpus, lm_tiny, tmp_path, flags, named):
+    out = str(tmp_path / "lm")
+    train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out, *lm_tiny,
+                   "--max-steps", "2", "--eval-interval", "2", *flags])
+    with pytest.raises(SystemExit, match=rf"trained with {named}, which GPT-2"):
+        sample.main([out, "--export-hf", str(tmp_path / "hf"), "--device", "cpu"])
+    assert not os.path.exists(tmp_path / "hf" / "config.json")

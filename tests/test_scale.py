@@ -16,6 +16,10 @@ from studies import compare, pool, practice, rivals, scale
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_name(*spec):  # the run name studies.scale gives a setting
+    return scale.run_spec(*spec)[0]
+
+
 def fake_run(study, name, valid_ppl, steps=10):
     """A finished run folder as studies.scale reads it: config.json, a last valid record, a checkpoint at max_steps."""
     folder = study.folder(name)
@@ -31,31 +35,31 @@ def test_plan_selects_on_validation_and_brackets_the_lr(tmp_path, monkeypatch):
     monkeypatch.setattr(scale, "SIZES", {"S": scale.SIZES["S"]})
     monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3))
     study = scale.Study(str(tmp_path))
-    plan, pending = study.plan()
+    plan = study.plan()
     names = [n for n, _f, _c in plan]
-    assert pending and all("-f1-" in n for n in names)  # sweeps first, on the full data, nothing else yet
-    assert sorted(n for n in names if "mle" in n) == sorted(scale.run_name("S", 1.0, "mle", lr, s)
+    assert all("-f1-" in n for n in names)  # sweeps first, on the full data, nothing else yet
+    assert sorted(n for n in names if "mle" in n) == sorted(run_name("S", 1.0, "mle", lr, s)
                                                             for lr in scale.LRS["S"] for s in scale.SELECTION_SEEDS)
     seeds = lambda name, ppls: [fake_run(study, name(s), p) for s, p in zip(scale.SELECTION_SEEDS, ppls)]
     for i, share in enumerate(scale.SHARES):  # the smallest share wins: the list is extended downwards
-        seeds(lambda s: scale.run_name("S", 1.0, "agg", 4e-3, s, share), [100 + i] * 3)
+        seeds(lambda s: run_name("S", 1.0, "agg", 4e-3, s, share), [100 + i] * 3)
     assert study.share()[0] is None
-    seeds(lambda s: scale.run_name("S", 1.0, "agg", 4e-3, s, scale.SHARES[0] / 2), [101] * 3)
+    seeds(lambda s: run_name("S", 1.0, "agg", 4e-3, s, scale.SHARES[0] / 2), [101] * 3)
     assert study.share()[0] == scale.SHARES[0]  # now bracketed
     # the mean over seeds decides: the middle lr has the best seed but a bad mode on the others
     lrs = scale.LRS["S"]
-    seeds(lambda s: scale.run_name("S", 1.0, "mle", lrs[0], s), [110, 110, 110])
-    seeds(lambda s: scale.run_name("S", 1.0, "mle", lrs[1], s), [100, 140, 140])
-    seeds(lambda s: scale.run_name("S", 1.0, "mle", lrs[2], s), [105, 105, 106])
+    seeds(lambda s: run_name("S", 1.0, "mle", lrs[0], s), [110, 110, 110])
+    seeds(lambda s: run_name("S", 1.0, "mle", lrs[1], s), [100, 140, 140])
+    seeds(lambda s: run_name("S", 1.0, "mle", lrs[2], s), [105, 105, 106])
     best, sweep = study.lr("S", "mle", None)
-    assert best is None and scale.run_name("S", 1.0, "mle", 2 * lrs[2], 0) in [n for n, _ in sweep]  # extended
-    seeds(lambda s: scale.run_name("S", 1.0, "mle", 2 * lrs[2], s), [120] * 3)
+    assert best is None and run_name("S", 1.0, "mle", 2 * lrs[2], 0) in [n for n, _ in sweep]  # extended
+    seeds(lambda s: run_name("S", 1.0, "mle", 2 * lrs[2], s), [120] * 3)
     assert study.lr("S", "mle", None)[0] == lrs[2]  # bracketed, and not the lr of the best single seed
-    plan, _ = study.plan()
+    plan = study.plan()
     names = {n for n, _f, _c in plan}
-    cells = {scale.run_name("S", f, "mle", lrs[2], s) for f in scale.FRACTIONS for s in scale.SEEDS}
+    cells = {run_name("S", f, "mle", lrs[2], s) for f in scale.FRACTIONS for s in scale.SEEDS}
     assert cells <= names  # every data size and seed at the selected lr
-    flags = next(f for n, f, _c in plan if n == scale.run_name("S", 0.25, "mle", lrs[2], 1))
+    flags = next(f for n, f, _c in plan if n == run_name("S", 0.25, "mle", lrs[2], 1))
     flags = dict(zip(flags[::2], flags[1::2]))
     assert flags["--max-steps"] == str(scale.FULL_STEPS // 4) and flags["--train-fraction"] == "0.25"
 
@@ -87,22 +91,22 @@ def test_train_subset_cuts_whole_documents():
 def test_a_results_file_continues_the_study_without_its_run_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(scale, "SIZES", {"S": scale.SIZES["S"]})
     monkeypatch.setattr(scale, "SHARE_SETTING", dict(size="S", lr=4e-3))
-    runs = {scale.run_name("S", 1.0, "agg", 4e-3, s, sh): dict(valid_ppl=100 + abs(i - 1))
+    runs = {run_name("S", 1.0, "agg", 4e-3, s, sh): dict(valid_ppl=100 + abs(i - 1))
             for i, sh in enumerate(scale.SHARES) for s in scale.SELECTION_SEEDS}
     path = tmp_path / "lm_scale.json"
     path.write_text(json.dumps(dict(runs=runs)))
     study = scale.Study(str(tmp_path / "elsewhere"), prior=[str(path)])
     assert study.share()[0] == scale.SHARES[1]  # selected from the recorded valid PPL
-    plan, _ = study.plan()
+    study.plan()
     assert all(study.finished(n) and study.evaluated(n) for n in runs)
     assert scale.next_job(study, {})[0] not in runs  # nothing recorded is trained again
 
 
 def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
     study = rivals.Rivals(str(tmp_path))
-    plan, pending = study.plan()
+    plan = study.plan()
     names = [n for n, _f, _c in plan]
-    assert pending and len(names) == sum(len(rivals.LRS) * len(k) for _m, _f, k in rivals.RIVALS.values())
+    assert len(names) == sum(len(rivals.LRS) * len(k) for _m, _f, k in rivals.RIVALS.values())
     flags = next(f for n, f, _c in plan if n == rivals.run_name("coupled-adam", 4e-3, "ewd0.01", 0))
     assert flags[flags.index("--optimizer") + 1] == "coupled-adam" and "--embedding-weight-decay" in flags
     for i, lr in enumerate(rivals.LRS):  # zloss at seed 0: lr 4e-3 with z 1e-3 best, lr 8e-3 with z 1e-3 next
@@ -116,7 +120,7 @@ def test_rivals_select_each_rival_on_validation_then_train_its_seeds(tmp_path):
         fake_run(study, rivals.run_name("zloss", 4e-3, "z0.001", s), 110)
         fake_run(study, rivals.run_name("zloss", 8e-3, "z0.001", s), 101)
     assert study.selection("zloss")[0] == (8e-3, "z0.001")
-    plan, _ = study.plan()
+    plan = study.plan()
     seeds = sorted(n for n, _f, _c in plan if n.startswith("zloss-lr0.008-z0.001-"))
     assert seeds == [rivals.run_name("zloss", 8e-3, "z0.001", s) for s in range(rivals.SEEDS["zloss"])]
     curve = {n for n, _f, _c in plan if n.startswith("zloss-lr0.008-")}  # every knob at the selected lr: 3 seeds
@@ -149,24 +153,25 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
                           uniq=100, rare_bias=dict(ppl=ppl, ppl_groups=dict(rare, rare=ppl * 30)))
     for s in scale.SELECTION_SEEDS:  # the sweeps: share SHARES[0] bracketed, lr 4e-3 the middle value for both
         for i, sh in enumerate([sel_share / 2] + scale.SHARES):
-            record(scale.run_name("M", 1.0, "agg", lr, s, sh), "agg", 1.0, sh, s, 101 + abs(i - 1))
+            record(run_name("M", 1.0, "agg", lr, s, sh), "agg", 1.0, sh, s, 101 + abs(i - 1))
         for i, x in enumerate(scale.LRS["M"]):
-            record(scale.run_name("M", 1.0, "mle", x, s), "mle", 1.0, None, s, 100 + abs(i - 1) + s / 3, x)
-            record(scale.run_name("M", 1.0, "agg", x, s, sel_share), "agg", 1.0, sel_share, s, 101 + abs(i - 1) + s, x)
+            record(run_name("M", 1.0, "mle", x, s), "mle", 1.0, None, s, 100 + abs(i - 1) + s / 3, x)
+            record(run_name("M", 1.0, "agg", x, s, sel_share), "agg", 1.0, sel_share, s, 101 + abs(i - 1) + s, x)
     path = tmp_path / "lm_scale.json"
     path.write_text(json.dumps(dict(runs=runs)))
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
     assert study.selections() == dict(share=sel_share, lr={"M": dict(mle=lr, agg=lr)})
-    names = {n for n, _f, _c in study.plan()[0]}
+    names = {n for n, _f, _c in study.plan()}
     for sh in (sel_share, scale.HEADLINE_SHARE):  # both shares in every cell and on the second corpus
-        assert scale.run_name("M", 0.5, "agg", lr, 2, sh) in names and scale.run_name("M", 1.0, "agg", lr, 2, sh) in names
-        assert "bible-" + scale.run_name("M", 1.0, "agg", lr, 0, sh) in names
+        assert run_name("M", 0.5, "agg", lr, 2, sh) in names and run_name("M", 1.0, "agg", lr, 2, sh) in names
+        assert "bible-" + run_name("M", 1.0, "agg", lr, 0, sh) in names
     for s in scale.SEEDS:  # finish the cells
-        record(scale.run_name("M", 0.5, "mle", lr, s), "mle", 0.5, None, s, 150)
+        record(run_name("M", 0.5, "mle", lr, s), "mle", 0.5, None, s, 150)
         for sh in (sel_share, scale.HEADLINE_SHARE):
-            record(scale.run_name("M", 0.5, "agg", lr, s, sh), "agg", 0.5, sh, s, 150 * (1.01 if sh == sel_share else 1.03))
+            record(run_name("M", 0.5, "agg", lr, s, sh), "agg", 0.5, sh, s, 150 * (1.01 if sh == sel_share else 1.03))
     path.write_text(json.dumps(dict(runs=runs)))
-    result = scale.write_results(scale.Study(str(tmp_path / "out"), prior=[str(path)]), str(path), [])
+    scale.Study(str(tmp_path / "out"), prior=[str(path)]).write_results(str(path), [])
+    result = json.loads(path.read_text())
     cells = {(c["agg_share"], c["train_fraction"]): c for c in result["compare"]}
     assert set(cells) == {(sh, f) for sh in (sel_share, scale.HEADLINE_SHARE) for f in (0.5, 1.0)}
     assert np.isclose(np.exp(cells[scale.HEADLINE_SHARE, 0.5]["ppl_log_ratio"]["mean"]), 1.03)
@@ -185,7 +190,7 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
         host = host or (b2 if (rival, seed) == ("zloss", 2) else a1)  # zloss's seed 2 ran on another host
         cfg = dict(task="lm", max_steps=10, method=method, lr=lr, seed=seed, method_hparams={},
                    versions=dict(threads=1, kernels=host),
-                   git_commit="abc", argv=rivals.run_flags(rival, lr, knob, seed), optimizer="adamw")
+                   git_commit="abc", argv=study.flags(rival, lr, knob, seed), optimizer="adamw")
         json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
         os.makedirs(os.path.join(folder, "report"))
         m = dict(method=method, seed=seed, valid_ppl=ppl, ppl=ppl - 40, ppl_groups=dict(freq=50.0, med=900.0, rare=8000.0 - 1000 * rare_iso),
@@ -196,14 +201,14 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     study = rivals.Rivals(str(tmp_path / "out"))
     for rival, knob_iso in (("mle", {"": 0.03}), ("zloss", {"z0.0001": 0.03, "z0.001": 0.05, "z0.01": 0.2, "z0.1": 0.3})):
         for _ in range(3):  # the seed-0 sweep, then the finalists' seeds, then the selection's and the curve's
-            for name, flags, _c in study.plan()[0]:
+            for name, flags, _c in study.plan():
                 if not name.startswith(rival + "-") or study.finished(name):
                     continue
                 lr, seed = float(flags[flags.index("--lr") + 1]), int(flags[flags.index("--seed") + 1])
                 knob = next(k for k in knob_iso if k and f"-{k}-" in name) if len(knob_iso) > 1 else ""
                 ppl = 300 + 10 * abs(math.log2(lr / 4e-3)) + 5 * list(knob_iso).index(knob) + seed
                 evaluated(name, rival, lr, knob, seed, ppl, knob_iso[knob] + 0.01 * seed)
-    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), ["--no-train", "--out", "/elsewhere", "--results", str(tmp_path / "lm_rivals.json")])
+    study.write_results(str(tmp_path / "lm_rivals.json"), ["--no-train", "--out", "/elsewhere", "--results", str(tmp_path / "lm_rivals.json")])
     res = json.load(open(tmp_path / "lm_rivals.json"))
     assert res["command"] == f"python -m studies.rivals --results {tmp_path.name}/lm_rivals.json"  # runs: out/rivals
     assert res["selection"]["selected"]["zloss"] == [4e-3, "z0.0001"] and res["selection"]["selected"]["mle"] == [4e-3, ""]
@@ -219,27 +224,27 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert pair["unpaired"] == {"2": f"host kernels ({a1} vs {b2})"}
     # on host b2 the study plans MLE's seed 2 again (a replica), and then pairs all three seeds, each on one host
     study.host = b2
-    replica = rivals.replica_name(4e-3, 2, b2)
-    planned = {n for n, _f, _c in study.plan()[0]}
+    replica = rivals.run_name("mle", 4e-3, "", 2) + "-k" + b2[:8]
+    planned = {n for n, _f, _c in study.plan()}
     assert replica in planned and not any(n.endswith("-k" + a1[:8]) for n in planned)
     evaluated(replica, "mle", 4e-3, "", 2, 302, 0.05, host=b2)
-    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), [])
+    study.write_results(str(tmp_path / "lm_rivals.json"), [])
     res = json.load(open(tmp_path / "lm_rivals.json"))
     (pair,) = res["compare"]
     assert pair["seeds"] == [0, 1, 2, 3, 4] and pair["unpaired"] == {} and res["runs"][replica]["replica"] is True
     assert rivals.Rivals(str(tmp_path / "elsewhere"), prior=[str(tmp_path / "lm_rivals.json")]).replicas((4e-3, "")) \
-        == {replica: rivals.run_flags("mle", 4e-3, "", 2)}  # the results file carries it to another machine
+        == {replica: study.flags("mle", 4e-3, "", 2)}  # the results file carries it to another machine
     assert res["selection"]["knob_curve"]["mle"][""]["valid_ppl"] == [300, 301, 302]  # the replica is no fourth seed
     # untied AGG is paired with MLE and with untied MLE, its own control
     for rival, knob_iso in (("untied-mle", {"": 0.03}), ("untied-agg", {"share0.05": 0.1, "share0.2": 0.7, "share0.4": 0.5})):
         for _ in range(3):
-            for name, flags, _c in study.plan()[0]:
+            for name, flags, _c in study.plan():
                 if not name.startswith(rival + "-") or study.finished(name):
                     continue
                 lr, seed = float(flags[flags.index("--lr") + 1]), int(flags[flags.index("--seed") + 1])
                 knob = next(k for k in knob_iso if k and f"-{k}-" in name) if len(knob_iso) > 1 else ""
                 evaluated(name, rival, lr, knob, seed, 300 + 10 * abs(math.log2(lr / 4e-3)) + seed, knob_iso[knob])
-    rivals.write_results(study, str(tmp_path / "lm_rivals.json"), [])
+    study.write_results(str(tmp_path / "lm_rivals.json"), [])
     pairs = {(c["base"], c["cand"]): c for c in json.load(open(tmp_path / "lm_rivals.json"))["compare"]}
     assert set(pairs) == {("mle", "zloss"), ("mle", "untied-mle"), ("mle", "untied-agg"), ("untied-mle", "untied-agg")}
     assert pairs["untied-mle", "untied-agg"]["seeds"] == [0, 1, 2]
@@ -294,9 +299,9 @@ def test_a_run_folder_made_with_other_flags_is_refused(tmp_path):
 
 def test_practice_sweeps_each_knob_with_mle_and_agg_on_real_flags_and_refuses_the_rivals_file(tmp_path):
     study = practice.Practice(str(tmp_path))
-    plan, pending = study.plan()
+    plan = study.plan()
     flags = {n: f for n, f, _c in plan}
-    assert pending and len(plan) == 3 * (1 + 3 + 2 + 2 + 3 + 3 + 3 + 3)  # lr x knob at seed 0, nothing else yet
+    assert len(plan) == 3 * (1 + 3 + 2 + 2 + 3 + 3 + 3 + 3)  # lr x knob at seed 0, nothing else yet
     f = flags[rivals.run_name("agg+untie-at", 4e-3, "at0.67", 0)]
     assert f[f.index("--rare-share") + 1] == "0.2" and f[f.index("--untie-at") + 1] == "0.67"
     for name, knob_flags in (("emb-lr-lr0.008-x10-s0", ["--embedding-lr", "10"]),
@@ -348,9 +353,9 @@ def test_a_study_says_which_runs_of_its_previous_file_it_no_longer_writes(tmp_pa
     path = tmp_path / "lm_scale.json"
     path.write_text(json.dumps(dict(command="python -m studies.scale", runs={"a-s0": {}, "b-s0": {}, "c-s0": {}})))
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
-    study.write(str(path), dict(runs={"a-s0": {}}), elsewhere={"c-s0": {}})
+    study.write(str(path), [], dict(runs={"a-s0": {}}), elsewhere={"c-s0": {}})
     assert "no longer holds 1 runs of its previous version: b-s0" in capsys.readouterr().out
-    study.write(str(path), dict(runs={"a-s0": {}, "b-s0": {}, "c-s0": {}}))
+    study.write(str(path), [], dict(runs={"a-s0": {}, "b-s0": {}, "c-s0": {}}))
     assert "no longer holds" not in capsys.readouterr().out
 
 

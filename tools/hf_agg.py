@@ -3,15 +3,12 @@
     python -m tools.hf_agg --method agg --max-steps 300      # a small GPT-2 from scratch on the offline corpus
     python -m tools.hf_agg --method agg --resume             # continue from the last checkpoint in --out
 
-Copy everything above main (and agg.py) into your own code: it needs agg.py only (main, the demo, reads this
-repository's corpus). AGGTrainer:
-- runs the model without labels (`logits_to_keep=1` where it takes it: no full T x V logits) and gives its last hidden
-  state, shifted as in the model's own loss (t predicts labels[t + 1], -100 ignored), to `method.loss`;
-- observes the targets once per optimizer step (`get_batch_samples` holds all its micro-batches) and weights each
-  micro-batch's mean loss by its share of the step's valid targets (all ranks'): the gradient is the step's mean;
-- after each optimizer step calls `method.after_step` on the output weight (freeze-rare, center); saves the method's
-  state (AGG's window) as `agg_method.pt` in every checkpoint and resumes from the newest checkpoint holding it;
-- logs `method.stats` as `agg/...`; keeps lm_head's bias, a logit scale and final-logit soft-capping (Gemma 2).
+Everything above main needs agg.py only: copy it into your own code. AGGTrainer gives the model's last hidden state
+(run without labels, `logits_to_keep=1`: no T x V logits), shifted as in the model's own loss, to `method.loss`;
+observes each optimizer step's targets once and weights each micro-batch by its share of them (the gradient is the
+step's mean); calls `method.after_step` after each optimizer step; saves the method's state in every checkpoint and
+resumes from the newest one holding it; logs `method.stats` as `agg/...`; keeps lm_head's bias, the model's logit
+scale and final-logit soft-capping.
 """
 import argparse
 import glob
@@ -37,8 +34,10 @@ class AGGTrainer(Trainer):
 
     def __init__(self, *args, method, **kwargs):
         super().__init__(*args, **kwargs)
-        self.method, self.logit_scale = method, logit_scale(self.model)
-        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)  # Gemma 2: C tanh(logits / C)
+        self.method, cfg = method, self.model.config
+        # logits = scale * (h W^T + b), scale: Cohere's logit_scale, 1 / Granite's logits_scaling, or 1
+        self.logit_scale = float(getattr(cfg, "logit_scale", None) or 1) / float(getattr(cfg, "logits_scaling", 0) or 1)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2: C tanh(logits / C)
         self._step_targets = None  # valid targets in the current optimizer step, all ranks
         self.add_callback(AfterStep(self))
 
@@ -82,9 +81,7 @@ class AGGTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, METHOD_STATE)
-            if not os.path.exists(path):
-                raise ValueError(f"{path} is missing: not an AGGTrainer checkpoint; the method's state is not in it")
+            path = os.path.join(resume_from_checkpoint, METHOD_STATE)  # missing: not an AGGTrainer checkpoint
             self.method.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
@@ -98,22 +95,10 @@ class AfterStep(TrainerCallback):  # method.after_step(output weight): on_step_e
         self.trainer.method.after_step(head.weight)
 
 
-def logit_scale(model):
-    """The factor the model applies to h W^T (+ b) to get its logits (before any soft-capping): 1, Cohere's
-    logit_scale, or 1 / Granite's logits_scaling."""
-    cfg = model.config
-    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
-    if getattr(cfg, "logits_scaling", None):
-        scale /= float(cfg.logits_scaling)
-    return scale
-
-
 def last_complete_checkpoint(output_dir):
-    """The newest checkpoint-N of output_dir that holds the method's state, or None; a newer one without it (the run
-    stopped between the Trainer's save and the method's) is skipped, with a message."""
-    found = sorted(((int(m.group(1)), d) for d in glob.glob(os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*"))
-                    if (m := re.search(r"-(\d+)$", d)) and os.path.isdir(d)), reverse=True)
-    for step, folder in found:
+    """The newest checkpoint-N of output_dir holding the method's state, or None (a newer one without it: skipped)."""
+    found = [d for d in glob.glob(os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*")) if re.search(r"-\d+$", d)]
+    for folder in sorted(filter(os.path.isdir, found), key=lambda d: -int(d.rsplit("-", 1)[1])):
         if os.path.exists(os.path.join(folder, METHOD_STATE)):
             return folder
         print(f"AGGTrainer: skipping {folder}: it has no {METHOD_STATE} (the run stopped while saving it)")
@@ -129,27 +114,22 @@ def main(argv=None):
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
     p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
-    p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report-to", default="none", help="experiment logging of the HF Trainer: none, tensorboard, wandb")
     args = p.parse_args(argv)
     data = prepare_lm(train_lm.make_config(device="cpu"))
-    V, ids, T, seqs = data["vocab_size"], data["ids"]["train"], args.block_size, args.batch * args.accum
-    if not 1 <= T <= len(ids) // 2:
-        p.error(f"--block-size {T}: must be in [1, {len(ids) // 2}] (two blocks of this corpus at least)")
+    V, ids, T, seqs = data["vocab_size"], data["ids"]["train"], 128, args.batch * args.accum
     train_lm.check_memory(dict(block_size=T, d_model=128, n_layer=4, n_head=4, d_ff=512, device="cpu"), V, args.batch)
     blocks = [torch.from_numpy(ids[s:s + T].astype("int64")) for s in range(0, len(ids) - T, T)]
-    torch.manual_seed(args.seed)
+    torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=128, n_layer=4, n_head=4,
                                        bos_token_id=data["eos_id"], eos_token_id=data["eos_id"]))
     method = agg.build_method(args.method, V, counts=data["counts"], special_ids=[data["eos_id"], data["pad_id"]],
                               steps_per_epoch=len(blocks) / seqs, tokens_per_step=seqs * T,
                               rare_share=args.rare_share if agg.agg_family(args.method) else None)
     training_args = TrainingArguments(
-        output_dir=args.out, max_steps=args.max_steps, seed=args.seed, per_device_train_batch_size=args.batch,
+        output_dir=args.out, max_steps=args.max_steps, seed=0, per_device_train_batch_size=args.batch,
         learning_rate=2e-3, gradient_accumulation_steps=args.accum, warmup_steps=30, lr_scheduler_type="cosine",
-        weight_decay=0.01, logging_steps=10, save_steps=100, report_to=args.report_to,
+        weight_decay=0.01, logging_steps=10, save_steps=100, report_to="none",
         use_cpu=not torch.cuda.is_available())
     trainer = AGGTrainer(model=model, args=training_args, method=method,
                          train_dataset=[{"input_ids": b, "labels": b} for b in blocks])

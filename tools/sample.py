@@ -34,38 +34,18 @@ def load(run, checkpoint, device):
     return model, tok, cfg
 
 
-def sample_lm(args, model, tok, cfg):
-    ids = tok.encode(args.prompt).ids if args.prompt else [tok.token_to_id(EOT) or 0]
-    x = torch.tensor([ids], dtype=torch.long, device=args.device)
-    torch.manual_seed(args.seed)
-    out = []
-    for _ in range(args.num_samples):
-        out.append(tok.decode(model.generate(x, args.max_new_tokens, args.temperature, args.top_k)[0].tolist()))
-        print(out[-1] + "\n---------------", flush=True)
-    return out
-
-
-def translate_nmt(args, model, tok, cfg):
-    lines = (open(args.file, encoding="utf-8") if args.file else sys.stdin).read().splitlines()
-    src = [np.asarray(tok.encode(line.strip()).ids, dtype=np.int64) for line in lines]
-    hyps = train_nmt.translate(model, src, args.device, beam=args.beam, lenpen=cfg["lenpen"])
-    out = [tok.decode([int(i) for i in h if i > train_nmt.UNK], skip_special_tokens=True).strip() for h in hyps]
-    print("".join(line + "\n" for line in out), end="")
-    return out
-
-
 def export_hf(args, model, tok, cfg):
     """The LM as a transformers GPT2LMHeadModel: the same pre-LN blocks, learned positions and tied embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-    if model.lm_head is not None or model.out_bias is not None:
-        raise SystemExit(f"{args.run} was trained with {'--untie' if model.lm_head is not None else '--output-bias'}, "
-                         f"which GPT-2 (tied embeddings, no output bias) has no place for; export a run without it")
+    extra = [flag for flag, on in (("--untie-at" if cfg.get("untie_at") is not None else "--untie", model.untied),
+                                   ("--output-bias", model.out_bias is not None),
+                                   ("--logit-softcap", model.softcap is not None)) if on]
+    if extra:  # GPT-2 would silently compute other logits
+        raise SystemExit(f"{args.run} was trained with {extra[0]}, which GPT-2 (tied embeddings, no output bias, no "
+                         f"logit soft-cap) has no place for; export a run without it")
     sd = model.cpu().state_dict()
     V, d = sd["tok_emb.weight"].shape
-    # the model's own end-of-text id as bos, eos and pad (not GPT-2's 50256): generate() stops where a text ends
-    eos = tok.token_to_id(EOT)
-    if eos is None or not 0 <= eos < V:
-        raise SystemExit(f"{args.run}: its tokenizer has no {EOT} among the model's {V} rows; export a train_lm.py run")
+    eos = tok.token_to_id(EOT)  # the model's own end of text as bos, eos and pad: generate() stops where a text ends
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=cfg["block_size"], n_embd=d, n_layer=cfg["n_layer"],
                                     n_head=cfg["n_head"], n_inner=cfg["d_ff"], activation_function="gelu",
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
@@ -119,7 +99,23 @@ def main(argv=None):
     model, tok, cfg = load(args.run, args.checkpoint, args.device)
     if out and cfg["task"] != "lm":
         raise SystemExit("--export-hf exports language models (train_lm.py runs)")
-    return (export_hf if out else sample_lm if cfg["task"] == "lm" else translate_nmt)(args, model, tok, cfg)
+    if out:
+        return export_hf(args, model, tok, cfg)
+    if cfg["task"] == "nmt":  # translate each line of --file (or stdin)
+        lines = (open(args.file, encoding="utf-8") if args.file else sys.stdin).read().splitlines()
+        src = [np.asarray(tok.encode(line.strip()).ids, dtype=np.int64) for line in lines]
+        hyps = train_nmt.translate(model, src, args.device, beam=args.beam, lenpen=cfg["lenpen"])
+        out = [tok.decode([int(i) for i in h if i > train_nmt.UNK], skip_special_tokens=True).strip() for h in hyps]
+        print("".join(line + "\n" for line in out), end="")
+        return out
+    ids = tok.encode(args.prompt).ids if args.prompt else [tok.token_to_id(EOT)]  # or a document's start
+    x = torch.tensor([ids], dtype=torch.long, device=args.device)
+    torch.manual_seed(args.seed)
+    texts = []
+    for _ in range(args.num_samples):
+        texts.append(tok.decode(model.generate(x, args.max_new_tokens, args.temperature, args.top_k)[0].tolist()))
+        print(texts[-1] + "\n---------------", flush=True)
+    return texts
 
 
 if __name__ == "__main__":
