@@ -349,11 +349,23 @@ def variant_of(record, variants):
     return own if own in variants or len(fits) != 1 else fits[0]
 
 
+def read_results(path, flag):
+    """A results file of runs, or one line saying why not."""
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{flag} {path}: cannot read it as JSON ({getattr(e, 'strerror', None) or e})")
+    if not isinstance(res, dict) or isinstance(res.get("runs"), dict) and not all(
+            isinstance(r, dict) and "seed" in r and "method" in r for r in res["runs"].values()):
+        raise SystemExit(f"{flag} {path}: not a results file of runs (records with their method and seed)")
+    return res
+
+
 def reanalyse(path, add=()):
     """Recompute a results file's comparisons from its records, in place; add: files whose runs join (a rerun replaces
     its name's); what needs the run folders (BLEU bootstraps, the rare-type split) is kept while its pairs are."""
-    with open(path) as f:
-        res = json.load(f)
+    res = read_results(path, "--reanalyse")
     if not isinstance(res.get("runs"), dict) or not all("base" in e and "cand" in e and "unpaired" not in e
                                                         for e in res.get("compare") or []):
         raise SystemExit(f"--reanalyse {path}: not a file of this script's comparisons (a study's file: rerun the "
@@ -361,8 +373,7 @@ def reanalyse(path, add=()):
     runs, replaced, variant = res["runs"], set(), lambda r: r.get("variant", r["method"])
     commands = [res["command"]] if isinstance(res["command"], str) else list(res["command"])
     for other in add:
-        with open(other) as f:
-            more = json.load(f)
+        more = read_results(other, "--add")
         first = dict(record_config(next(iter(runs.values()))), versions={})  # one task and one corpus a file
         for k, r in more["runs"].items():
             if problem := pair_difference(first, dict(record_config(r), versions={})):

@@ -1,5 +1,6 @@
 """studies/compare.py: summaries over seeds, variants, paired statistics, results files and their re-analysis,
 report.md and plots, on tiny runs and on the results/ files."""
+import contextlib
 import json
 import math
 import os
@@ -291,6 +292,15 @@ def test_tost_and_the_reanalysis_of_a_results_file(tmp_path):
                 dict(runs={}, compare=[dict(base="mle", cand="agg", unpaired={})]), dict(runs=[], compare=[])):
         path.write_text(json.dumps(res))
         with pytest.raises(SystemExit, match="a study's file: rerun the study with --no-train"):
+            compare.main(["--reanalyse", str(path)])
+    # a missing file, a broken one, records without a seed: one line each
+    for text, says in ((None, "cannot read it as JSON"), ('{"runs": 3', "cannot read it as JSON"),
+                       ('{"runs": {"a": {"one_sign": 0.1}}}', "not a results file of runs")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit, match=f"--reanalyse .*: {says}"):
             compare.main(["--reanalyse", str(path)])
 
 
