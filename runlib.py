@@ -296,7 +296,7 @@ class Run:
         self.cfg, self.ck, self.argv, self.task, self.out = cfg, None, argv, cfg["task"], cfg["out"]
         self.ckpt_path, self.log_path = os.path.join(self.out, "ckpt.pt"), os.path.join(self.out, "log.jsonl")
         if run_config(self.out) is False:  # a run would replace it
-            raise SystemExit(f"--out {self.out}: its config.json is not a run's (an export?): choose another --out")
+            raise SystemExit(f"--out {self.out}: its config.json is not a run's (an HF export?): choose another --out")
         if cfg["resume"]:  # the checkpoint's config with the flags given now; those that change the run must agree
             self.ck = load_checkpoint(self.ckpt_path, self.task)
             saved = self.ck["config"]
