@@ -1,6 +1,5 @@
-"""The life of a run, shared by train_lm.py and train_nmt.py: the flags both take, the method, optimizer and schedule,
-atomic checkpoints loaded as data, and `Run`: resume, the run folder (one writer, config.json with provenance,
-log.jsonl), seeds, signals and DDP. Models, data and loops stay in each script; agg.py does not depend on this file."""
+"""The life of a run, shared by train_lm.py and train_nmt.py: flags, method, optimizer, schedule, atomic checkpoints
+loaded as data, and `Run` (resume, one writer per run folder, config.json with provenance, log.jsonl, signals, DDP)."""
 import argparse
 import contextlib
 import fcntl
@@ -9,8 +8,8 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import platform
-import random
 import re
 import signal
 import subprocess
@@ -21,8 +20,8 @@ import torch
 import agg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# Config keys that steer an invocation and leave the trained model unchanged: they may change when a run is resumed,
-# and runs that differ only in them (and the seed) are one experiment. Each script adds its own.
+# Config keys that steer an invocation, not the model: they may change on resume; runs differing only in them (and
+# the seed) are one experiment. Each script adds its own.
 RUN_CONTROL = {"out", "resume", "overwrite", "stop_at", "device", "compile", "eval_interval", "log_interval",
                "cache_dir", "prepare_only", "wandb"}
 # These change the result but may be given again on resume: a run continued to a new length, in another precision,
@@ -30,9 +29,9 @@ RUN_CONTROL = {"out", "resume", "overwrite", "stop_at", "device", "compile", "ev
 RESUME_MAY_CHANGE = {"max_steps", "dtype", "data_dir"}
 FOLLOW_INVOCATION = ("device", "resume", "stop_at", "overwrite", "compile")  # never taken from the saved config
 RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "config.json", "log.jsonl", "tokenizer.json")  # what --overwrite removes
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # a train step's default: no loss scaling
 
 
-# ------------------------------------------------------------------------------------------------------------ flags
 def add_run_flags(p, task):
     g = p.add_argument_group("run (the same in train_lm.py and train_nmt.py)")
     g.add_argument("--out", help=f"run folder (default out/{task}-METHOD-sSEED)")
@@ -47,27 +46,22 @@ def add_run_flags(p, task):
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (project $WANDB_PROJECT or agg)")
     g.add_argument("--prepare-only", action="store_true", help="build the data cache and stop")
-    g = p.add_argument_group("method (agg.METHODS); hyper-parameters go to agg.build_method only when given")
+    g = p.add_argument_group("method (agg.METHODS; hyper-parameters go to agg.build_method only when given), optimizer")
     g.add_argument("--method", default="mle", choices=list(agg.METHODS), metavar="METHOD",
                    help=f"one of: {', '.join(agg.METHODS)}")
     for key, (typ, text) in agg.HPARAMS.items():
         users = [name for name, cls in agg.METHODS.items() if key in cls.defaults]
-        g.add_argument(method_flag(key), dest=key, type=_bool if typ is bool else typ,
+        g.add_argument(method_flag(key), dest=key, type=true_or_false if typ is bool else typ,
                        help=f"{text} [{', '.join(users[:3])}]")
     g.add_argument("--rare-share", type=float, help="AGG family: the alpha whose rare group is this share of the vocab")
-
-
-def add_optimizer_flags(g):
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "coupled-adam"],
                    help="coupled-adam: the vocabulary matrices take Coupled Adam's update (agg.CoupledAdamW)")
     g.add_argument("--embedding-weight-decay", type=float, help="the vocabulary matrices' (default: --weight-decay)")
     g.add_argument("--embedding-lr", type=float, metavar="MULT", help="the vocabulary matrices' lr, times --lr (1)")
 
 
-def _bool(text):
-    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("1", "true", "yes")
+def true_or_false(text):  # argparse's one line for another word names it: "invalid true_or_false value: 'x'"
+    return ("0", "false", "no", "1", "true", "yes").index(text.lower()) > 2
 
 
 def method_flag(key):
@@ -106,7 +100,7 @@ def check_run_flags(cfg, task, ranges):
                            embedding_lr=(0, None), dropout=(0, 1)))
     cfg["device"] = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg["dtype"] = cfg.get("dtype") or ("bfloat16" if cfg["device"].startswith("cuda") else "float32")
-    cfg["out"] = cfg["out"] or os.path.join(ROOT, "out", f"{task}-{cfg['method']}-s{cfg['seed']}")
+    cfg["out"], cfg["task"] = cfg["out"] or os.path.join(ROOT, "out", f"{task}-{cfg['method']}-s{cfg['seed']}"), task
     if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg["device"]):
         raise SystemExit(f"--device {cfg['device']}: unknown device; use cpu, cuda or cuda:N")
     if cfg["device"].startswith("cuda") and not torch.cuda.is_available():
@@ -114,18 +108,16 @@ def check_run_flags(cfg, task, ranges):
     for key in ("out", "cache_dir"):
         if os.path.exists(cfg[key]) and not os.path.isdir(cfg[key]):
             raise SystemExit(f"--{key.replace('_', '-')} {cfg[key]}: is a file, not a folder; choose another")
-    cfg["task"] = task
 
 
-# ------------------------------------------------------------------------------------- method, optimizer, schedule
 def build_method(cfg, preset, share_to_alpha=None, **data):
     """The run's agg method and the hyper-parameters in force: the method flags given, then the preset's where the
     method takes them (an alpha, or a rare share: share_to_alpha(share) or agg's); agg.py checks every value."""
     name, accepted, share = cfg["method"], agg.METHODS[cfg["method"]].defaults, cfg.get("rare_share")
     hp = {k: cfg[k] for k in agg.HPARAMS if cfg.get(k) is not None}
     for key in set(hp) - set(accepted):
-        raise SystemExit(f"{method_flag(key)} does not apply to --method {name} "
-                         f"(its hyper-parameters: {', '.join(accepted) or 'none'})")
+        raise SystemExit(f"{method_flag(key)} does not apply to --method {name} (its hyper-parameters: "
+                         f"{', '.join(accepted) or 'none'})")
     if "alpha" in accepted and share is None and "alpha" not in hp and "alpha" not in preset:
         share = preset.get("rare_share")
     hp.update({k: v for k, v in preset.items() if k in accepted and k not in hp and (k != "alpha" or share is None)})
@@ -176,28 +168,17 @@ def lr_schedule(kind, warmup, max_steps):
     return factor
 
 
-def autocast(cfg):
-    """A context factory: autocast to --dtype bfloat16 / float16 on the run's device (CPU too), else a no-op."""
+def autocast(cfg):  # a context factory: autocast to --dtype bfloat16 / float16 on the run's device (CPU too)
     if cfg["dtype"] in ("bfloat16", "float16"):
         return lambda: torch.autocast(torch.device(cfg["device"]).type, dtype=getattr(torch, cfg["dtype"]))
     return contextlib.nullcontext
 
 
-def grad_scaler(cfg):
-    """float16's dynamic loss scaling (a step with inf/NaN gradients is skipped); otherwise its calls are no-ops."""
-    return torch.amp.GradScaler(torch.device(cfg["device"]).type, enabled=cfg["dtype"] == "float16")
-
-
-NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
-
-
-# ------------------------------------------------------------------------------------------------------ checkpoints
 def tensor_checksum(obj, h=None, key=""):
     """sha256 over every tensor of a (nested) checkpoint, keys in order: detects bytes changed on disk."""
     h = h or hashlib.sha256()
     if torch.is_tensor(obj):
-        h.update(key.encode())
-        h.update(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(key.encode() + obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     for k, v in sorted(obj.items(), key=lambda kv: str(kv[0])) if isinstance(obj, dict) else enumerate(
             obj if isinstance(obj, (list, tuple)) else ()):
         if k != "checksum":
@@ -205,21 +186,12 @@ def tensor_checksum(obj, h=None, key=""):
     return h.hexdigest()
 
 
-def save_checkpoint(path, state):
-    """Atomic (a crash mid-write never leaves half a checkpoint), with a checksum load_checkpoint verifies."""
-    state, tmp = dict(state, checksum=tensor_checksum(state)), f"{path}.tmp{os.getpid()}"
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk or a read-only folder (torch wraps some as RuntimeError)
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise SystemExit(f"cannot write {path} ({type(e).__name__}: {str(e)[:200]}); the previous checkpoint is "
-                         f"intact. Free disk space or make the folder writable, then --resume")
+def save_checkpoint(path, state):  # with a checksum load_checkpoint verifies
+    state = dict(state, checksum=tensor_checksum(state))
+    write_file(path, lambda tmp: torch.save(state, tmp), "the previous checkpoint is intact; free space, then --resume")
 
 
-def load_error(e):
-    """A torch.load error without torch's advice to load with weights_only=False (never the fix here)."""
+def load_error(e):  # torch's message without its advice to load with weights_only=False (never the fix here)
     return " ".join(p for p in re.split(r"(?<=[.:])\s+|\n+", str(e))
                     if p.strip() and not re.search(r"weights_only|trusted source|file an issue", p, re.I))[:200]
 
@@ -233,13 +205,12 @@ def load_checkpoint(path, task=None):
     except Exception as e:
         if "global" in str(e).lower():  # it names a function or class to call: what a crafted pickle does
             raise SystemExit(f"{path} is not a plain checkpoint of this project (its pickle asks to run code): refused")
-        raise SystemExit(f"{path}: corrupted or not a checkpoint ({type(e).__name__}: {load_error(e)}); restore a "
-                         f"good copy, or train again with --overwrite")
+        raise SystemExit(f"{path}: corrupted or not a checkpoint ({load_error(e)}); restore a good copy, or train "
+                         f"again with --overwrite")
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
     if "checksum" in ck and tensor_checksum(ck) != ck["checksum"]:
-        raise SystemExit(f"{path}: its tensors do not match their checksum (damaged after it was written): restore a "
-                         f"good copy, or resume from an earlier checkpoint")
+        raise SystemExit(f"{path}: its tensors do not match their checksum (damaged on disk): restore a good copy")
     ck["task"] = ck.get("task") or ck["config"].get("task")
     if task is not None and ck["task"] != task:
         raise SystemExit(f"{path} is a checkpoint of task {ck['task']!r}, not {task!r}: use that task's script")
@@ -255,31 +226,10 @@ def load_state(model, ck, path):
     try:
         model.load_state_dict(ck["model"])
     except RuntimeError as e:
-        raise SystemExit(f"checkpoint {path} does not fit this model ({str(e)[:300]}); use the run's own flags, or "
-                         f"train into a new --out")
+        raise SystemExit(f"checkpoint {path} does not fit this model ({str(e)[:300]}); use the run's own flags")
     return model
 
 
-def rng_state():
-    """Every RNG of this process as tensors and plain values (loadable with weights_only=True)."""
-    key, state, pos, has_gauss, gauss = np.random.get_state()
-    version, mt, gauss_next = random.getstate()
-    return dict(torch=torch.get_rng_state(), cuda=list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available()
-                else [], numpy=dict(key=key, state=torch.from_numpy(state.astype(np.int64)), pos=int(pos),
-                                    has_gauss=int(has_gauss), gauss=float(gauss)),
-                python=dict(version=version, state=list(mt), gauss_next=gauss_next))
-
-
-def set_rng_state(s):
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    n, p = s["numpy"], s["python"]
-    np.random.set_state((n["key"], n["state"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
-
-
-# ------------------------------------------------------------------------------------------ run folder, provenance
 def run_config(out):
     """OUT/config.json: a dict; None when it is missing or unreadable; False when no run wrote it (an HF export's)."""
     try:
@@ -301,15 +251,21 @@ def same_data(was, now):
     return was is None or was == now or (now is not None and now.startswith("dir-") and was.endswith(now[3:]))
 
 
-def write_text(path, text):
-    """The one atomic write: a crash mid-write leaves the old file (or none), never half a file."""
+def write_file(path, save, fix="free disk space or choose a writable folder"):
+    """The one atomic write, save(tmp) then a rename: a crash mid-write leaves the old file (or none), never half."""
+    tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(f"{path}.tmp{os.getpid()}", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(f"{path}.tmp{os.getpid()}", path)
-    except OSError as e:  # a full disk, a read-only folder
-        raise SystemExit(f"cannot write {path} ({e.strerror or e}): free disk space or choose a writable folder")
+        save(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # a full disk, a read-only folder (torch wraps some as RuntimeError)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise SystemExit(f"cannot write {path} ({getattr(e, 'strerror', None) or str(e)[:200]}): {fix}")
+
+
+def write_text(path, text):
+    write_file(path, lambda tmp: pathlib.Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def write_json(path, obj):
@@ -332,41 +288,15 @@ def kernel_fingerprint(threads=None):
         torch.set_num_threads(before)
 
 
-def provenance(argv):
-    """What config.json records about the code and machine of a run segment."""
-    git = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5)
-    try:
-        commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", "*.py", "requirements*.txt")
-        commit, dirty = commit.stdout.strip() or None, bool(status.stdout.strip()) if commit.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    versions = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-                    platform=platform.platform(), threads=torch.get_num_threads(),  # CPU results depend on them
-                    cpu_capability=torch.backends.cpu.get_cpu_capability(), kernels=kernel_fingerprint())
-    with open(agg.__file__, "rb") as f:
-        return dict(versions=versions, git_commit=commit, git_dirty=dirty, argv=list(argv),
-                    agg_sha256=hashlib.sha256(f.read()).hexdigest())
-
-
-def flat(record, prefix=""):
-    """A log record's numbers as {"prefix/key/sub": value}, nested groups flattened (for wandb)."""
-    pairs = [p for k, v in record.items() if k not in ("step", "split")
-             for p in (flat(v, f"{prefix}{k}/").items() if isinstance(v, dict) else [(prefix + k, v)])]
-    return {k: float(v) for k, v in pairs if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-# ------------------------------------------------------------------------------------------------------------ a run
 class Run:
-    """One run folder's life: resume, DDP and seeds (__init__), the data (prepare), an exact resume (restore), the
-    lock, config.json and log (begin), records (log), checkpoints, and signals: SIGTERM, SIGHUP or SIGINT sets a flag
-    (stopping), the loop checkpoints at the next step and the run exits with status 1; a second Ctrl-C stops at once."""
+    """One run folder's life. SIGTERM, SIGHUP or SIGINT sets a flag (stopping): the loop checkpoints at the next step
+    and the run exits with status 1; a second Ctrl-C stops at once."""
 
-    def __init__(self, cfg, explicit, argv, fmt, run_control):
-        self.cfg, self.ck, self.argv, self.task, self.fmt, self.out = cfg, None, argv, cfg["task"], fmt, cfg["out"]
+    def __init__(self, cfg, explicit, argv, run_control):
+        self.cfg, self.ck, self.argv, self.task, self.out = cfg, None, argv, cfg["task"], cfg["out"]
         self.ckpt_path, self.log_path = os.path.join(self.out, "ckpt.pt"), os.path.join(self.out, "log.jsonl")
         if run_config(self.out) is False:  # a run would replace it
-            raise SystemExit(f"--out {self.out}: its config.json was not written by train_lm.py / train_nmt.py (a "
-                             f"Hugging Face export?): choose another --out")
+            raise SystemExit(f"--out {self.out}: its config.json is not a run's (an HF export?): choose another --out")
         if cfg["resume"]:  # the checkpoint's config with the flags given now; those that change the run must agree
             self.ck = load_checkpoint(self.ckpt_path, self.task)
             saved = self.ck["config"]
@@ -378,8 +308,7 @@ class Run:
             self.cfg = dict(saved, **{k: cfg[k] for k in set(explicit) | set(FOLLOW_INVOCATION) if k in cfg})
             print(f"resuming {self.ckpt_path} at step {self.ck['step']}")
         elif os.path.exists(self.ckpt_path) and not cfg["overwrite"]:
-            raise SystemExit(f"{self.ckpt_path} already exists: pass --resume to continue it, --overwrite to start "
-                             f"afresh, or choose another --out")
+            raise SystemExit(f"{self.ckpt_path} already exists: pass --resume to continue it or --overwrite to restart")
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.ddp, self.master = self.world > 1, self.rank == 0
         if self.ddp:  # under torchrun: one process per GPU (NCCL), or gloo on CPU
@@ -390,10 +319,7 @@ class Run:
         self.device, self.print = self.cfg["device"], print if self.master else (lambda *a, **k: None)
         self.stop_step = min(self.cfg["max_steps"], self.cfg["stop_at"] or self.cfg["max_steps"])
         self.wandb, self.signal, self.step, self.segments, self.handlers, self.lock = None, None, 0, None, {}, None
-        seed = self.cfg["seed"] + self.rank  # process r draws from seed + r: ranks get their own dropout masks
-        torch.manual_seed(seed)
-        np.random.seed(seed)
-        random.seed(seed)
+        torch.manual_seed(self.cfg["seed"] + self.rank)  # process r draws from seed + r: its own dropout masks
 
     def _on_signal(self, signum, frame):
         if self.signal is not None and signum == signal.SIGINT:
@@ -431,19 +357,21 @@ class Run:
 
     def restore(self, model, opt, sched, method, scaler):
         """Continue the checkpoint exactly (weights, optimizer, schedule, the method's state, loss scale, RNGs)."""
-        ck = self.ck
-        if ck is None:
+        if self.ck is None:
             return 0
-        load_state(model, ck, self.ckpt_path)
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])  # keeps this invocation's lr function (--max-steps may have changed)
-        method.load_state_dict(ck["method"])
+        load_state(model, self.ck, self.ckpt_path)
+        opt.load_state_dict(self.ck["optimizer"])
+        sched.load_state_dict(self.ck["scheduler"])  # keeps this invocation's lr function (--max-steps may change)
+        method.load_state_dict(self.ck["method"])
         method.to(next(model.parameters()).device)
-        if ck.get("scaler") and scaler.is_enabled():
-            scaler.load_state_dict(ck["scaler"])
-        if len(ck["rng"]) == self.world:  # else another process count: each rank keeps its fresh seed
-            set_rng_state(ck["rng"][self.rank])
-        self.step = ck["step"]
+        if self.ck.get("scaler") and scaler.is_enabled():
+            scaler.load_state_dict(self.ck["scaler"])
+        if len(self.ck["rng"]) == self.world:  # else another process count: each rank keeps its fresh seed
+            rng = self.ck["rng"][self.rank]  # torch's (the data order has seeded generators of its own)
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step = self.ck["step"]
         return self.step
 
     def begin(self, tokenizer_json, **info):
@@ -456,13 +384,26 @@ class Run:
             raise SystemExit(f"{self.ckpt_path}: the corpus or tokenizer changed since this run started (its data was "
                              f"{was}, now {now}): restore the original files, or start a new run with another --out")
         write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
-        prov = provenance(self.argv)  # each segment's code and command; the first's also at the top of config.json
+        # provenance: the code and command of each segment (the first's also at the top), this machine's versions
+        git = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        try:
+            commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", "*.py", "requirements*.txt")
+            dirty = bool(status.stdout.strip()) if commit.returncode == 0 else None
+            commit = commit.stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit, dirty = None, None
+        with open(agg.__file__, "rb") as f:
+            segment = dict(git_commit=commit, git_dirty=dirty, argv=list(self.argv),
+                           agg_sha256=hashlib.sha256(f.read()).hexdigest(), start_step=self.step)
         old = (self.ck.get("provenance") or (run_config(self.out) or {}).get("segments") or []) if resumed else []
-        self.segments = old + [dict({k: prov[k] for k in ("git_commit", "git_dirty", "argv", "agg_sha256")},
-                                    start_step=self.step)]
-        prov.update({k: self.segments[0][k] for k in ("git_commit", "argv", "agg_sha256") if k in self.segments[0]})
-        write_json(os.path.join(self.out, "config.json"), dict(self.cfg, **prov, segments=self.segments, **info,
-                   world_size=self.world, resumed_from_step=self.step if resumed else None))
+        self.segments = old + [segment]
+        versions = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
+                        platform=platform.platform(), threads=torch.get_num_threads(),  # CPU results depend on them
+                        cpu_capability=torch.backends.cpu.get_cpu_capability(), kernels=kernel_fingerprint())
+        first = {k: self.segments[0].get(k, segment[k]) for k in ("git_commit", "argv", "agg_sha256")}
+        write_json(os.path.join(self.out, "config.json"), dict(self.cfg, versions=versions, git_dirty=dirty, **first,
+                   segments=self.segments, **info, world_size=self.world,
+                   resumed_from_step=self.step if resumed else None))
         # a new run empties log.jsonl; a resumed one keeps the records up to its checkpoint, a torn last line dropped
         lines = open(self.log_path).readlines() if resumed and os.path.exists(self.log_path) else []
         if lines and not lines[-1].endswith("\n"):
@@ -480,10 +421,9 @@ class Run:
 
     def _lock(self):
         """One writer per folder: a flock on OUT/.lock (gone when the process ends); then clean the run's own files."""
-        for name in RUN_FILES + (".lock", "snapshots"):  # a link would lead our writes and deletes elsewhere
-            if os.path.islink(os.path.join(self.out, name)):
-                raise SystemExit(f"{os.path.join(self.out, name)} is a symbolic link: a run writes its own files in "
-                                 f"its folder only; remove the link (or choose another --out)")
+        for path in (os.path.join(self.out, name) for name in RUN_FILES + (".lock", "snapshots")):
+            if os.path.islink(path):  # it would lead our writes and deletes elsewhere
+                raise SystemExit(f"{path} is a symbolic link: a run writes in its own folder only; remove the link")
         try:
             os.makedirs(self.out, exist_ok=True)
             self.lock = open(os.path.join(self.out, ".lock"), "a+")
@@ -495,15 +435,12 @@ class Run:
         except OSError as e:
             raise SystemExit(f"cannot write the run folder {self.out} ({e.strerror}): choose a writable --out")
         self.lock.truncate(0)
-        self.lock.write(str(os.getpid()))
-        self.lock.flush()
-        snaps, new = os.path.join(self.out, "snapshots"), self.ck is None
-        for folder, own in ((self.out, r"ckpt_\d+\.pt|" + "|".join(map(re.escape, RUN_FILES))),
-                            (snaps, r"emb_\d+\.pt")):
-            for name in os.listdir(folder) if os.path.isdir(folder) else ():
-                path = os.path.join(folder, name)
-                if re.fullmatch(rf"({own})\.tmp\d+", name) or new and os.path.isfile(path) and re.fullmatch(own, name):
-                    os.remove(path)
+        print(os.getpid(), file=self.lock, flush=True)
+        new, snaps = self.ck is None, os.path.join(self.out, "snapshots")
+        own = r"(ckpt_\d+\.pt|snapshots/emb_\d+\.pt|" + "|".join(map(re.escape, RUN_FILES)) + r")(\.tmp\d+)?"
+        for path in [os.path.join(d, n) for d in (self.out, snaps) if os.path.isdir(d) for n in os.listdir(d)]:
+            if (m := re.fullmatch(own, os.path.relpath(path, self.out))) and (new or m[2]) and os.path.isfile(path):
+                os.remove(path)  # a new run: the previous run's files; any run: what a killed write left
         if new and os.path.isdir(snaps) and not os.listdir(snaps):
             os.rmdir(snaps)
 
@@ -515,7 +452,8 @@ class Run:
         return fwd
 
     def log(self, record):
-        """One record (step, split, numbers) to log.jsonl (and wandb); a full disk stops the run in one line."""
+        """One record (step, split, numbers) to log.jsonl and wandb (as SPLIT/key); a full disk ends in one line, a
+        non-finite valid loss or PPL stops the run (before it is checkpointed)."""
         if not self.master:
             return
         try:
@@ -523,31 +461,30 @@ class Run:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
             raise SystemExit(f"cannot append to {self.log_path} ({e.strerror or e}): free disk space, then --resume")
-        if self.wandb is not None:
-            self.wandb.log(flat(record, record["split"] + "/"), step=record["step"])
+        if self.wandb is not None:  # wandb names the numbers of a nested group SPLIT/group.key
+            self.wandb.log({f"{record['split']}/{k}": v for k, v in record.items() if k not in ("step", "split")},
+                           step=record["step"])
+        if record["split"] == "valid" and not (math.isfinite(record["loss"]) and math.isfinite(record["ppl"])):
+            raise self._diverged(f"step {record['step']}: the valid loss is {record['loss']:.4g}, PPL "
+                                 f"{record['ppl']:.4g}")
 
     def _diverged(self, what):
         return SystemExit(f"{what} (diverged); {self.ckpt_path} keeps the last good checkpoint. Lower --lr or check "
                           f"the method's hyper-parameters")
 
-    def log_valid(self, step, record):
-        """A validation record; a non-finite valid loss or PPL stops the run, before it is checkpointed."""
-        self.log(dict(step=step, split="valid", **record))
-        if not (math.isfinite(record["loss"]) and math.isfinite(record["ppl"])):
-            raise self._diverged(f"step {step}: the valid loss is {record['loss']:.4g}, PPL {record['ppl']:.4g}")
-
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
-        """ckpt.pt: all an exact resume needs (+ `extra`: the data position), never non-finite weights. Every rank calls
-        it (the RNG states are gathered); --keep-last N also keeps the last N models as ckpt_STEP.pt."""
-        self.step, rngs = step, [rng_state()]
+        """ckpt.pt: all an exact resume needs (+ `extra`: the data position), never non-finite weights; every rank calls
+        it (the RNG states are gathered). --keep-last N: the last N models also as ckpt_STEP.pt."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        self.step, rng = step, dict(torch=torch.get_rng_state(), cuda=cuda)  # all that training draws from
+        rngs = [rng] * self.world
         if self.ddp:
-            rngs = [None] * self.world
-            torch.distributed.all_gather_object(rngs, rng_state())
+            torch.distributed.all_gather_object(rngs, rng)
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             raise self._diverged(f"step {step}: the model has non-finite weights")
         if not self.master:
             return
-        head = dict(format=self.fmt, model=model.state_dict(), step=step, config=self.cfg, task=self.task)
+        head = dict(model=model.state_dict(), step=step, config=self.cfg, task=self.task)
         save_checkpoint(self.ckpt_path, dict(head, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
                                              method=method.state_dict(), scaler=scaler.state_dict(), rng=rngs,
                                              provenance=self.segments, **extra))

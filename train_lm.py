@@ -50,7 +50,6 @@ AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, m
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
 RUN_CONTROL = runlib.RUN_CONTROL | {"eval_tokens", "snapshot_steps"}  # see runlib.RUN_CONTROL
-CKPT_FORMAT = "train_lm/1"
 
 
 # ----------------------------------------------------------------------------------------------------------- config
@@ -94,7 +93,6 @@ def build_parser():
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (gradient accumulation)")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--weight-decay", type=float, default=None)
-    runlib.add_optimizer_flags(g)
     g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then cosine decay to 0.1 lr")
     g.add_argument("--eval-interval", type=int, default=None, help="validate + checkpoint every N steps")
     g.add_argument("--eval-tokens", type=int, default=None, help="cap on validation tokens (default all)")
@@ -393,7 +391,7 @@ def validate(model, ids, cfg, device, autocast, groups, max_tokens=None, method_
 
 def train(cfg, explicit=frozenset(), argv=()):
     """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
-    with runlib.Run(cfg, explicit, argv, CKPT_FORMAT, RUN_CONTROL) as run:
+    with runlib.Run(cfg, explicit, argv, RUN_CONTROL) as run:
         cfg, device = run.cfg, torch.device(run.device)
         # data: the token ids of the train and valid splits (data.py builds the cache once, on rank 0)
         data = run.prepare(prepare_lm)
@@ -420,7 +418,7 @@ def train(cfg, explicit=frozenset(), argv=()):
         opt = runlib.make_optimizer(model, cfg, [m.weight for m in (model.tok_emb, model.lm_head) if m is not None])
         schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])  # warm-up, cosine to 10%
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
+        autocast, scaler = runlib.autocast(cfg), torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         best_ppl = run.ck.get("best_valid_ppl", math.inf) if run.ck else math.inf
         raw, model = model, run.wrap(model)  # raw: the weights the methods see; model: compiled / DDP wrapper
@@ -458,11 +456,11 @@ def train(cfg, explicit=frozenset(), argv=()):
             bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},
                             refresh=False)
             if step % cfg["log_interval"] == 0 or step == 1 or step == run.stop_step:
-                run.log(dict(step=step, split="train", **rec, tokens_per_s=(step - first) * tokens_per_step / max(1e-9, time.time() - t0),
-                             lr=sched.get_last_lr()[0], epoch=step / steps_per_epoch))
+                speed = (step - first) * tokens_per_step / max(1e-9, time.time() - t0)
+                run.log(dict(step=step, split="train", **rec, tokens_per_s=speed, lr=sched.get_last_lr()[0],
+                             epoch=step / steps_per_epoch))
             # snapshots of the embedding matrix for the SVD plots over time of studies.compare (AGG Fig. 1)
             if run.master and step in cfg["snapshot_steps"]:
-                os.makedirs(os.path.join(run.out, "snapshots"), exist_ok=True)
                 runlib.save_checkpoint(os.path.join(run.out, "snapshots", f"emb_{step}.pt"),
                                        dict(step=step, weight=raw.out_weight.detach().float().cpu().clone()))
             # once in a while: validate (rank 0) and keep the model of the lowest valid PPL
@@ -470,7 +468,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if evaluated and run.master:
                 v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg["eval_tokens"],
                              method.rare_mask() if method.steps else None, seen=counts > 0, method=method)
-                run.log_valid(step, v)
+                run.log(dict(step=step, split="valid", **v))  # a non-finite PPL stops the run
                 tqdm.write(f"step {step}: valid ppl {v['ppl']:.2f} (rare {v['ppl_groups']['rare']:.0f})  I(W) "
                            f"{v['isotropy']:.3f}  rare mass pred/true {v['group_rare_mass_pred']:.4f}/"
                            f"{v['group_rare_mass_true']:.4f}")

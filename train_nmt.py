@@ -31,7 +31,6 @@ import agg
 import runlib
 from data import BOS, DATASET_LANGS, EOS, NMT_CACHE, NMT_SPECIALS, PAD, UNK, prepare_nmt
 
-CKPT_FORMAT = "train_nmt/1"
 # sacrebleu's tokenizer per target language: 13a (WMT's) unless the language has no spaces. Japanese: character BLEU
 # (pure Python); --bleu-tokenize ja-mecab is the WMT choice once mecab-python3 + ipadic are installed.
 BLEU_TOKENIZE = {"ja": "char", "zh": "zh", "ko": "char", "th": "char"}
@@ -89,7 +88,6 @@ def build_parser():
                    help="AGG family, tokens never a training target: official (default: a_k = 0, so rare, with g1 = 0 "
                         "removing their whole output-side push, as the official criterion) or target-only (never rare)")
     t.add_argument("--weight-decay", type=float, default=0.01)
-    runlib.add_optimizer_flags(t)
     t.add_argument("--label-smoothing", type=float, default=0.1)
     t.add_argument("--eval-interval", type=int, default=None)
     t.add_argument("--log-interval", type=int, default=25)
@@ -532,7 +530,7 @@ def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp, w
 
 def train(cfg, explicit=frozenset(), argv=()):
     """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
-    with runlib.Run(cfg, explicit, argv, CKPT_FORMAT, RUN_CONTROL) as run:
+    with runlib.Run(cfg, explicit, argv, RUN_CONTROL) as run:
         cfg, device = run.cfg, run.device
         # data: token ids of both sides (data.py builds the cache once, on rank 0), batched by tokens
         data = run.prepare(prepare_nmt)
@@ -569,7 +567,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         opt = runlib.make_optimizer(model, cfg, [model.embed] + ([model.out_embed] if cfg["untie"] else []))
         schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        autocast, scaler = runlib.autocast(cfg), runlib.grad_scaler(cfg)  # float16 only: loss scaling
+        autocast = runlib.autocast(cfg)
+        scaler = torch.amp.GradScaler(torch.device(device).type, enabled=cfg["dtype"] == "float16")  # loss scaling
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         epoch, cursor = (run.ck["epoch"], run.ck["cursor"]) if run.ck else (0, 0)
         fwd = run.wrap(model)  # compiled / DDP wrapper; `model` keeps the weights the methods see
@@ -617,7 +616,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             evaluated = step % cfg["eval_interval"] == 0 or step == run.stop_step
             if evaluated and run.master:
                 res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
-                run.log_valid(step, res)
+                run.log(dict(step=step, split="valid", **res))  # a non-finite PPL stops the run
                 tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
                            f"I(W) {res['isotropy']:.3f}")
             # SIGTERM / SIGINT: checkpoint at this step boundary and stop (the run exits with status 1)

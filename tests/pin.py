@@ -44,6 +44,7 @@ def run(script, args):
 
 def hashes(path):
     ck = torch.load(path, weights_only=True)
+    ck["rng"] = [{k: r[k] for k in ("torch", "cuda")} for r in ck["rng"]]  # the RNG states a resume restores
     return {k: part(ck, k) for k in ("model", "optimizer", "method", "scheduler", "scaler", "rng", "step")}
 
 res = {}

@@ -231,7 +231,7 @@ def test_an_out_folder_that_holds_no_run_is_not_emptied(corpus, tmp_path):
     (hf / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1}')
     (hf / "model.safetensors").write_bytes(b"weights")
     for flags in ((), ("--overwrite",), ("--resume",)):
-        with pytest.raises(SystemExit, match=r"config.json was not written by train_lm.py / train_nmt.py"):
+        with pytest.raises(SystemExit, match=r"its config.json is not a run's"):
             train_lm.main(lm_argv(corpus, hf, *flags))
     assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]
     assert json.load(open(hf / "config.json")) == {"model_type": "gpt2", "n_layer": 1}
@@ -312,7 +312,7 @@ def test_torn_checkpoint_messages_never_advise_weights_only_false(tmp_path):
 
 def test_sighup_and_a_full_disk_while_logging_end_in_one_line(tmp_path):
     run = runlib.Run(dict(out=str(tmp_path / "r"), task="lm", resume=False, overwrite=False, device="cpu", seed=0,
-                          max_steps=5, stop_at=None), set(), [], "train_lm/1", runlib.RUN_CONTROL)
+                          max_steps=5, stop_at=None), set(), [], runlib.RUN_CONTROL)
     before = signal.getsignal(signal.SIGHUP)
     with pytest.raises(SystemExit, match=r"SIGHUP: stopped at step 2, checkpoint .*ckpt.pt written; `python "
                                          r"train_lm.py --out .* --resume` continues it"):

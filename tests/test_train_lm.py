@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -411,11 +412,16 @@ def test_prepare_lm_builds_the_cache_a_run_reuses_and_touches_no_run_folder(corp
     assert "reusing cached" in capsys.readouterr().out
 
 
-def test_wandb_gets_every_number_of_a_record_flattened():
-    record = dict(step=3, split="valid", ppl=9.0, ppl_groups=dict(freq=2.0, rare=40.0),
-                  grad_parts=dict(b=dict(rare=0.5)), rare_frozen=True, bleu_signature="x")
-    assert runlib.flat(record, "valid/") == {"valid/ppl": 9.0, "valid/ppl_groups/freq": 2.0,
-                                             "valid/ppl_groups/rare": 40.0, "valid/grad_parts/b/rare": 0.5}
+def test_wandb_gets_every_record_under_its_split(tmp_path):
+    run = runlib.Run(dict(out=str(tmp_path), task="lm", resume=False, overwrite=False, device="cpu", seed=0,
+                          max_steps=5, stop_at=None), set(), [], runlib.RUN_CONTROL)
+    logged = []
+    run.wandb = types.SimpleNamespace(log=lambda numbers, step: logged.append((step, numbers)))
+    record = dict(step=3, split="valid", loss=2.0, ppl=9.0, ppl_groups=dict(freq=2.0, rare=40.0), bleu_signature="x")
+    run.log(record)
+    assert logged == [(3, {"valid/loss": 2.0, "valid/ppl": 9.0, "valid/ppl_groups": {"freq": 2.0, "rare": 40.0},
+                           "valid/bleu_signature": "x"})]
+    assert [json.loads(line) for line in open(tmp_path / "log.jsonl")] == [record]
 
 
 def test_float16_trains_with_loss_scaling_and_resumes_exactly(lm_run, read_log, tmp_path):
