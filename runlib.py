@@ -275,17 +275,14 @@ def write_json(path, obj):
 def kernel_fingerprint(threads=None):
     """A hash of one float32 step through the training kernels at `threads` threads: hosts whose kernels round
     differently end a run elsewhere (RESULTS: valid PPL 294.46 on one host, 286.42 on another), so pairs share it."""
-    before, F = torch.get_num_threads(), torch.nn.functional
+    before, F, g = torch.get_num_threads(), torch.nn.functional, torch.Generator().manual_seed(0)
     torch.set_num_threads(threads or before)
-    try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(1024, 128, generator=g, requires_grad=True)
-        w = (torch.randn(8192, 128, generator=g) / 128 ** 0.5).requires_grad_()
-        loss = F.cross_entropy(F.gelu(F.layer_norm(x, (128,))) @ w.T, torch.randint(0, 8192, (1024,), generator=g))
-        loss.backward()
-        return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in (loss, x.grad, w.grad))).hexdigest()[:16]
-    finally:
-        torch.set_num_threads(before)
+    x = torch.randn(1024, 128, generator=g, requires_grad=True)
+    w = (torch.randn(8192, 128, generator=g) / 128 ** 0.5).requires_grad_()
+    loss = F.cross_entropy(F.gelu(F.layer_norm(x, (128,))) @ w.T, torch.randint(0, 8192, (1024,), generator=g))
+    loss.backward()
+    torch.set_num_threads(before)
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in (loss, x.grad, w.grad))).hexdigest()[:16]
 
 
 class Run:
@@ -346,8 +343,7 @@ class Run:
             raise SystemExit(f"{self.signal}: stopped at step {self.step}, checkpoint {self.ckpt_path} written; "
                              f"`python train_{self.task}.py --out {self.out} --resume` continues it")
 
-    def prepare(self, prepare_fn):
-        """The data: rank 0 builds the cache while the others wait (a large corpus: --prepare-only it first)."""
+    def prepare(self, prepare_fn):  # the data: rank 0 builds the cache while the others wait
         if self.ddp and not self.master:
             torch.distributed.barrier()
         data = prepare_fn(self.cfg, log=self.print)
@@ -385,11 +381,10 @@ class Run:
                              f"{was}, now {now}): restore the original files, or start a new run with another --out")
         write_text(os.path.join(self.out, "tokenizer.json"), tokenizer_json)
         # provenance: the code and command of each segment (the first's also at the top), this machine's versions
-        git = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5)
-        try:
-            commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", "*.py", "requirements*.txt")
-            dirty = bool(status.stdout.strip()) if commit.returncode == 0 else None
-            commit = commit.stdout.strip() or None
+        git = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=5).stdout
+        try:  # outside a git checkout: None
+            commit = git("rev-parse", "HEAD").strip() or None
+            dirty = bool(git("status", "--porcelain", "--", "*.py", "requirements*.txt").strip()) if commit else None
         except (OSError, subprocess.SubprocessError):
             commit, dirty = None, None
         with open(agg.__file__, "rb") as f:
