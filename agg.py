@@ -44,11 +44,10 @@ class GatedSoftmaxCE(torch.autograd.Function):
         gate[i, k] = col_gate[k]     if row i is not a group row
                      group_gate[k]   if row i is a group row and k != y_i
                      1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
-    A gate of None means all ones; the gate scales G in place (no T x V gate tensor). An output bias (V,) gets the
-    plain gradient sum_i G_i. z_coef > 0 adds the z-loss z_coef (log Z_i)^2 per position. softcap C: the logits are
-    C tanh(logits / C) (Gemma 2's soft-capping), G times 1 - tanh^2 (one more chunk x V buffer). Returns the means of
-    (loss, nll, rare-set probability, (log Z)^2). Gradients are computed during forward, `chunk_size` rows at a time
-    (peak memory: one chunk x V buffer, not the ~3 T x V of F.cross_entropy); backward only scales them."""
+    A gate of None means all ones; the gate scales G in place (no T x V gate tensor). The output bias (V,) gets the
+    plain gradient, z_coef adds the z-loss, softcap C caps the logits (one more chunk x V buffer). Gradients are
+    computed during forward, `chunk_size` rows at a time (peak memory: one chunk x V buffer, not the ~3 T x V of
+    F.cross_entropy); backward only scales them."""
 
     @staticmethod
     def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad,
@@ -112,33 +111,32 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
     log_z2 = lse.square()
     if z_coef:
         loss = loss + z_coef * log_z2  # z-loss (PaLM Sec. 5): z_coef (log Z)^2 per position
-    rare_mass = torch.zeros((), dtype=acc_dtype, device=hs.device)
-    if grad_h is None and mass_cols is None:
-        return torch.stack([loss.sum(), nll.sum(), rare_mass, log_z2.sum()])
+    sums = [loss.sum(), nll.sum(), torch.zeros((), dtype=acc_dtype, device=hs.device), log_z2.sum()]
+    if grad_h is None:  # a no-grad call (the only kind given mass_cols): the rare set's predicted probability
+        if mass_cols is not None:
+            sums[2] = (exp.div_(sum_exp[:, None] * n) @ mass_cols).sum() * n
+        return torch.stack(sums)
     grad = exp.div_(sum_exp[:, None] * n)  # softmax / n: the mean reduction folded in
-    if mass_cols is not None:
-        rare_mass = (grad @ mass_cols).sum() * n
-    if grad_h is not None:
-        if z_coef:  # d(z_coef (log Z)^2)/dlogits = 2 z_coef log Z softmax: scales each row's p / n
-            grad.mul_((1 + 2 * z_coef * lse)[:, None])
-        # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
-        grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
-        if smoothing:
-            grad.sub_(smoothing / (V * n))
-        if softcap:
-            grad.mul_(dcap)  # chain rule through C tanh(s / C)
-        grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
-        if grad_b is not None:
-            grad_b += grad.sum(0)  # dL/db = sum_i G_i: never gated
-        if mean_h is None:
-            _gate_(grad, ys, col_gate, group_rows, group_gate)
-            _add_grad_w(grad_w, grad, hs, w_mm.dtype)  # dL/dW = (G * gate)^T h
-        else:  # ungated G^T h, minus the gated-away part of the push along mean_h
-            ungated_colsum = grad.sum(0)
-            _add_grad_w(grad_w, grad, hs, w_mm.dtype)
-            _gate_(grad, ys, col_gate, group_rows, group_gate)
-            grad_w.sub_(torch.outer(ungated_colsum - grad.sum(0), mean_h))
-    return torch.stack([loss.sum(), nll.sum(), rare_mass, log_z2.sum()])
+    if z_coef:  # d(z_coef (log Z)^2)/dlogits = 2 z_coef log Z softmax: scales each row's p / n
+        grad.mul_((1 + 2 * z_coef * lse)[:, None])
+    # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
+    grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
+    if smoothing:
+        grad.sub_(smoothing / (V * n))
+    if softcap:
+        grad.mul_(dcap)  # chain rule through C tanh(s / C)
+    grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
+    if grad_b is not None:
+        grad_b += grad.sum(0)  # dL/db = sum_i G_i: never gated
+    if mean_h is None:
+        _gate_(grad, ys, col_gate, group_rows, group_gate)
+        _add_grad_w(grad_w, grad, hs, w_mm.dtype)  # dL/dW = (G * gate)^T h
+    else:  # ungated G^T h, minus the gated-away part of the push along mean_h
+        ungated_colsum = grad.sum(0)
+        _add_grad_w(grad_w, grad, hs, w_mm.dtype)
+        _gate_(grad, ys, col_gate, group_rows, group_gate)
+        grad_w.sub_(torch.outer(ungated_colsum - grad.sum(0), mean_h))
+    return torch.stack(sums)
 
 
 def _add_grad_w(grad_w, grad, hs, mm_dtype):
@@ -152,27 +150,22 @@ def _add_grad_w(grad_w, grad, hs, mm_dtype):
 
 def _gate_(grad, ys, col_gate, group_rows, group_gate):
     """Scale grad (rows x V) in place by the per-(row type, column) gate of GatedSoftmaxCE."""
-    idx = None if group_rows is None else group_rows.nonzero().squeeze(1)
-    if idx is not None and len(idx):
-        tgt = ys[idx]
-        tgt_grad = grad[idx, tgt]  # (p - 1) h_i: the pull to the target, part (a) of AGG Eq. 4
-        group = grad[idx] * group_gate if group_gate is not None else grad[idx]
+    idx = ys[:0] if group_rows is None else group_rows.nonzero().squeeze(1)  # the group rows (maybe none)
+    tgt = ys[idx]
+    tgt_grad = grad[idx, tgt]  # (p - 1) h_i: the pull to the target, part (a) of AGG Eq. 4
+    group = grad[idx] * group_gate if group_gate is not None else grad[idx]
     if col_gate is not None:
         grad.mul_(col_gate)
-    if idx is not None and len(idx):
-        grad[idx] = group
-        grad[idx, tgt] = tgt_grad
+    grad[idx] = group
+    grad[idx, tgt] = tgt_grad
 
 
 def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.float64):
-    """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it (for analysis and the UL term):
-    col_gate on the rows of non-group targets, group_gate on group rows, 1 at each row's target."""
+    """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it (for analysis and the UL term)."""
     gate = torch.ones(len(y), vocab_size, dtype=dtype, device=y.device)
-    if col_gate is not None:
-        gate[:] = col_gate
-    if group_rows is not None:
-        gate[group_rows] = group_gate.to(dtype) if group_gate is not None else 1.0
-    gate[torch.arange(len(y), device=y.device), y] = 1.0
+    cast = lambda g: None if g is None else g.to(dtype)
+    _gate_(gate, y, cast(col_gate), group_rows, cast(group_gate))
+    gate[torch.arange(len(y), device=y.device), y] = 1.0  # and 1 at every row's target
     return gate
 
 
@@ -181,7 +174,6 @@ def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.flo
 
 
 def _check(ok, message, error=ValueError):
-    """The one guard of every user input: raise error(message) unless ok."""
     if not ok:
         raise error(message)
 
@@ -304,7 +296,6 @@ class MLE:
 
     def rare_mask(self):
         """Bool (V,) of the current rare group, or None for methods without one."""
-        return None
 
     def gates(self, y):
         """(col_gate, group_rows, group_gate) for GatedSoftmaxCE given the valid targets y; None = ungated."""
@@ -312,7 +303,6 @@ class MLE:
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         """Extra loss term added to the NLL (a scalar tensor), or None."""
-        return None
 
     def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None, bias=None,
              softcap=None):
@@ -357,8 +347,7 @@ class MLE:
         z_coef = float(self.hparams.get("z_coef", 0.0))
         loss, nll, rare_mass, log_z2 = GatedSoftmaxCE.apply(
             h, weight, y, cast(col_gate), group_rows, cast(group_gate), mass_cols, float(label_smoothing), chunk_size,
-            need_grad, bool(self.hparams.get("center_gate")) and group_rows is not None, bias, z_coef,
-            softcap)
+            need_grad, bool(self.hparams.get("center_gate")) and group_rows is not None, bias, z_coef, softcap)
         self._stats = {"nll": nll.detach()}
         if "z_coef" in self.hparams:
             self._stats["zloss"] = z_coef * log_z2  # the z-loss term inside `loss`
@@ -477,9 +466,8 @@ class AGG(MLE):
             g1 = g1 / self.hparams["alpha"]  # agg-continuous: a_k / (alpha K), 1 at the rarity threshold
         g1 = g1.clamp(max=1.0)
         g2 = (a / a[rare].mean().clamp(min=1e-12)).clamp(max=1.0)  # AGG Eq. 8: min(a_k / mean_rare(a), 1)
-        one = torch.ones_like(g1)
-        col_gate = torch.where(rare, g1, one) if self.hparams["use_g1"] else None  # rows whose target is not rare
-        group_gate = torch.where(rare, g2, one) if self.hparams["use_g2"] else None  # rows whose target is rare
+        col_gate = torch.where(rare, g1, 1.0) if self.hparams["use_g1"] else None  # rows whose target is not rare
+        group_gate = torch.where(rare, g2, 1.0) if self.hparams["use_g2"] else None  # rows whose target is rare
         return col_gate, rare[y], group_gate
 
     def state_dict(self):
@@ -644,17 +632,6 @@ class FRAGE(MLE):
             self.disc_opt.load_state_dict(self.disc_opt.state_dict())  # moves Adam's state to the parameters' device
         return self
 
-    def _build_disc(self, d, device):
-        if self._saved_disc is None:
-            self.disc = torch.nn.Linear(d, 1, device=device)
-        else:  # restore without drawing random numbers, so a resumed run keeps its random stream exactly
-            self.disc = torch.nn.utils.skip_init(torch.nn.Linear, d, 1, device=device)
-            self.disc.load_state_dict(self._saved_disc["model"])
-        self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=self.hparams["disc_lr"])
-        if self._saved_disc is not None:
-            self.disc_opt.load_state_dict(self._saved_disc["opt"])  # moves Adam's state to the parameters' device
-            self._saved_disc = None
-
     def disc_loss(self, weight, disc_weight, disc_bias):
         """L_D (FRAGE Eq. 2), "the loss of the discriminator": class-balanced binary cross-entropy of
         f = sigmoid(linear(w)) = P(popular). (Eq. 2 as printed drops the minus sign; with it, Eq. 3-5 are consistent:
@@ -675,8 +652,15 @@ class FRAGE(MLE):
         self._disc_pending = True  # one discriminator step per optimizer step
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
-        if self.disc is None:
-            self._build_disc(weight.shape[1], weight.device)
+        if self.disc is None:  # built at the first call, on weight's device; a loaded state draws no random numbers
+            saved, self._saved_disc = self._saved_disc, None  # so that a resumed run keeps its random stream exactly
+            d, device = weight.shape[1], weight.device
+            self.disc = (torch.nn.Linear(d, 1, device=device) if saved is None
+                         else torch.nn.utils.skip_init(torch.nn.Linear, d, 1, device=device))
+            self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=self.hparams["disc_lr"])
+            if saved is not None:  # Adam's state moves to the parameters' device
+                self.disc.load_state_dict(saved["model"])
+                self.disc_opt.load_state_dict(saved["opt"])
         frozen_disc = self.disc.weight.detach().clone(), self.disc.bias.detach().clone()  # the model cannot move D
         reg = -self.hparams["lambda_"] * self.disc_loss(weight, *frozen_disc)  # Eq. 5
         if self._disc_pending and torch.is_grad_enabled():  # Eq. 4: the discriminator's steps on detached W
@@ -732,8 +716,7 @@ class UL(MLE):
     spec = dict(alpha_ul=(1.0, float, "unlikelihood weight"))
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
-        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, bias=bias,
-                                                       softcap=softcap)
+        return self.hparams["alpha_ul"] * unlikelihood(hidden, weight, targets, ignore_index, None, bias, softcap)
 
 
 class ULAGG(AGG):
@@ -748,12 +731,10 @@ class ULAGG(AGG):
                                                "not the weight"))
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
-        if self.hparams["ul_features_only"]:
-            bias = None if bias is None else bias.detach()
-            return self.hparams["alpha_ul"] * unlikelihood(hidden, weight.detach(), targets, ignore_index, bias=bias,
-                                                           softcap=softcap)
         gate = None
-        if self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled():
+        if self.hparams["ul_features_only"]:
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
+        elif self.hparams["gate_ul"] and weight.requires_grad and torch.is_grad_enabled():
             y = targets.clamp(min=0).reshape(-1)
             col_gate, group_rows, group_gate = self.gates(y)  # AGG's gates, as the head applies them to the NLL's
             if group_rows is not None:  # something is rare: the (B, T, V) gate of the UL term's weight gradient
@@ -798,7 +779,6 @@ class AGGCenter(AGG):
     """AGG's gates (Eq. 5-8) plus mu-centering of the weight after every optimizer step (see Center): AGG slows the
     push of rare rows, centering removes the drift all rows share."""
     name = "agg+center"
-    spec = AGG.spec
 
     @torch.no_grad()
     def after_step(self, weight):
@@ -846,7 +826,6 @@ METHODS = {cls.name: cls for cls in [
     CosReg, FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True),
     Center, ZLoss, AGGCenter,
 ]}
-# Every method hyper-parameter: (type, meaning), from the methods' specs. The training scripts make each a flag.
 HPARAMS = {key: (typ, meaning) for cls in METHODS.values() for key, (_default, typ, meaning) in cls.spec.items()}
 
 

@@ -31,8 +31,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--methods", default="mle,agg", help=f"comma-separated, any of: {','.join(agg.METHODS)}")
-    p.add_argument("--alpha-sweep", default="",
-                   help="comma-separated AGG alphas to run in addition to --methods (e.g. 0.2,0.4,0.8,1.6)")
+    p.add_argument("--alpha-sweep", default="", help="AGG alphas to run besides --methods, e.g. 0.2,0.4,0.8,1.6")
     p.add_argument("--seed", type=int, default=0, help="seeds the language, the corpora and the model init")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per method")
     p.add_argument("--out", default="out/toy", help="folder for metrics.json and the plots")
@@ -164,7 +163,6 @@ class ToyLM(nn.Module):
         self.ln = nn.LayerNorm(dim)
 
     def forward(self, x2, x1):
-        """Hidden state h (the input of the tied softmax layer) for contexts (x_-2, x_-1)."""
         e2, e1 = self.emb(x2), self.emb(x1)
         return self.ln(self.mlp(torch.cat([e2, e1], dim=-1)) + e1)
 
@@ -196,14 +194,12 @@ def train_one(label, name, hparams, data, args):
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     W, train, groups = model.emb.weight, data["train"], data["groups"]
     order_gen = torch.Generator().manual_seed(args.seed + 2)  # same batch order for every method
-    order, pos = torch.randperm(len(train), generator=order_gen), 0
     history, t0 = [], time.perf_counter()
     bar = tqdm(range(args.steps), desc=f"{label:>14}", dynamic_ncols=True)  # on stderr
     for step in bar:
-        if pos + args.batch_seqs > len(order):  # next epoch
-            order, pos = torch.randperm(len(train), generator=order_gen), 0
-        x = train[order[pos:pos + args.batch_seqs]]
-        pos += args.batch_seqs
+        if step % args.epoch_steps == 0:  # each epoch: a fresh order of the training set (epoch_steps batches)
+            batches = torch.randperm(len(train), generator=order_gen).view(args.epoch_steps, args.batch_seqs)
+        x = train[batches[step % args.epoch_steps]]
         y = x[:, 2:]
         method.observe(y)  # once per optimizer step, all targets of the step
         loss = method.loss(model(x[:, :-2], x[:, 1:-1]), W, y)
@@ -229,7 +225,7 @@ def train_one(label, name, hparams, data, args):
 def evaluate(model, method, data, chunk_seqs=128):
     """Held-out PPL, total and per frequency group; Uniq; the rare set's predicted vs true probability mass."""
     val, W = data["val"], model.emb.weight
-    nll, preds, pred_mass, true_mass = [], [], [], []
+    nll, preds, masses = [], [], []
     for s in range(0, len(val), chunk_seqs):
         x = val[s:s + chunk_seqs]
         h, y = model(x[:, :-2], x[:, 1:-1]), x[:, 2:]
@@ -238,15 +234,14 @@ def evaluate(model, method, data, chunk_seqs=128):
         preds.append(logits.argmax(1))
         if method.rare_mask() is not None:  # the method's own group: its stats carry the masses
             method.loss(h, W, y)
-            pred_mass.append(method.stats["rare_mass_pred"] * y.numel())
-            true_mass.append(method.stats["rare_mass_true"] * y.numel())
+            masses.append([method.stats[k] * y.numel() for k in ("rare_mass_pred", "rare_mass_true")])
     nll, tgt_group = torch.cat(nll).double(), data["group_of"][val[:, 2:].reshape(-1)]
     out = {"ppl": math.exp(float(nll.mean())),
            "ppl_groups": {g: math.exp(float(nll[tgt_group == i].mean())) if bool((tgt_group == i).any()) else None
                           for i, g in enumerate(agg.GROUPS)},  # None: no held-out target in that group
            "uniq": int(torch.cat(preds).unique().numel())}
-    if pred_mass:
-        out.update(rare_mass_pred=sum(pred_mass) / len(nll), rare_mass_true=sum(true_mass) / len(nll))
+    if masses:  # means per held-out token
+        out.update(zip(("rare_mass_pred", "rare_mass_true"), (sum(m) / len(nll) for m in zip(*masses))))
     return out
 
 
@@ -267,7 +262,6 @@ def table(results):
 
 
 def style(ax, title, xlabel, ylabel=None, legend=8, **legend_kw):
-    """What every line panel shares: a title, axis labels, a light grid, a legend (font size `legend`, 0: none)."""
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     if legend:
@@ -300,8 +294,7 @@ def plot_svd(weights, results, groups, path, title):
             ax = axes[2 * (i // cols) + row, i % cols]
             xy = (Wp @ basis.T).numpy()
             for g in agg.GROUPS:  # rare last: on top
-                idx = groups[g].numpy()
-                ax.scatter(xy[idx, 0], xy[idx, 1], s=4, alpha=0.55, color=GROUP_COLOURS[g], linewidths=0)
+                ax.scatter(*xy[groups[g].numpy()].T, s=4, alpha=0.55, color=GROUP_COLOURS[g], linewidths=0)
             lim = 1.05 if row == 1 else max(float(abs(xy).max()) * 1.05, 1e-6)
             ax.set(xlim=(-lim, lim), ylim=(-lim, lim), aspect="equal")
             ax.axhline(0, color="0.85", lw=0.6, zorder=0)
