@@ -191,13 +191,6 @@ def alpha_for_rare_share(counts, rare_share, tokens_per_step, special_ids=()):
     return float(cuts[(shares - rare_share).abs().argmin()])
 
 
-def alpha_for_frequency(rel_freq, tokens_per_step):
-    """The AGG alpha that marks as rare every token whose relative frequency (share of all target tokens) is below
-    `rel_freq`: a_k / K is the token's appearances per step, so alpha = rel_freq * tokens_per_step."""
-    _check(rel_freq > 0, f"rel_freq must be > 0, got {rel_freq}")
-    return float(rel_freq * tokens_per_step)
-
-
 def rare_share_of_alpha(counts, alpha, tokens_per_step, special_ids=()):
     """Share of the (non-special) vocabulary that AGG's Eq. 5 marks rare at the training split's average rates."""
     return float((_per_step_rate(counts, tokens_per_step, special_ids) < alpha).double().mean())
@@ -967,19 +960,6 @@ def undertrained_rows(weight, unused_ids):
     w = w - torch.outer(w @ first_pc, first_pc)
     ref = w[ids].mean(0)
     return (w @ ref) / (w.norm(dim=1) * ref.norm()).clamp(min=1e-12)
-
-
-def undertrained_candidates(indicator, share=0.02, exclude=()):
-    """The rows Land & Bartolo 2024 go on to verify: indicator (undertrained_rows) at least the (1 - share) quantile
-    over the rows not in `exclude` (e.g. the unused and special ids; magikarp: the 2nd percentile of cosine distance).
-    Returns (ids not excluded, most similar first; threshold)."""
-    _check(0 < share < 1, f"share must be in (0, 1), got {share}")
-    indicator = torch.as_tensor(indicator).double()
-    keep = torch.ones(len(indicator), dtype=torch.bool, device=indicator.device)
-    keep[torch.as_tensor(exclude, dtype=torch.long).reshape(-1)] = False
-    threshold = float(torch.quantile(indicator[keep], 1 - share))
-    ids = (keep & (indicator >= threshold)).nonzero().squeeze(1)
-    return ids[indicator[ids].argsort(descending=True, stable=True)], threshold
 
 
 @torch.no_grad()

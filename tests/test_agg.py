@@ -561,7 +561,6 @@ def test_rarity_helpers_turn_a_share_or_a_frequency_into_alpha():
         assert agg.rare_share_of_alpha(counts, alpha, tokens_per_step, [11]) == pytest.approx(round(share * 11) / 11)
         # the same share at another batch size marks the same tokens: alpha scales with tokens per step
         assert agg.alpha_for_rare_share(counts, share, 8 * tokens_per_step, [11]) == pytest.approx(8 * alpha)
-    assert agg.alpha_for_frequency(1e-4, 32768) == pytest.approx(3.2768)
     with pytest.raises(ValueError, match="rare_share"):
         agg.alpha_for_rare_share(counts, 1.5, 100)
     # an AGG whose window has seen exactly the training rates marks that share rare (Eq. 5 unchanged)
