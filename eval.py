@@ -31,13 +31,7 @@ import agg
 import runlib
 import train_lm
 import train_nmt
-from data import prepare_lm, prepare_nmt
-
-
-def gensim_test_data(name):
-    import gensim
-    return os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", name)
-
+from data import gensim_test_data, prepare_lm, prepare_nmt
 
 WORDSIM = {"ws353": "wordsim353.tsv", "simlex999": "simlex999.txt"}  # shipped in the gensim wheel
 
@@ -51,49 +45,33 @@ def load_word_pairs(path):
     pairs = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            fields = [x for x in re.split(r"[\t;]|\s+", line) if x]
-            if len(fields) < 3:
-                continue
+            fields = [x for x in re.split(r"[\t;]|\s+", line.strip()) if x]
             try:
-                score = float(fields[2])
-            except ValueError:
-                continue  # a header line
-            w1, w2 = (re.sub(r"-[nvja]$", "", w) for w in fields[:2])
-            pairs.append((w1, w2, score))
+                if not line.lstrip().startswith("#"):
+                    pairs.append((*(re.sub(r"-[nvja]$", "", w) for w in fields[:2]), float(fields[2])))
+            except (IndexError, ValueError):  # a blank, short or header line
+                continue
     if not pairs:
         raise SystemExit(f"{path}: no 'word1 word2 score' lines found")
     return pairs
 
 
-def word_vector(word, weight, tokenizer, kind):
-    """Mean of the word's subword embeddings (BPE: the word after a space, as in running text), or None (OOV)."""
-    if kind == "bpe":
-        ids = tokenizer.encode(" " + word).ids
-    else:
-        i = tokenizer.token_to_id(word)
-        if i is None:
-            i = tokenizer.token_to_id(word.capitalize())
-        ids = [] if i is None else [i]
-    return weight[ids].mean(0) if ids else None
-
-
 def word_similarity(weight, tokenizer, kind, datasets):
-    """{name: (spearman, pairs used, pairs total)} of cosine similarity vs human scores."""
+    """{name: (spearman, pairs used, pairs total)} of cosine similarity vs human scores. A word's vector is the mean
+    of its subword embeddings (BPE: the word after a space, as in running text), None out of vocabulary."""
+    def vector(word):
+        ids = (tokenizer.encode(" " + word).ids if kind == "bpe" else  # word level: word, else Word
+               [i for i in map(tokenizer.token_to_id, (word, word.capitalize())) if i is not None][:1])
+        return weight[ids].mean(0) if ids else None
+
     out = {}
     for name, path in datasets.items():
         pairs = load_word_pairs(path)
-        human, model = [], []
-        for w1, w2, score in pairs:
-            a, b = word_vector(w1, weight, tokenizer, kind), word_vector(w2, weight, tokenizer, kind)
-            if a is None or b is None:
-                continue
-            human.append(score)
-            model.append(float(torch.nn.functional.cosine_similarity(a, b, dim=0)))
-        rho = float(stats.spearmanr(human, model).statistic) if len(human) > 2 else float("nan")
-        out[name] = (rho, len(human), len(pairs))
+        vecs = [(score, vector(w1), vector(w2)) for w1, w2, score in pairs]
+        used = [(score, float(torch.nn.functional.cosine_similarity(a, b, dim=0))) for score, a, b in vecs
+                if a is not None and b is not None]  # both words in the vocabulary
+        rho = float(stats.spearmanr(*zip(*used)).statistic) if len(used) > 2 else float("nan")
+        out[name] = (rho, len(used), len(pairs))
     return out
 
 
@@ -108,17 +86,15 @@ def geometry(weight, counts, include_unseen=False):
     """agg.geometry per frequency group (seen tokens unless include_unseen) and the metrics that favour no method:
     IsoScore (Rudman et al. 2022), I(W) with rows weighted by train frequency (Yokoi et al. 2024), I(W) after removing
     the (weighted) mean row, and the under-trained rows of Land & Bartolo 2024."""
-    _, groups = group_index(counts)
-    counts = torch.as_tensor(counts)
+    groups, counts = agg.frequency_groups(counts), torch.as_tensor(counts)
     seen = None if include_unseen else counts > 0
     geo = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen)
-    geo["geometry_rows_rule"] = "all" if include_unseen else "seen in training"
     W = weight.detach().double().cpu()
     rows = W if seen is None else W[seen]
-    seen_rows, freq = W[counts > 0], counts[counts > 0].double()
-    geo.update(isoscore=agg.isoscore(rows), isotropy_centered=agg.isotropy(rows, center=True),
-               isotropy_weighted=agg.isotropy(seen_rows, weights=freq),
-               isotropy_weighted_centered=agg.isotropy(seen_rows, weights=freq, center=True),
+    seen_rows, w = W[counts > 0], counts[counts > 0].double()  # weighted by train frequency
+    geo.update(geometry_rows_rule="all" if include_unseen else "seen in training", isoscore=agg.isoscore(rows),
+               isotropy_centered=agg.isotropy(rows, center=True), isotropy_weighted=agg.isotropy(seen_rows, weights=w),
+               isotropy_weighted_centered=agg.isotropy(seen_rows, weights=w, center=True),
                undertrained=undertrained_count(W, counts))
     return geo
 
@@ -126,13 +102,13 @@ def geometry(weight, counts, include_unseen=False):
 def undertrained_count(W, counts):
     """How many seen rows look as untrained as a never-seen one: Land & Bartolo 2024's indicator
     (agg.undertrained_rows) at least the never-seen rows' median. None when every token was seen."""
-    unused = (counts == 0).nonzero().squeeze(1)
+    unused, seen = (counts == 0).nonzero().squeeze(1), counts > 0
     if len(unused) < 2:
         return dict(unused_rows=len(unused), count=None, share_of_seen=None)
     ind = agg.undertrained_rows(W, unused)
     threshold = float(ind[unused].median())
-    count = int((ind[counts > 0] >= threshold).sum())
-    return dict(unused_rows=len(unused), threshold=threshold, count=count, share_of_seen=count / int((counts > 0).sum()),
+    count = int((ind[seen] >= threshold).sum())
+    return dict(unused_rows=len(unused), threshold=threshold, count=count, share_of_seen=count / int(seen.sum()),
                 rule="seen rows whose indicator >= the median indicator of the never-seen rows")
 
 
@@ -157,10 +133,9 @@ def neighbours(weight, ids, k=5):
 def output_bias_stats(bias, counts):
     """How a learned output bias (--output-bias) encodes frequency over the seen tokens: correlations with log train
     counts, the least-squares slope and the mean bias per group."""
-    b, c = bias.double(), torch.as_tensor(counts).double()
+    b, c, gid = bias.double(), torch.as_tensor(counts).double(), group_index(counts)[0]
     seen = c > 0
     x, y = c[seen].log().numpy(), b[seen].numpy()
-    gid, _ = group_index(counts)
     return dict(pearson_log_count=float(stats.pearsonr(x, y)[0]), spearman_log_count=float(stats.spearmanr(x, y)[0]),
                 slope_per_log_count=float(np.polyfit(x, y, 1)[0]),
                 mean_groups={g: float(b[seen & (gid == k)].mean()) for k, g in enumerate(agg.GROUPS)})
@@ -217,10 +192,8 @@ def rare_bias_metrics(st, b, gid):
     lse_rare = st["lse_rare"].double() + b
     nll = torch.logaddexp(st["lse_other"].double(), lse_rare) - (st["z_y"].double() + b * st["y_rare"].double())
     pred = torch.where(st["max_rare"] + b > st["max_other"], st["arg_rare"], st["arg_other"])
-    g = gid[st["target"]]
-    pred_rare, hit = gid[pred] == 2, pred == st["target"]
-    up = pred.unique()
-    acc = agg.GroupNLL()
+    g, pred_rare, hit = gid[st["target"]], gid[pred] == 2, pred == st["target"]
+    up, acc = pred.unique(), agg.GroupNLL()
     acc.add(nll, g)
     return dict(bias=b, ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
                 rare_mass_pred=float(torch.sigmoid(lse_rare - st["lse_other"].double()).mean()),
@@ -233,8 +206,7 @@ def rare_bias_metrics(st, b, gid):
 
 def repeated_4grams(tokens):
     """seq-rep-4 of Welleck et al. 2020: the share of a continuation's 4-grams that are repeats, 1 - unique / all."""
-    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+    return 1 - distinct_n([tokens], 4) if len(tokens) > 3 else 0.0
 
 
 def distinct_n(continuations, n):
@@ -244,8 +216,7 @@ def distinct_n(continuations, n):
 
 
 def run_data_dir(cfg, data_dir):
-    """--data-dir: the run's corpus read from another folder (moved or copied); the data fingerprint is checked after
-    reading, as for the run's own folder. A run whose data folder is gone says so."""
+    """--data-dir: the run's corpus read from its new folder (the fingerprint is checked after); a gone one says so."""
     if data_dir:
         if cfg.get("dataset") != "dir":
             raise SystemExit(f"--data-dir {data_dir}: {cfg['out']} was trained on --dataset {cfg.get('dataset')}, "
@@ -271,81 +242,71 @@ def document_of(ids, eos_id, documents):
 def evaluate_lm(out_dir, model, ck, args, device):
     """A train_lm.py run on its test split (or --split valid), the metrics of the module's docstring. Returns
     (metrics, weight, train counts, None, tokens)."""
-    cfg = dict(ck["config"], device=str(device), out=out_dir)
-    if args.cache_dir:
-        cfg["cache_dir"] = args.cache_dir
+    cfg = dict(ck["config"], device=str(device), out=out_dir, cache_dir=args.cache_dir or ck["config"]["cache_dir"])
     run_data_dir(cfg, args.data_dir)
     data = prepare_lm(cfg, log=lambda *a: None)
     if not runlib.same_data(cfg.get("data_fingerprint"), os.path.basename(data["dir"])):
         raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
                          f"{cfg['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the original "
                          f"files to evaluate it")
-    V, tok = data["vocab_size"], data["tokenizer"]
-    autocast = runlib.autocast(cfg)
+    V, tok, ids, autocast = data["vocab_size"], data["tokenizer"], data["ids"][args.split], runlib.autocast(cfg)
     gid = agg.group_of(agg.frequency_groups(data["counts"]), V)
     gid_d, rare_d = gid.to(device), gid.to(device) == 2
-    ids = data["ids"][args.split]
-    n = len(ids) - 1 if not args.max_tokens else min(len(ids) - 1, args.max_tokens)
-    # The free calibration baseline: one temperature on all logits, fitted on the valid split (minimum NLL)
-    beta = fit_temperature(lambda: train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg,
-                                                  device, autocast, args.context_window))
-    acc, acc_t = agg.GroupNLL(), agg.GroupNLL()
+    n = min(len(ids) - 1, args.max_tokens or len(ids))
+    valid = lambda: train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device, autocast,
+                                   args.context_window)
+    stats = lambda logits, y: {k: v.cpu() for k, v in rare_logit_stats(logits, y, rare_d).items()}
+    cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    nll_of = lambda logits, y: -torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
+    # The free calibration baselines, fitted on the valid split (minimum NLL): one temperature on all logits, and one
+    # bias on the rare group's logits (which also calibrates the group's predicted mass)
+    beta, bias = fit_temperature(valid), fit_rare_bias(cat([stats(logits, y) for logits, y, _ in valid()]))
+    acc, acc_t = agg.GroupNLL(), agg.GroupNLL()  # at temperature 1 and at the fitted one
     type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
     preds, targets, logit_stats = [], [], []
     doc = document_of(ids, data["eos_id"], data["meta"].get("documents", {}).get(args.split))
     articles = agg.GroupNLL(3 * len(doc[1])) if doc is not None else None  # NLL per (article, group)
     for logits, y, pos in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window),
                                desc=f"{os.path.basename(os.path.normpath(cfg['out']))} {args.split}", leave=False):
-        nll = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
+        nll = nll_of(logits.float(), y)
         acc.add(nll, gid_d[y])
-        acc_t.add(-torch.log_softmax(beta * logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double(), gid_d[y])
+        acc_t.add(nll_of(beta * logits.float(), y), gid_d[y])
         if articles is not None:
             articles.add(nll.cpu(), 3 * doc[0][pos] + gid[y.cpu()])
         type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
         preds.append(logits.argmax(-1).flatten().cpu())
         targets.append(y.flatten().cpu())
-        logit_stats.append({k: v.cpu() for k, v in rare_logit_stats(logits, y, rare_d).items()})
-    preds, targets = torch.cat(preds), torch.cat(targets)
-    # The free re-weighting baseline: one bias on the rare group's logits, fitted on the valid split (minimum NLL,
-    # which also calibrates the group's predicted mass), applied to this split.
-    fit = [{k: v.cpu() for k, v in rare_logit_stats(lg, y, rare_d).items()}
-           for lg, y, _ in train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device,
-                                       autocast, args.context_window)]
-    cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    logit_stats, bias = cat(logit_stats), fit_rare_bias(cat(fit))
+        logit_stats.append(stats(logits, y))
+    preds, targets, logit_stats = torch.cat(preds), torch.cat(targets), cat(logit_stats)
     up, ut = preds.unique(), targets.unique()
     m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=cfg["out"], split=args.split,
              context_window=args.context_window, tokens=acc.tokens(), ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
              uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
-             uniq_human=int(len(ut)), uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
+             uniq_human=int(len(ut)),
+             uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
              rare_argmax=rare_bias_metrics(logit_stats, 0.0, gid), rare_bias=rare_bias_metrics(logit_stats, bias, gid),
              temperature=dict(t=1 / beta, ppl=acc_t.ppl(), ppl_groups=acc_t.ppl_groups()),
              type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)),  # for --compare, not saved
              article_stats=None if articles is None else dict(  # per held-out article and group: the bootstrap units
                  nll=articles.nll.view(-1, 3).tolist(), count=articles.count.view(-1, 3).tolist()))
-    # greedy continuations of evenly spaced prefixes of the split (AGG Table 14)
-    gens, greedy, span = [], [], args.prefix_len + args.gen_len
-    if len(ids) > span and args.n_samples:
-        for j in range(args.n_samples):
-            s = j * (len(ids) - span) // max(1, args.n_samples)
-            prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
-            cont = model.generate(prefix, args.gen_len, autocast=autocast)[0, prefix.shape[1]:].tolist()
-            greedy.append(cont)
-            human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
-            gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
-                             human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human)),
-                             rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human)))
+    # greedy continuations of evenly spaced prefixes of the split (AGG Table 14), and the same prefixes continued by
+    # sampling (temperature 1, seeded): diversity where greedy decoding hides it
+    gens, greedy, sampled, span = [], [], [], args.prefix_len + args.gen_len
+    torch.manual_seed(0)
+    for j in range(args.n_samples if len(ids) > span else 0):
+        s = j * (len(ids) - span) // args.n_samples
+        prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
+        cont = model.generate(prefix, args.gen_len, autocast=autocast)[0, args.prefix_len:].tolist()
+        greedy.append(cont)
+        sampled.append(model.generate(prefix, args.gen_len, temperature=1.0)[0, args.prefix_len:].tolist())
+        human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
+        gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
+                         human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human)),
+                         rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human)))
     m["generations"] = gens
     for key in ("uniq", "uniq_human", "rep4", "rep4_human"):
         m[f"gen_{key}"] = float(np.mean([g[key] for g in gens])) if gens else float("nan")
-    # the same prefixes continued by sampling (temperature 1, seeded): diversity where greedy decoding hides it
     if gens:
-        torch.manual_seed(0)
-        sampled = []
-        for g in gens:
-            prefix = torch.from_numpy(np.asarray(ids[g["position"]:g["position"] + args.prefix_len], dtype=np.int64))
-            out = model.generate(prefix[None].to(device), args.gen_len, temperature=1.0)
-            sampled.append(out[0, args.prefix_len:].tolist())
         m["gen_rep4_sampled"] = float(np.mean([repeated_4grams(c) for c in sampled]))
         m["gen_distinct"] = {kind: {str(n): distinct_n(conts, n) for n in (1, 2, 3, 4)}
                              for kind, conts in (("greedy", greedy), ("sampled", sampled))}
@@ -368,14 +329,11 @@ def average_checkpoints(out_dir, n):
     if len(paths) < n:
         raise SystemExit(f"{out_dir}: --average-last {n} needs {n} ckpt_STEP.pt snapshots, found {len(paths)}; "
                          f"train with --keep-last {n} (or more)")
-    avg = None
-    for p in paths:
+    avg = {}
+    for p in paths:  # one snapshot in memory at a time
         model = runlib.load_checkpoint(p, "nmt")["model"]
-        if avg is None:
-            avg = {k: v.double().clone() for k, v in model.items()}
-        else:
-            for k, v in model.items():
-                avg[k] += v.double()
+        for k, v in model.items():
+            avg[k] = avg[k] + v.double() if k in avg else v.double()
     return {k: (v / n).to(model[k].dtype) for k, v in avg.items()}, [os.path.basename(p) for p in paths]
 
 
@@ -385,23 +343,20 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     test translations. Returns (metrics, weight, counts of both sides, source counts, tokens)."""
     cfg = dict(ck["config"], device=str(device), beam=args.beam, out=out_dir)
     run_data_dir(cfg, args.data_dir)
-    data = prepare_nmt(cfg, log=lambda *a: None)
-    same = runlib.same_data(cfg.get("data_fingerprint"), data.cache.name)
-    if not same or data.vocab_size != model.out_weight.shape[0]:
+    data, V = prepare_nmt(cfg, log=lambda *a: None), model.out_weight.shape[0]
+    if not runlib.same_data(cfg.get("data_fingerprint"), data.cache.name) or data.vocab_size != V:
         raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
-                         f"{cfg.get('data_fingerprint')}, V={model.out_weight.shape[0]}; now {data.cache.name}, "
+                         f"{cfg.get('data_fingerprint')}, V={V}; now {data.cache.name}, "
                          f"V={data.vocab_size}): restore the original files to evaluate it")
-    if args.max_sentences:
-        for k in ("test.src", "test.tgt"):
-            data.ids[k] = data.ids[k][:args.max_sentences]
-        data.text["test"] = tuple(side[:args.max_sentences] for side in data.text["test"])
+    if n := args.max_sentences:
+        data.ids.update({k: data.ids[k][:n] for k in ("test.src", "test.tgt")})
+        data.text["test"] = tuple(side[:n] for side in data.text["test"])
     averaged = None
     if args.average_last:
         weights, averaged = average_checkpoints(cfg["out"], args.average_last)
         model.load_state_dict(weights)
     res, hyps = train_nmt.validate(model, None, data, cfg, device, split="test", bleu_sents=0)
-    hyp_text = [data.decode(h) for h in hyps]
-    src_text, ref_text = data.text["test"]
+    hyp_text, (src_text, ref_text) = [data.decode(h) for h in hyps], data.text["test"]
     m = dict(task="nmt", out_dir=cfg["out"], bleu=res["bleu"], bleu_signature=res["bleu_signature"],
              test_loss=res["loss"], test_ppl=res["ppl"], ppl_groups=res["ppl_groups"],
              group_rare_mass_pred=res["group_rare_mass_pred"], group_rare_mass_true=res["group_rare_mass_true"],
@@ -414,7 +369,8 @@ def evaluate_nmt(out_dir, model, ck, args, device):
              texts=dict(hyps=hyp_text, refs=list(ref_text),  # for --compare's paired bootstrap, not saved
                         bleu_tokenize=cfg["bleu_tokenize"] or train_nmt.BLEU_TOKENIZE.get(cfg["tgt"], "13a")))
     print(f"{cfg['out']}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
-    return m, model.out_weight.detach().float().cpu(), data.corpus_counts.clone(), data.src_counts.clone(), data.tokens()
+    W = model.out_weight.detach().float().cpu()
+    return m, W, data.corpus_counts.clone(), data.src_counts.clone(), data.tokens()
 
 
 # ---------------------------------------------------------------------------------------------------- run folders
@@ -425,32 +381,24 @@ def log_records(out_dir, split="valid"):
         with open(path) as f:
             for i, line in enumerate(f, 1):
                 try:
-                    r = json.loads(line) if line.strip() else {}
+                    recs.append(json.loads(line) if line.strip() else {})
                 except json.JSONDecodeError:
                     print(f"warning: {path} line {i} is not complete JSON (a torn write): skipped", file=sys.stderr)
-                    continue
-                if r.get("split") == split:
-                    recs.append(r)
-    return recs
+    return [r for r in recs if r.get("split") == split]
 
 
 def last_valid_ppl(out_dir, step):
     """The valid PPL logged at `step` in the run's log.jsonl (None when there is none)."""
-    ppl = [r.get("ppl") for r in log_records(out_dir) if r.get("step") == step]
-    return ppl[-1] if ppl else None
+    return next((r.get("ppl") for r in reversed(log_records(out_dir)) if r.get("step") == step), None)
 
 
 def labels_for(out_dirs):
     labels = [os.path.basename(os.path.normpath(d)) for d in out_dirs]
-    if len(set(labels)) < len(labels):
-        labels = [os.path.relpath(os.path.normpath(d)) for d in out_dirs]
-    return labels
+    return labels if len(set(labels)) == len(labels) else [os.path.relpath(os.path.normpath(d)) for d in out_dirs]
 
 
 def fmt(x, nd=2):
-    if isinstance(x, float):
-        return "nan" if math.isnan(x) else (f"{x:.{nd}f}" if abs(x) < 1e5 else f"{x:.3g}")
-    return str(x)
+    return (f"{x:.{nd}f}" if abs(x) < 1e5 else f"{x:.3g}") if isinstance(x, float) else str(x)  # nan: "nan"
 
 
 # --------------------------------------------------------------------------------------------------------- driver
@@ -460,34 +408,26 @@ def evaluate(run_dir, args=None, device=None, probes=None, **flags):
     "src_counts", "tgt_counts", "tokens", "out_bias"}; metrics' "type_stats" / "texts" serve comparisons only."""
     if args is None:
         args = build_parser().parse_args([run_dir])
-        unknown = set(flags) - set(vars(args))
-        if unknown:
+        if unknown := set(flags) - set(vars(args)):
             raise TypeError(f"unknown eval.py flags {sorted(unknown)}")
         vars(args).update(flags)
     device = torch.device(device or args.device)
     ck = runlib.load_checkpoint(runlib.checkpoint_file(run_dir, args.checkpoint))
     model = {"lm": train_lm, "nmt": train_nmt}[ck["task"]].load_model(ck, device)
     m, W, c, src_c, tokens = (evaluate_lm if ck["task"] == "lm" else evaluate_nmt)(run_dir, model, ck, args, device)
-    m.update(geometry(W, c, args.include_unseen))
-    m.update(seed=ck["config"].get("seed"), valid_ppl=last_valid_ppl(run_dir, m.get("step")),
-             singular_values=agg.singular_spectrum(W).tolist())
-    bias = getattr(model, "out_bias", None)  # train_lm.py --output-bias
-    bias = None if bias is None else bias.detach().float().cpu()
-    if bias is not None:
+    m.update(geometry(W, c, args.include_unseen), seed=ck["config"].get("seed"),
+             valid_ppl=last_valid_ppl(run_dir, m.get("step")), singular_values=agg.singular_spectrum(W).tolist())
+    if (bias := getattr(model, "out_bias", None)) is not None:  # train_lm.py --output-bias
+        bias = bias.detach().float().cpu()
         m["output_bias"] = output_bias_stats(bias, c)
-    probes = {} if probes is None else probes
     key = (ck["task"], int(c.sum()), len(c))  # runs on the same data: the probe tokens of the first such run
-    if key not in probes:
-        probes[key] = pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c)
-    gid, ids = group_index(c)[0], probes[key]
+    ids = ({} if probes is None else probes).setdefault(key, pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c))
+    gid = group_index(c)[0]
     m["neighbours"] = {tokens[i].strip(): [tokens[j].strip() + ("*" if gid[j] == 2 else "") for j in ns]
                        for i, ns in zip(ids, neighbours(W, ids))} if ids else {}
     m["checkpoint"] = args.checkpoint
     return dict(metrics=m, weight=W, counts=c, tokens=tokens, src_counts=src_c,
                 tgt_counts=None if src_c is None else c - src_c, out_bias=bias)
-
-
-TASK_FLAGS = dict(lm=("split", "max_tokens", "context_window"), nmt=("max_sentences", "beam", "average_last"))
 
 
 def read_configs(args):
@@ -507,7 +447,8 @@ def read_configs(args):
         if cfg.get("task") not in ("lm", "nmt"):
             raise SystemExit(f"{path}: unknown task {cfg.get('task')!r} (expected 'lm' or 'nmt')")
     tasks, default = {c["task"] for c in configs.values()}, vars(build_parser(runs="*").parse_args([]))
-    for task, keys in TASK_FLAGS.items():  # a flag of the other task would be ignored without a word
+    task_flags = dict(lm=("split", "max_tokens", "context_window"), nmt=("max_sentences", "beam", "average_last"))
+    for task, keys in task_flags.items():  # a flag of the other task would be ignored without a word
         if task not in tasks and (given := [k for k in keys if getattr(args, k, None) != default[k]]):
             raise SystemExit(f"--{given[0].replace('_', '-')} is a flag of {task.upper()} runs and these are "
                              f"{'/'.join(sorted(tasks)).upper()} runs ({', '.join(args.out_dirs)}): drop it")
@@ -540,13 +481,11 @@ def build_parser(doc=__doc__, runs="+"):
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")
     p.add_argument("--max-sentences", type=int, default=None, help="NMT: the first N test sentences (default: all)")
-    p.add_argument("--context-window", type=int, default=0,
-                   help="LM: score each block after this many tokens of context, as fairseq's --context-window "
-                        "(default 0: non-overlapping blocks, the same scoring as training's validation)")
+    p.add_argument("--context-window", type=int, default=0, help="LM: score each block after this many tokens of "
+                   "context, as fairseq's --context-window (default 0: non-overlapping blocks, as in validation)")
     p.add_argument("--cache-dir", default=None, help="LM data cache (default: the run's own)")
-    p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="the runs' --data-dir corpus at another path (moved or copied); used when its files are the "
-                        "ones the run trained on (the data fingerprint matches)")
+    p.add_argument("--data-dir", metavar="DIR", help="the runs' --data-dir corpus at another path (moved or copied); "
+                   "used when its files are the ones the run trained on (the data fingerprint matches)")
     p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
     p.add_argument("--prefix-len", type=int, default=50)
     p.add_argument("--gen-len", type=int, default=100)
@@ -555,11 +494,9 @@ def build_parser(doc=__doc__, runs="+"):
     p.add_argument("--rg65", default=None, help="RG65 word-similarity file")
     p.add_argument("--rw", default=None, help="Stanford Rare Words file")
     p.add_argument("--beam", type=int, default=4, help="NMT beam size")
-    p.add_argument("--average-last", type=int, default=0,
-                   help="NMT: evaluate the mean weights of the last N snapshots of a run trained with --keep-last N "
-                        "(fairseq's average_checkpoints); recorded as checkpoints_averaged")
-    p.add_argument("--include-unseen", action="store_true",
-                   help="count the tokens never seen in training in the geometry metrics (default: left out)")
+    p.add_argument("--average-last", type=int, default=0, help="NMT: evaluate the mean weights of the last N "
+                   "snapshots of a run trained with --keep-last N (fairseq's average_checkpoints)")
+    p.add_argument("--include-unseen", action="store_true", help="geometry over every row (default: the rows seen)")
     p.add_argument("--checkpoint", default="last", choices=["last", "best"],
                    help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM runs)")
     return p
