@@ -150,7 +150,7 @@ def main(argv=None):
              "run: its value). Test split, frequency groups 30/50/20% of the vocabulary by train counts; Uniq = "
              "distinct next-token argmax predictions.", ""]
     for title, methods, cols in TABLES:
-        if methods := [m for m in methods if m in summary]:
+        if methods := [v for m in methods for v in summary if v == m or v.startswith(m + " ")]:  # a sweep: "mle lr=.."
             lines += [f"## {title}", ""] + compare.table(["method", "n", *(compare.COLUMNS[c][0] for c in cols)], [
                 [m, summary[m]["n"], *(compare.cell(summary[m], c) for c in cols)] for m in methods])
     runlib.write_text(os.path.join(args.out, "tables.md"), "\n".join(lines))

@@ -130,6 +130,8 @@ def test_a_knob_sweep_trains_each_value_and_selects_on_valid_ppl(corpus, lm_tiny
     best = min(sweep["settings"], key=lambda s: s["valid_ppl_mean"])
     assert sweep["selected"]["cosreg"]["gamma"] == best["gamma"]
     assert f"cosreg: selected lr 0.003, warm-up 2, --gamma {best['gamma']:g} (mean valid PPL" in capsys.readouterr().out
+    tables = (tmp_path / "tables.md").read_text()  # a sweep's variants fill the method's rows
+    assert "| cosreg gamma=0.5 | 1 |" in tables and "| cosreg gamma=2.0 | 1 |" in tables
 
 
 def test_a_knob_sweep_names_a_bad_flag_in_one_line(tmp_path):
