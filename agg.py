@@ -312,7 +312,9 @@ class MLE:
         _check(chunk_size is None or isinstance(chunk_size, int) and chunk_size > 0,
                f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
         _check(0 <= label_smoothing < 1, f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        _check(softcap is None or softcap > 0, f"softcap must be > 0 (or None), got {softcap}")
+        _check(softcap is None or isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+               and 0 < softcap < math.inf,
+               f"softcap must be a number > 0 and finite (or None), got {softcap!r}")
         if bias is not None and tuple(bias.shape) != (self.vocab_size,):
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
         ts = [t for t in (hidden, weight, targets, bias) if t is not None]

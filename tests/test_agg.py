@@ -959,3 +959,12 @@ def test_softcap_bends_the_gradient_parts_like_the_heads():
     full = grads(method, h, w, y, softcap=2.0)[2].norm(dim=1)
     assert (parts.sum(1) >= full * (1 - 1e-5)).all()  # the parts' norms bound the whole row's (triangle inequality)
     assert not torch.allclose(parts, agg.gradient_parts(h, w, y, torch.arange(V) >= 30, method.gates(y)))
+
+
+def test_softcap_must_be_a_finite_positive_number():
+    h, w, y = inputs(seed=16)
+    method = agg.build_method("mle", V)
+    for bad in (0, -1.0, float("nan"), float("inf"), "30", True):  # inf: C tanh(s / C) = inf x 0, a NaN loss
+        with pytest.raises(ValueError, match="softcap must be a number > 0 and finite"):
+            method.loss(h, w, y, softcap=bad)
+    assert torch.isfinite(method.loss(h, w, y, softcap=30))
