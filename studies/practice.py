@@ -13,7 +13,8 @@ The protocol (this project's choices):
 - each rival: its lr (2e-3, 4e-3, 8e-3) x its knob at seed 0 on the full data; the 2 settings with the lowest valid
   PPL at the last step get seeds 1 and 2, the lowest mean valid PPL over seeds 0-2 is selected;
 - the selection on seeds 0-4, paired with MLE by seed; the other knob values at the selected lr on seeds 0-2, each
-  paired with MLE; AGG with a knob paired with MLE with the same knob too (does AGG add anything to the knob?);
+  paired with MLE (AGG's share 0.2 on seeds 0-4: the headline's pair on this host, fixed before AGG's sweep ran);
+  AGG with a knob paired with MLE with the same knob too (does AGG add anything to the knob?);
 - a pair never spans two hosts (config.json's `versions.kernels`; MLE replicas as in studies.rivals); every run
   evaluated by eval.py as in studies.rivals; selections read validation only; the lr sensitivity of every rival at
   its selected knob from the seed-0 sweep (studies.rivals.lr_sensitivity).
@@ -30,7 +31,7 @@ PRACTICE = {"mle": rivals.RIVALS["mle"], "agg": rivals.RIVALS["agg"], **{name: r
 
 class Practice(rivals.Rivals):
     label, name, title = "out/practice", "practice", "AGG and today's practice"
-    table, seeds, knob_seeds = PRACTICE, {rival: 5 for rival in PRACTICE}, {}
+    table, seeds, knob_seeds = PRACTICE, {rival: 5 for rival in PRACTICE}, {("agg", "share0.2"): 5}
     pairs = [(knob, "agg+" + knob) for knob in KNOBS]
 
 
