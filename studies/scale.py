@@ -197,12 +197,13 @@ class Study:
                 cells.append(dict(agg_share=share, size=size, train_fraction=fraction, **{k: members[0][k] for k in (
                     "train_tokens", "n_params_non_embedding", "d_model", "n_layer")}, lr=sel["lr"][size], **cell))
         of = {share: [c for c in cells if c["agg_share"] == share] for share in shares}
+        fits = {f"{sh:g}": {k: fit_trend(of[sh], k) for k in FIT_QUANTITIES} for sh in shares if len(of[sh]) >= 3}
         result = self.write(path, argv, dict(
             selection=dict(rule="lowest mean valid PPL at the last step over seeds 0-2, full data", share=sel["share"],
                            share_valid_ppl=ppl(self.share()[1]), lr=sel["lr"], lr_valid_ppl=lr_runs),
             runs=runs, diverged=diverged, compare=cells,  # one cell per (AGG share, size, data size)
-            fits={f"{sh:g}": {k: fit_trend(of[sh], k) for k in FIT_QUANTITIES} for sh in shares if len(of[sh]) >= 3},
-            pooled_by_data={f"{sh:g}": pooled_by_data(of[sh]) for sh in shares if of[sh]}),
+            fits=fits, pooled_by_data={f"{sh:g}": pooled_by_data(of[sh]) for sh in shares if of[sh]},
+            prediction=prediction(fits)),
             elsewhere=corpus if corpus_path else ())
         for share in [share for share in shares if of[share]]:  # the selected share's figure, one per other share
             suffix = "" if share == sel["share"] else f"_share{share:g}"
@@ -276,9 +277,13 @@ def paired_cell(runs):
 FIT_QUANTITIES = ("ppl_log_ratio", "calibrated_ppl_log_ratio", "calibrated_rare_ppl_log_ratio",
                   "gap_closed_by_calibration")
 # Where the fits are asked to predict: the paper's GPT-2 medium on WikiText-103 (AGG Sec. 5.1), and the M model on
-# WikiText-103 prefixes of 0.7M, 2.2M and 7M tokens (the study runs there unchanged where the hub is reachable)
+# WikiText-103 prefixes of 0.7M, 2.2M and 7M tokens, where the hub is reachable (TEST_PREDICTION says how)
 PREDICT = dict(paper_regime=dict(n_params_non_embedding=302e6, train_tokens=103e6), **{
     f"wikitext103_M_{t}": dict(size="M", train_tokens=float(t[:-1]) * 1e6) for t in ("0.7M", "2.2M", "7M")})
+TEST_PREDICTION = ("each cell, seeds 0 1 2: python train_lm.py --dataset wikitext-103 --train-fraction F --max-steps N "
+                   "--warmup N/10 --eval-interval N/12 --lr LR --method mle (or agg --rare-share SHARE) --seed S, F "
+                   "giving the tokens (config.json's data_tokens), N = 3.5 epochs of 1,024 tokens, LR the selection "
+                   "at M; then python -m studies.compare RUNS --compare mle agg --out REPORT")
 
 
 def fit_trend(cells, key):
@@ -311,6 +316,15 @@ def fit_trend(cells, key):
                    for n, b, e in zip(("intercept", "per_decade_params", "per_decade_tokens"), beta, se)},
                 lack_of_fit=dict(F=f_lof, df=[dof, df_pure], p=float(stats.f.sf(f_lof, dof, df_pure))),
                 predictions=predictions)
+
+
+def prediction(fits):
+    """The AGG/MLE test-PPL ratios the fits predict on the WikiText-103 prefixes (raw and with both calibrated), each
+    with its 95% prediction interval, and how to test them."""
+    ratio = lambda p: dict(ratio=math.exp(p["prediction"]), pi95=[math.exp(x) for x in p["pi95"]])
+    return dict(test=TEST_PREDICTION, **{f"share{sh}": {name[14:]: {q: ratio(f[k]["predictions"][name]) for q, k in (
+        ("raw", "ppl_log_ratio"), ("calibrated", "calibrated_ppl_log_ratio")) if f[k]} for name in PREDICT
+        if name != "paper_regime"} for sh, f in fits.items()})
 
 
 def pooled_by_data(cells):

@@ -345,6 +345,9 @@ def test_the_fits_count_cells_not_seeds_test_their_lack_of_fit_and_predict():
     pred = fit["predictions"]["wikitext103_M_7M"]
     assert pred["n_params_non_embedding"] == 10 ** 5.9
     assert pred["prediction"] == pytest.approx(0.1 + 0.02 * 5.9 + 0.15 * math.log10(7e6))
+    ratio = scale.prediction({"0.2": {"ppl_log_ratio": fit, "calibrated_ppl_log_ratio": None}})["share0.2"]["7M"]
+    assert set(ratio) == {"raw"} and ratio["raw"]["ratio"] == pytest.approx(math.exp(pred["prediction"]))
+    assert ratio["raw"]["pi95"] == pytest.approx([math.exp(x) for x in pred["pi95"]])
     pooled = scale.pooled_by_data(cells())
     assert set(pooled) == {"0.25", "0.5", "1"} and pooled["0.5"]["ppl_log_ratio"]["n"] == 9
 
