@@ -207,7 +207,8 @@ class Study:
             elsewhere=corpus if corpus_path else ())
         for share in [share for share in shares if of[share]]:  # the selected share's figure, one per other share
             suffix = "" if share == sel["share"] else f"_share{share:g}"
-            plot_cells(of[share], os.path.splitext(path)[0] + suffix + ".png", share)
+            plot_cells(of[share], os.path.splitext(path)[0] + suffix + ".png", f"AGG (rare share {share:g}) against "
+                       "MLE as the model and the data grow (cpu-preset family; mean over seeds, paired 95% intervals)")
         print(f"wrote {path}: {len(runs)} runs, {len(cells)} paired cells")
         if corpus_path and corpus:
             lrs = sel["lr"][SECOND_CORPUS["size"]]
@@ -286,11 +287,15 @@ TEST_PREDICTION = ("each cell, seeds 0 1 2: python train_lm.py --dataset wikitex
                    "at M; then python -m studies.compare RUNS --compare mle agg --out REPORT")
 
 
-def fit_trend(cells, key):
-    """OLS of a paired quantity's cell means (one point per cell: the seeds of a cell are not design points) on log10
-    non-embedding parameters and log10 training tokens; a lack-of-fit F test of that plane against the seeds' spread
-    within the cells; its predictions at PREDICT, extrapolations over up to three decades, to be read as such."""
-    X = np.asarray([[1.0, math.log10(c["n_params_non_embedding"]), math.log10(c["train_tokens"])] for c in cells])
+AXES = {"n_params_non_embedding": ("params", "non-embedding params"), "train_tokens": ("tokens", "train tokens"),
+        "epochs": ("epochs", "epochs")}  # a cell key the fits regress on: (its name in the fit, in words)
+
+
+def fit_trend(cells, key, on=("n_params_non_embedding", "train_tokens"), predict=PREDICT):
+    """OLS of a paired quantity's cell means (one point per cell: the seeds of a cell are not design points) on the
+    log10 of two cell keys (`on`); a lack-of-fit F test of that plane against the seeds' spread within the cells; its
+    predictions at `predict` (params and tokens), extrapolations over up to three decades, to be read as such."""
+    X = np.asarray([[1.0, *(math.log10(c[k]) for k in on)] for c in cells])
     y, n = np.asarray([c[key]["mean"] for c in cells]), np.asarray([len(c[key]["diffs"]) for c in cells])
     if len(y) <= 3 or np.linalg.matrix_rank(X) < 3:
         return None
@@ -302,20 +307,20 @@ def fit_trend(cells, key):
     pure = sum(float(np.sum((np.asarray(c[key]["diffs"]) - c[key]["mean"]) ** 2)) for c in cells)  # within cells
     df_pure = int(n.sum() - len(n))
     f_lof = float(n @ resid ** 2) / dof / (pure / df_pure) if df_pure and pure > 0 else float("nan")
-    params = {c["size"]: c["n_params_non_embedding"] for c in cells}
+    params = {c.get("size"): c.get("n_params_non_embedding") for c in cells}
     predictions = {}
-    for name, at in PREDICT.items():
+    for name, at in predict.items():
         if (p := at.get("n_params_non_embedding", params.get(at.get("size")))) is not None:
             x0 = np.array([1.0, math.log10(p), math.log10(at["train_tokens"])])
             pred, pred_se = float(x0 @ beta), float(np.sqrt(x0 @ cov @ x0 + s2))
             predictions[name] = dict(at, n_params_non_embedding=p, prediction=pred,
                                      pi95=[pred - t * pred_se, pred + t * pred_se])
-    return dict(model=f"{key} = a + b log10(non-embedding params) + c log10(train tokens), OLS over the cell means",
+    return dict(model=f"{key} = a + b log10({AXES[on[0]][1]}) + c log10({AXES[on[1]][1]}), OLS over the cell means",
                 cells=len(y), seeds_per_cell=sorted(set(n.tolist())), residual_sd=math.sqrt(s2),
-                **{n: dict(value=float(b), se=float(e), ci95=[float(b - t * e), float(b + t * e)])
-                   for n, b, e in zip(("intercept", "per_decade_params", "per_decade_tokens"), beta, se)},
+                **{n: dict(value=float(b), se=float(e), ci95=[float(b - t * e), float(b + t * e)]) for n, b, e in
+                   zip(("intercept", *(f"per_decade_{AXES[k][0]}" for k in on)), beta, se)},
                 lack_of_fit=dict(F=f_lof, df=[dof, df_pure], p=float(stats.f.sf(f_lof, dof, df_pure))),
-                predictions=predictions)
+                **dict(predictions=predictions) if predict else {})
 
 
 def prediction(fits):
@@ -333,16 +338,19 @@ def pooled_by_data(cells):
                        for k in FIT_QUANTITIES} for f in sorted({c["train_fraction"] for c in cells})}
 
 
-def plot_cells(cells, path, share):
-    """Each paired quantity against model size and against data size: mean over seeds and paired 95% t interval."""
-    panels = [("ppl_log_ratio", "AGG / MLE test PPL", math.exp), ("calibrated_rare_ppl_log_ratio",  # exp: ratios
-              "AGG / MLE rare PPL, both calibrated", math.exp), ("gap_closed_by_calibration",
-              "share of the rare gap closed by calibrating both", float), ("rare_isotropy_diff",
-              "rare I(W): AGG - MLE", float), ("uniq_diff", "Uniq: AGG - MLE", float)]
+PANELS = [("ppl_log_ratio", "AGG / MLE test PPL", math.exp), ("calibrated_rare_ppl_log_ratio",  # exp: ratios
+          "AGG / MLE rare PPL, both calibrated", math.exp), ("gap_closed_by_calibration",
+          "share of the rare gap closed by calibrating both", float), ("rare_isotropy_diff",
+          "rare I(W): AGG - MLE", float), ("uniq_diff", "Uniq: AGG - MLE", float)]  # (key, title, to the y axis)
+SIZE_ROWS = [("n_params_non_embedding", "train_tokens", "non-embedding parameters", "{:,.0f} train tokens"),
+             ("train_tokens", "n_params_non_embedding", "training tokens", "{:,.0f} non-emb. params")]
+
+
+def plot_cells(cells, path, suptitle, rows=SIZE_ROWS, panels=PANELS):
+    """Each paired quantity against each row's x key, a line per value of its line key (model size and data size by
+    default): mean over seeds and paired 95% t interval."""
     fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7.5))
-    for row, (x_key, line_key, x_label, line_label) in enumerate(
-            [("n_params_non_embedding", "train_tokens", "non-embedding parameters", "{:,.0f} train tokens"),
-             ("train_tokens", "n_params_non_embedding", "training tokens", "{:,.0f} non-emb. params")]):
+    for row, (x_key, line_key, x_label, line_label) in enumerate(rows):
         for ax, (key, title, f) in zip(axes[row], panels):
             for line in sorted({c[line_key] for c in cells if key in c}):
                 cs = sorted((c for c in cells if c[line_key] == line and key in c), key=lambda c: c[x_key])
@@ -352,13 +360,13 @@ def plot_cells(cells, path, share):
             ax.axhline(f(0.0), color="0.6", lw=0.8)  # no difference
             ax.set_xscale("log")
             xs = sorted({c[x_key] for c in cells})  # ticks at the grid's sizes only, e.g. "793k"
-            ax.set_xticks(xs, [f"{x / 1e6:.2g}M" if x >= 1e6 else f"{x / 1e3:.0f}k" for x in xs], minor=False)
+            ax.set_xticks(xs, [f"{x / 1e6:.2g}M" if x >= 1e6 else f"{x / 1e3:.0f}k" if x >= 1e3 else f"{x:.3g}"
+                               for x in xs], minor=False)
             ax.set_xticks([], minor=True)
             ax.set_xlabel(x_label, fontsize=8)
             ax.set_title(title, fontsize=9)
             ax.legend(fontsize=6)
-    fig.suptitle(f"AGG (rare share {share:g}) against MLE as the model and the data grow (cpu-preset family; mean "
-                 "over seeds, paired 95% intervals)", fontsize=10)
+    fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout()
     compare.save(fig, path)
 

@@ -1,5 +1,6 @@
 """studies/scale.py and studies/rivals.py: the studies' plans (selections on validation, bracketed learning rates,
 nested data, pairs on one host), their results files, and --train-fraction."""
+import itertools
 import json
 import math
 import os
@@ -11,7 +12,7 @@ import torch
 
 import data as data_py
 import train_lm
-from studies import compare, pool, practice, rivals, scale
+from studies import compare, pool, practice, rivals, scale, schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -313,6 +314,40 @@ def test_practice_sweeps_each_knob_with_mle_and_agg_on_real_flags_and_refuses_th
     assert ("softcap", "agg+softcap") in study.pairs  # does AGG add to the knob?
     with pytest.raises(SystemExit, match="not a results file of studies.practice"):
         practice.Practice(str(tmp_path), prior=[os.path.join(ROOT, "results", "lm_rivals.json")])
+
+
+def test_the_schedule_moves_data_and_epochs_apart_pairs_within_a_host_and_fits_both(tmp_path):
+    plan = schedule.Schedule(str(tmp_path / "out")).plan()
+    assert len(plan) == 7 * 2 * 5 and plan[0][0] == "f0.25-n600-agg-s0"  # the shortest runs first
+    parser = train_lm.build_parser()
+    for name, flags, _c in plan:  # every run a train_lm.py run at the preset's warm-up; AGG at the headline's share
+        args = parser.parse_args(flags)
+        assert (args.warmup, args.lr, args.eval_interval * 12) == (240, 4e-3, args.max_steps)
+        assert args.rare_share == (0.2 if args.method == "agg" else None)
+    runs = {}
+    for fraction, steps in [(f, n) for f, ns in schedule.CELLS.items() for n in ns]:
+        tokens = int(7e5 * fraction)
+        log_ratio = 0.01 + 0.02 * math.log10(tokens) + 0.1 * math.log10(steps * 1024 / tokens)  # a plane
+        for seed, method in itertools.product(range(5), ("mle", "agg")):
+            ppl = 300 * (math.exp(log_ratio) if method == "agg" else 1) * (1 + 0.01 * seed)
+            rare = dict(freq=100.0, med=1000.0, rare=ppl * 40)
+            host = "b2" * 8 if (fraction, steps, method, seed) == (1.0, 9600, "agg", 4) else "a1" * 8
+            runs[schedule.run_spec(fraction, steps, method, seed)[0]] = dict(
+                method=method, seed=seed, train_fraction=fraction, max_steps=steps, train_tokens=tokens,
+                epochs=steps * 1024 / tokens, kernels=host, valid_ppl=ppl, ppl=ppl, ppl_groups=rare, isotropy=0.1,
+                isotropy_groups=dict(rare=0.05), uniq=100, rare_bias=dict(ppl=ppl, ppl_groups=dict(rare, rare=ppl)))
+    path = tmp_path / "lm_schedule.json"
+    path.write_text(json.dumps(dict(command="python -m studies.schedule", runs=runs)))
+    schedule.Schedule(str(tmp_path / "out"), prior=[str(path)]).write_results(str(path), [])
+    res = json.loads(path.read_text())
+    cells = {(c["train_fraction"], c["max_steps"]): c for c in res["compare"]}
+    assert len(cells) == 7 and cells[1.0, 9600]["seeds"] == [0, 1, 2, 3]  # seed 4's pair spans two hosts
+    assert sorted(res["unpaired"]) == ["f1-n9600-agg-s4", "f1-n9600-mle-s4"]
+    assert cells[0.25, 2400]["epochs"] == pytest.approx(4 * cells[0.25, 600]["epochs"])
+    fit = res["fits"]["ppl_log_ratio"]  # over the 7 cell means, on log tokens and log epochs
+    assert fit["cells"] == 7 and "predictions" not in fit and "log10(epochs)" in fit["model"]
+    assert fit["per_decade_epochs"]["value"] == pytest.approx(0.1) and fit["per_decade_tokens"]["value"] == pytest.approx(0.02)
+    assert os.path.getsize(tmp_path / "lm_schedule.png") > 10000
 
 
 def test_lr_sensitivity_is_the_mean_excess_loss_over_the_grid_a_diverged_run_capped_at_ln_v():
