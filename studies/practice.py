@@ -6,8 +6,9 @@
 The protocol (this project's choices):
 - the knobs (PRACTICE): untie late (--untie-at 0.33 / 0.67: tied, then the output matrix a copy of the tied one;
   modded-nanogpt's speedrun unties at 2/3), a separate lr for the vocabulary matrices (--embedding-lr x0.3 / x3 /
-  x10, and x30: added after AGG's seed-0 sweep put its best at x10, the grid's edge; nanochat trains its embedding far
-  faster than its head), logit soft-capping (--logit-softcap 15 / 30 / 60:
+  x10, then x30 and x100: x30 added after AGG's seed-0 sweep put its best at x10, the grid's edge, x100 when AGG's
+  x30 runs were still improving at step 2,000 of 2,400; nanochat trains its embedding far faster than its head),
+  logit soft-capping (--logit-softcap 15 / 30 / 60:
   Gemma 2's 30, nanochat's 15); each with MLE and with AGG, AGG's share fixed at the preset's 0.2 (the headline's;
   studies.rivals' validation selects 0.05 for AGG alone); MLE, and AGG over its share 0.05 / 0.2 / 0.4, without them;
 - each rival: its lr (2e-3, 4e-3, 8e-3) x its knob at seed 0 on the full data; the 2 settings with the lowest valid
@@ -22,7 +23,7 @@ The protocol (this project's choices):
 from studies import rivals, scale
 
 KNOBS = {"untie-at": [(f"at{f:g}", ["--untie-at", f"{f:g}"]) for f in (0.33, 0.67)],
-         "emb-lr": [(f"x{m:g}", ["--embedding-lr", f"{m:g}"]) for m in (0.3, 3, 10, 30)],
+         "emb-lr": [(f"x{m:g}", ["--embedding-lr", f"{m:g}"]) for m in (0.3, 3, 10, 30, 100)],
          "softcap": [(f"cap{c:g}", ["--logit-softcap", f"{c:g}"]) for c in (15, 30, 60)]}
 # name: (method, flags, [(knob label, knob flags)]), as studies.rivals.RIVALS: each knob with MLE, then with AGG 0.2
 PRACTICE = {"mle": rivals.RIVALS["mle"], "agg": rivals.RIVALS["agg"], **{name: rival for knob, knobs in KNOBS.items()

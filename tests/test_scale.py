@@ -302,10 +302,10 @@ def test_practice_sweeps_each_knob_with_mle_and_agg_on_real_flags_and_refuses_th
     study = practice.Practice(str(tmp_path))
     plan = study.plan()
     flags = {n: f for n, f, _c in plan}
-    assert len(plan) == 3 * (1 + 3 + 2 + 2 + 4 + 4 + 3 + 3)  # lr x knob at seed 0, nothing else yet
+    assert len(plan) == 3 * (1 + 3 + 2 + 2 + 5 + 5 + 3 + 3)  # lr x knob at seed 0, nothing else yet
     f = flags[rivals.run_name("agg+untie-at", 4e-3, "at0.67", 0)]
     assert f[f.index("--rare-share") + 1] == "0.2" and f[f.index("--untie-at") + 1] == "0.67"
-    for name, knob_flags in (("emb-lr-lr0.008-x30-s0", ["--embedding-lr", "30"]),
+    for name, knob_flags in (("emb-lr-lr0.008-x100-s0", ["--embedding-lr", "100"]),
                              ("softcap-lr0.002-cap15-s0", ["--logit-softcap", "15"])):
         assert flags[name][-2:] == knob_flags and flags[name][1] == "mle"
     parser = train_lm.build_parser()
