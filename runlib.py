@@ -29,7 +29,6 @@ RUN_CONTROL = {"out", "resume", "overwrite", "stop_at", "device", "compile", "ev
 RESUME_MAY_CHANGE = {"max_steps", "dtype", "data_dir"}
 FOLLOW_INVOCATION = ("device", "resume", "stop_at", "overwrite", "compile")  # never taken from the saved config
 RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "config.json", "log.jsonl", "tokenizer.json")  # what --overwrite removes
-NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # a train step's default: no loss scaling
 
 
 def add_run_flags(p, task):
@@ -68,8 +67,7 @@ def method_flag(key):
     return "--" + key.rstrip("_").replace("_", "-")  # lambda_ -> --lambda
 
 
-def explicit_flags(parser, argv):
-    """The config keys given on the command line (parsed with every default suppressed)."""
+def explicit_flags(parser, argv):  # the config keys given on the command line (every default suppressed)
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv)))
@@ -390,12 +388,11 @@ class Run:
         with open(agg.__file__, "rb") as f:
             segment = dict(git_commit=commit, git_dirty=dirty, argv=list(self.argv),
                            agg_sha256=hashlib.sha256(f.read()).hexdigest(), start_step=self.step)
-        old = (self.ck.get("provenance") or (run_config(self.out) or {}).get("segments") or []) if resumed else []
-        self.segments = old + [segment]
+        self.segments = (self.ck["provenance"] if resumed else []) + [segment]
         versions = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
                         platform=platform.platform(), threads=torch.get_num_threads(),  # CPU results depend on them
                         cpu_capability=torch.backends.cpu.get_cpu_capability(), kernels=kernel_fingerprint())
-        first = {k: self.segments[0].get(k, segment[k]) for k in ("git_commit", "argv", "agg_sha256")}
+        first = {k: self.segments[0][k] for k in ("git_commit", "argv", "agg_sha256")}
         write_json(os.path.join(self.out, "config.json"), dict(self.cfg, versions=versions, git_dirty=dirty, **first,
                    segments=self.segments, **info, world_size=self.world,
                    resumed_from_step=self.step if resumed else None))
@@ -447,8 +444,7 @@ class Run:
         return fwd
 
     def log(self, record):
-        """One record (step, split, numbers) to log.jsonl and wandb (as SPLIT/key); a full disk ends in one line, a
-        non-finite valid loss or PPL stops the run (before it is checkpointed)."""
+        """One record to log.jsonl and wandb (as SPLIT/key); a non-finite valid loss or PPL stops the run."""
         if not self.master:
             return
         try:
@@ -460,30 +456,30 @@ class Run:
             self.wandb.log({f"{record['split']}/{k}": v for k, v in record.items() if k not in ("step", "split")},
                            step=record["step"])
         if record["split"] == "valid" and not (math.isfinite(record["loss"]) and math.isfinite(record["ppl"])):
-            raise self._diverged(f"step {record['step']}: the valid loss is {record['loss']:.4g}, PPL "
+            raise self.diverged(f"step {record['step']}: the valid loss is {record['loss']:.4g}, PPL "
                                  f"{record['ppl']:.4g}")
 
-    def _diverged(self, what):
+    def diverged(self, what):
         return SystemExit(f"{what} (diverged); {self.ckpt_path} keeps the last good checkpoint. Lower --lr or check "
                           f"the method's hyper-parameters")
 
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
         """ckpt.pt: all an exact resume needs (+ `extra`: the data position), never non-finite weights; every rank calls
-        it (the RNG states are gathered). --keep-last N: the last N models also as ckpt_STEP.pt."""
+        it (the RNG states are gathered)."""
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         self.step, rng = step, dict(torch=torch.get_rng_state(), cuda=cuda)  # all that training draws from
         rngs = [rng] * self.world
         if self.ddp:
             torch.distributed.all_gather_object(rngs, rng)
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise self._diverged(f"step {step}: the model has non-finite weights")
+            raise self.diverged(f"step {step}: the model has non-finite weights")
         if not self.master:
             return
         head = dict(model=model.state_dict(), step=step, config=self.cfg, task=self.task)
         save_checkpoint(self.ckpt_path, dict(head, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
                                              method=method.state_dict(), scaler=scaler.state_dict(), rng=rngs,
                                              provenance=self.segments, **extra))
-        if self.cfg.get("keep_last"):  # model-only snapshots for checkpoint averaging
+        if self.cfg.get("keep_last"):  # --keep-last N: the last N models also as ckpt_STEP.pt, for averaging
             save_checkpoint(os.path.join(self.out, f"ckpt_{step}.pt"), head)
             for old in snapshots(self.out)[:-self.cfg["keep_last"]]:
                 os.remove(old)

@@ -50,6 +50,7 @@ AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)  # AGPS Tables 5 and 8 (i_r, m
 PRESET_METHOD = {"cpu": dict(rare_share=0.2), "paper-6l": dict(AGPS_LM), "gpt2-medium": dict(AGPS_LM, alpha=0.03)}
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
 RUN_CONTROL = runlib.RUN_CONTROL | {"eval_tokens", "snapshot_steps"}  # see runlib.RUN_CONTROL
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # train_step's default: no loss scaling
 
 
 # ----------------------------------------------------------------------------------------------------------- config
@@ -58,9 +59,8 @@ def build_parser():
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=OFFLINE_DATASET, help=f"{OFFLINE_DATASET} (offline default) | {BIBLE_EN} "
                    f"(offline: the World English Bible, a chapter a line) | wikitext-103 | wikitext-2 (hub)")
-    g.add_argument("--data-dir", default=None,
-                   help="one corpus: train.txt / valid.txt / test.txt, the raw WikiText layout (wiki.train.tokens, "
-                        "...), parquet files with a text column, or a datasets.save_to_disk folder")
+    g.add_argument("--data-dir", help="one corpus: train.txt / valid.txt / test.txt, the raw WikiText layout "
+                   "(wiki.train.tokens, ...), parquet files with a text column, or a datasets.save_to_disk folder")
     g.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
                    help="bpe: byte-level BPE trained on train (GPT-2 style); word: whitespace words (WikiText's level)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE / word vocabulary size (preset default)")
@@ -98,17 +98,14 @@ def build_parser():
     g.add_argument("--eval-tokens", type=int, default=None, help="cap on validation tokens (default all)")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--snapshot-steps", type=lambda t: sorted({int(x) for x in t.split(",") if x}), default=[],
-                   help="comma-separated steps at which to save the embedding matrix to OUT/snapshots/ "
-                        "(studies.compare draws them as SVD projections over time, AGG Fig. 1)")
+                   help="comma-separated steps to save the embedding matrix at, to OUT/snapshots/ (AGG Fig. 1)")
     return p
 
 
 def resolve_config(args, explicit=None):
     """The run's config: the parsed flags with the preset's defaults filled in, checked."""
     cfg = dict(vars(args))
-    for k, v in PRESETS[cfg["preset"]].items():
-        if cfg.get(k) is None:
-            cfg[k] = v
+    cfg.update({k: v for k, v in PRESETS[cfg["preset"]].items() if cfg.get(k) is None})
     if cfg["tokenizer"] == "word" and (explicit is None or "vocab_size" not in explicit):
         cfg["vocab_size"] = 0  # word level: keep every word of the train split (WikiText's closed vocabulary)
     if cfg["data_dir"]:
@@ -300,7 +297,7 @@ def check_memory(cfg, V, B):
 
 
 def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
-               scaler=runlib.NO_SCALER):
+               scaler=NO_SCALER):
     """One optimizer step on this process's sequences: (mean loss, mean NLL over all ranks, the method's stats)."""
     method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
     loss_sum, nll_sum = 0.0, 0.0
@@ -444,8 +441,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
                                           run.ddp, run.world, scaler)
             if not math.isfinite(loss):
-                raise SystemExit(f"step {step + 1}: loss is {loss}; lower --lr or check the method's "
-                                 f"hyper-parameters ({run.ckpt_path} keeps the last good checkpoint)")
+                raise run.diverged(f"step {step + 1}: loss is {loss}")
             sched.step()  # the lr of the next step
             step += 1
             if untied(cfg, step) and not raw.untied:  # --untie-at: from here on the output matrix is lm_head

@@ -105,9 +105,7 @@ def build_parser():
 def resolve_config(args, explicit=None):
     """The run's config: the parsed flags with the preset's defaults and the dataset's languages filled in, checked."""
     cfg = dict(vars(args))
-    for k, v in PRESETS[cfg["preset"]].items():
-        if cfg.get(k) is None:
-            cfg[k] = v
+    cfg.update({k: v for k, v in PRESETS[cfg["preset"]].items() if cfg.get(k) is None})
     if cfg["data_dir"] is not None:
         cfg["dataset"] = "dir"
         if not (cfg["src"] and cfg["tgt"]):
@@ -602,8 +600,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             step += 1
             tok_count += n_all
             if not math.isfinite(loss):
-                raise SystemExit(f"step {step}: loss is {loss}; lower --lr or raise --warmup ({run.ckpt_path} keeps "
-                                 f"the last good checkpoint)")
+                raise run.diverged(f"step {step}: loss is {loss}")
             bar.update(1)  # the progress bar counts optimizer steps
             if step % cfg["log_interval"] == 0 or step == run.stop_step:
                 rec = dict(step=step, split="train", loss=loss, nll=nll, ppl=math.exp(min(nll, 50)),
