@@ -19,8 +19,7 @@ from tqdm import tqdm
 
 import runlib
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-LM_CACHE, NMT_CACHE = os.path.join(ROOT, "data_cache", "lm"), os.path.join(ROOT, "data_cache", "nmt")
+LM_CACHE, NMT_CACHE = os.path.join(runlib.ROOT, "data_cache", "lm"), os.path.join(runlib.ROOT, "data_cache", "nmt")
 SPLITS = ("train", "valid", "test")
 HUB_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
 
