@@ -457,7 +457,7 @@ class Run:
                            step=record["step"])
         if record["split"] == "valid" and not (math.isfinite(record["loss"]) and math.isfinite(record["ppl"])):
             raise self.diverged(f"step {record['step']}: the valid loss is {record['loss']:.4g}, PPL "
-                                 f"{record['ppl']:.4g}")
+                                f"{record['ppl']:.4g}")
 
     def diverged(self, what):
         return SystemExit(f"{what} (diverged); {self.ckpt_path} keeps the last good checkpoint. Lower --lr or check "
