@@ -388,11 +388,12 @@ class Run:
         with open(agg.__file__, "rb") as f:
             segment = dict(git_commit=commit, git_dirty=dirty, argv=list(self.argv),
                            agg_sha256=hashlib.sha256(f.read()).hexdigest(), start_step=self.step)
-        self.segments = (self.ck["provenance"] if resumed else []) + [segment]
+        old = (self.ck.get("provenance") or (run_config(self.out) or {}).get("segments") or []) if resumed else []
+        self.segments = old + [segment]
         versions = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
                         platform=platform.platform(), threads=torch.get_num_threads(),  # CPU results depend on them
                         cpu_capability=torch.backends.cpu.get_cpu_capability(), kernels=kernel_fingerprint())
-        first = {k: self.segments[0][k] for k in ("git_commit", "argv", "agg_sha256")}
+        first = {k: self.segments[0].get(k, segment[k]) for k in ("git_commit", "argv", "agg_sha256")}
         write_json(os.path.join(self.out, "config.json"), dict(self.cfg, versions=versions, git_dirty=dirty, **first,
                    segments=self.segments, **info, world_size=self.world,
                    resumed_from_step=self.step if resumed else None))
