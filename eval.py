@@ -267,7 +267,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
     beta, bias = fit_temperature(valid), fit_rare_bias(cat([stats(logits, y) for logits, y, _ in valid()]))
     acc, acc_t = agg.GroupNLL(), agg.GroupNLL()  # at temperature 1 and at the fitted one
     type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
-    preds, targets, logit_stats = [], [], []
+    preds, logit_stats = [], []
     doc = document_of(ids, data["eos_id"], data["meta"].get("documents", {}).get(args.split))
     articles = agg.GroupNLL(3 * len(doc[1])) if doc is not None else None  # NLL per (article, group)
     for logits, y, pos in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window),
@@ -279,18 +279,16 @@ def evaluate_lm(out_dir, model, ck, args, device):
             articles.add(nll.cpu(), 3 * doc[0][pos] + gid[y.cpu()])
         type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
         preds.append(logits.argmax(-1).flatten().cpu())
-        targets.append(y.flatten().cpu())
         logit_stats.append(stats(logits, y))
-    preds, targets, logit_stats = torch.cat(preds), torch.cat(targets), cat(logit_stats)
-    up, ut = preds.unique(), targets.unique()
+    preds, logit_stats = torch.cat(preds), cat(logit_stats)
+    up, ut = preds.unique(), logit_stats["target"].unique()
+    per_group = lambda ids: {g: int((gid[ids] == k).sum()) for k, g in enumerate(agg.GROUPS)}
     m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=cfg["out"], split=args.split,
              context_window=args.context_window, tokens=acc.tokens(), ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
-             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
-             uniq_human=int(len(ut)),
-             uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
+             uniq=int(len(up)), uniq_groups=per_group(up), uniq_human=int(len(ut)), uniq_human_groups=per_group(ut),
              rare_argmax=rare_bias_metrics(logit_stats, 0.0, gid), rare_bias=rare_bias_metrics(logit_stats, bias, gid),
              temperature=dict(t=1 / beta, ppl=acc_t.ppl(), ppl_groups=acc_t.ppl_groups()),
-             type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)),  # for --compare, not saved
+             type_stats=dict(nll=type_nll, count=torch.bincount(logit_stats["target"], minlength=V)),  # not saved
              article_stats=None if articles is None else dict(  # per held-out article and group: the bootstrap units
                  nll=articles.nll.view(-1, 3).tolist(), count=articles.count.view(-1, 3).tolist()))
     # greedy continuations of evenly spaced prefixes of the split (AGG Table 14), and the same prefixes continued by
