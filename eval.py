@@ -215,8 +215,9 @@ def distinct_n(continuations, n):
     return len(set(grams)) / len(grams) if grams else float("nan")
 
 
-def run_data_dir(cfg, data_dir):
-    """--data-dir: the run's corpus read from its new folder (the fingerprint is checked after); a gone one says so."""
+def run_data(cfg, data_dir, task, V):
+    """The run's data as it trained: --data-dir reads its corpus from a new folder, a gone folder says so, and a corpus
+    or tokenizer changed since training (another data fingerprint or vocabulary size V) is refused."""
     if data_dir:
         if cfg.get("dataset") != "dir":
             raise SystemExit(f"--data-dir {data_dir}: {cfg['out']} was trained on --dataset {cfg.get('dataset')}, "
@@ -225,6 +226,14 @@ def run_data_dir(cfg, data_dir):
     elif cfg.get("dataset") == "dir" and not os.path.isdir(cfg["data_dir"]):
         raise SystemExit(f"{cfg['out']}: its data folder {cfg['data_dir']} is not there (moved?): give eval.py "
                          f"--data-dir with the folder's new place")
+    data = (prepare_lm if task == "lm" else prepare_nmt)(cfg, log=lambda *a: None)
+    now, size = ((os.path.basename(data["dir"]), data["vocab_size"]) if task == "lm"
+                 else (data.cache.name, data.vocab_size))
+    if not runlib.same_data(cfg.get("data_fingerprint"), now) or size != V:
+        raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
+                         f"{cfg.get('data_fingerprint')}, V={V}; now {now}, V={size}): restore the original files to "
+                         f"evaluate it")
+    return data
 
 
 def document_of(ids, eos_id, documents):
@@ -243,12 +252,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
     """A train_lm.py run on its test split (or --split valid), the metrics of the module's docstring. Returns
     (metrics, weight, train counts, None, tokens)."""
     cfg = dict(ck["config"], device=str(device), out=out_dir, cache_dir=args.cache_dir or ck["config"]["cache_dir"])
-    run_data_dir(cfg, args.data_dir)
-    data = prepare_lm(cfg, log=lambda *a: None)
-    if not runlib.same_data(cfg.get("data_fingerprint"), os.path.basename(data["dir"])):
-        raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
-                         f"{cfg['data_fingerprint']}, now {os.path.basename(data['dir'])}): restore the original "
-                         f"files to evaluate it")
+    data = run_data(cfg, args.data_dir, "lm", model.out_weight.shape[0])
     V, tok, ids, autocast = data["vocab_size"], data["tokenizer"], data["ids"][args.split], runlib.autocast(cfg)
     gid = agg.group_of(agg.frequency_groups(data["counts"]), V)
     gid_d, rare_d = gid.to(device), gid.to(device) == 2
@@ -263,7 +267,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
     beta, bias = fit_temperature(valid), fit_rare_bias(cat([stats(logits, y) for logits, y, _ in valid()]))
     acc, acc_t = agg.GroupNLL(), agg.GroupNLL()  # at temperature 1 and at the fitted one
     type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
-    preds, targets, logit_stats = [], [], []
+    preds, logit_stats = [], []
     doc = document_of(ids, data["eos_id"], data["meta"].get("documents", {}).get(args.split))
     articles = agg.GroupNLL(3 * len(doc[1])) if doc is not None else None  # NLL per (article, group)
     for logits, y, pos in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window),
@@ -275,18 +279,16 @@ def evaluate_lm(out_dir, model, ck, args, device):
             articles.add(nll.cpu(), 3 * doc[0][pos] + gid[y.cpu()])
         type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
         preds.append(logits.argmax(-1).flatten().cpu())
-        targets.append(y.flatten().cpu())
         logit_stats.append(stats(logits, y))
-    preds, targets, logit_stats = torch.cat(preds), torch.cat(targets), cat(logit_stats)
-    up, ut = preds.unique(), targets.unique()
+    preds, logit_stats = torch.cat(preds), cat(logit_stats)
+    up, ut = preds.unique(), logit_stats["target"].unique()
+    per_group = lambda ids: {g: int((gid[ids] == k).sum()) for k, g in enumerate(agg.GROUPS)}
     m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=cfg["out"], split=args.split,
              context_window=args.context_window, tokens=acc.tokens(), ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
-             uniq=int(len(up)), uniq_groups={g: int((gid[up] == k).sum()) for k, g in enumerate(agg.GROUPS)},
-             uniq_human=int(len(ut)),
-             uniq_human_groups={g: int((gid[ut] == k).sum()) for k, g in enumerate(agg.GROUPS)},
+             uniq=int(len(up)), uniq_groups=per_group(up), uniq_human=int(len(ut)), uniq_human_groups=per_group(ut),
              rare_argmax=rare_bias_metrics(logit_stats, 0.0, gid), rare_bias=rare_bias_metrics(logit_stats, bias, gid),
              temperature=dict(t=1 / beta, ppl=acc_t.ppl(), ppl_groups=acc_t.ppl_groups()),
-             type_stats=dict(nll=type_nll, count=torch.bincount(targets, minlength=V)),  # for --compare, not saved
+             type_stats=dict(nll=type_nll, count=torch.bincount(logit_stats["target"], minlength=V)),  # not saved
              article_stats=None if articles is None else dict(  # per held-out article and group: the bootstrap units
                  nll=articles.nll.view(-1, 3).tolist(), count=articles.count.view(-1, 3).tolist()))
     # greedy continuations of evenly spaced prefixes of the split (AGG Table 14), and the same prefixes continued by
@@ -342,12 +344,7 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     """A train_nmt.py run on its test split: BLEU, test PPL, the target side's metrics (train_nmt.validate), the first
     test translations. Returns (metrics, weight, counts of both sides, source counts, tokens)."""
     cfg = dict(ck["config"], device=str(device), beam=args.beam, out=out_dir)
-    run_data_dir(cfg, args.data_dir)
-    data, V = prepare_nmt(cfg, log=lambda *a: None), model.out_weight.shape[0]
-    if not runlib.same_data(cfg.get("data_fingerprint"), data.cache.name) or data.vocab_size != V:
-        raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
-                         f"{cfg.get('data_fingerprint')}, V={V}; now {data.cache.name}, "
-                         f"V={data.vocab_size}): restore the original files to evaluate it")
+    data = run_data(cfg, args.data_dir, "nmt", model.out_weight.shape[0])
     if n := args.max_sentences:
         data.ids.update({k: data.ids[k][:n] for k in ("test.src", "test.tgt")})
         data.text["test"] = tuple(side[:n] for side in data.text["test"])
@@ -388,7 +385,6 @@ def log_records(out_dir, split="valid"):
 
 
 def last_valid_ppl(out_dir, step):
-    """The valid PPL logged at `step` in the run's log.jsonl (None when there is none)."""
     return next((r.get("ppl") for r in reversed(log_records(out_dir)) if r.get("step") == step), None)
 
 
@@ -481,11 +477,9 @@ def build_parser(doc=__doc__, runs="+"):
     p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")
     p.add_argument("--max-sentences", type=int, default=None, help="NMT: the first N test sentences (default: all)")
-    p.add_argument("--context-window", type=int, default=0, help="LM: score each block after this many tokens of "
-                   "context, as fairseq's --context-window (default 0: non-overlapping blocks, as in validation)")
+    p.add_argument("--context-window", type=int, default=0, help="LM: score blocks after N context tokens (fairseq's)")
     p.add_argument("--cache-dir", default=None, help="LM data cache (default: the run's own)")
-    p.add_argument("--data-dir", metavar="DIR", help="the runs' --data-dir corpus at another path (moved or copied); "
-                   "used when its files are the ones the run trained on (the data fingerprint matches)")
+    p.add_argument("--data-dir", metavar="DIR", help="the runs' --data-dir corpus moved to DIR (the same files)")
     p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
     p.add_argument("--prefix-len", type=int, default=50)
     p.add_argument("--gen-len", type=int, default=100)
@@ -494,8 +488,7 @@ def build_parser(doc=__doc__, runs="+"):
     p.add_argument("--rg65", default=None, help="RG65 word-similarity file")
     p.add_argument("--rw", default=None, help="Stanford Rare Words file")
     p.add_argument("--beam", type=int, default=4, help="NMT beam size")
-    p.add_argument("--average-last", type=int, default=0, help="NMT: evaluate the mean weights of the last N "
-                   "snapshots of a run trained with --keep-last N (fairseq's average_checkpoints)")
+    p.add_argument("--average-last", type=int, default=0, help="NMT: average the last N snapshots (--keep-last N)")
     p.add_argument("--include-unseen", action="store_true", help="geometry over every row (default: the rows seen)")
     p.add_argument("--checkpoint", default="last", choices=["last", "best"],
                    help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM runs)")

@@ -303,15 +303,12 @@ def run_command(saved, script):
 
 def run_record(m, cfg, **extra):
     """One run of a results file (every study's schema): metrics, settings, provenance and its training command."""
-    versions = cfg.get("versions") or {}
-    record = dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
-                  threads=versions.get("threads"), cpu_capability=versions.get("cpu_capability"),
-                  kernels=versions.get("kernels"), task=cfg.get("task", "lm"), data_fingerprint=cfg.get(
-                      "data_fingerprint"), vocab_size_actual=cfg.get("vocab_size_actual"),
-                  segments=[{k: seg.get(k) for k in ("start_step", "git_commit", "git_dirty", "agg_sha256")}
-                            for seg in cfg.get("segments") or []],
-                  command=run_command(cfg, "train_lm.py" if cfg.get("task", "lm") == "lm" else "train_nmt.py"))
-    return dict(record, **extra)
+    versions, task = cfg.get("versions") or {}, cfg.get("task", "lm")
+    return dict({k: m[k] for k in RESULT_KEYS if k in m}, **{k: cfg.get(k) for k in RUN_KEYS},
+                **{k: versions.get(k) for k in ("threads", "cpu_capability", "kernels")}, task=task,
+                **{k: cfg.get(k) for k in ("data_fingerprint", "vocab_size_actual")},
+                segments=[{k: seg.get(k) for k in ("start_step", "git_commit", "git_dirty", "agg_sha256")}
+                          for seg in cfg.get("segments") or []], command=run_command(cfg, f"train_{task}.py"), **extra)
 
 
 def write_results(path, metrics, configs, folders, comparisons, argv):

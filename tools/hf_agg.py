@@ -129,8 +129,7 @@ def main(argv=None):
     training_args = TrainingArguments(
         output_dir=args.out, max_steps=args.max_steps, seed=0, per_device_train_batch_size=args.batch,
         learning_rate=2e-3, gradient_accumulation_steps=args.accum, warmup_steps=30, lr_scheduler_type="cosine",
-        weight_decay=0.01, logging_steps=10, save_steps=100, report_to="none",
-        use_cpu=not torch.cuda.is_available())
+        weight_decay=0.01, logging_steps=10, save_steps=100, report_to="none", use_cpu=not torch.cuda.is_available())
     trainer = AGGTrainer(model=model, args=training_args, method=method,
                          train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
     trainer.train(resume_from_checkpoint=True if args.resume else None)
