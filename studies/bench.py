@@ -87,8 +87,7 @@ class Runner:
             self.method = agg.build_method(name, vocab_size=V, counts=data["counts"], special_ids=SPECIAL_IDS, **hp)
             for y in data["history"] if agg.agg_family(name) else []:
                 self.method.observe(y)
-        self.hidden = data["hidden"].detach().requires_grad_()
-        self.weight = data["weight"].detach().requires_grad_()
+        self.hidden, self.weight = (data[k].detach().requires_grad_() for k in ("hidden", "weight"))
         self.batches, self.i, self.bf16 = data["batches"], 0, data["bf16"]
 
     def step(self, hidden=None, y=None):
@@ -125,12 +124,11 @@ def interleave(names, rounds, warmup, run, desc):
     return out
 
 
-def _cpu_peak(spec):
+def _cpu_peak(method, chunk_size, threads, data):
     """The peak RSS (MB) of one step above its set-up (VmHWM, reset by /proc/self/clear_refs on Linux >= 4.0)."""
     status_kb = lambda key: next(int(r.split()[1]) for r in open("/proc/self/status") if r.startswith(key + ":"))
-    torch.set_num_threads(spec.pop("threads"))
-    name, chunk_size = spec.pop("method"), spec.pop("chunk_size")
-    runner = Runner(name, make_data(device="cpu", **spec), chunk_size)
+    torch.set_num_threads(threads)
+    runner = Runner(method, make_data(device="cpu", **data), chunk_size)
     runner.step(hidden=runner.hidden[:1, :16], y=runner.batches[0][:1, :16])  # every code path, a small allocation
     runner.hidden.grad = runner.weight.grad = None
     gc.collect()
@@ -145,12 +143,11 @@ def cpu_peak_mb(method, chunk_size=None, **data):
     """Peak RSS (MB) of one step of `method` on make_data(**data) above its set-up, in a fresh process (forkserver)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "agg"])
-    spec = dict(data, method=method, chunk_size=chunk_size, threads=torch.get_num_threads())
     # A fixed glibc mmap threshold (read as the process or its server starts): every buffer >= 1 MiB is its own
     # mapping, unmapped when freed, so the peak RSS counts live tensors, not the freed buffers glibc keeps at random.
     with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2 ** 20)), cf.ProcessPoolExecutor(1, ctx) as pool:
         try:
-            return pool.submit(_cpu_peak, spec).result()
+            return pool.submit(_cpu_peak, method, chunk_size, torch.get_num_threads(), data).result()
         except cf.process.BrokenProcessPool:  # killed before it could answer (the OOM killer, most likely)
             raise SystemExit(f"peak memory of {method} at V={data['V']}: the child process died; out of memory? "
                              "Try a smaller --tokens / --vocab, or --no-memory") from None
@@ -179,7 +176,7 @@ fmt = lambda x, spec: "n/a" if x is None else spec.format(x)
 
 def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
     """Time the (method, chunk_size) candidates interleaved on one data set, then measure their peak memory:
-    ({V, device, alpha, rare shares, load}, {candidate: ([wall ms], [CPU ms], peak MB or None)})."""
+    ({V, device, alpha, rare shares, load}, {candidate: (wall ms per round, CPU ms per round, peak MB or None)})."""
     spec = dict(V=V, T=T, d=d, seq_len=seq_len, window=args.window, dtype=args.dtype)
     data = make_data(device=device, **spec)
     info = dict(V=V, device=device, alpha=data["alpha"], rare_vocab=data["rare_vocab"], rare_rows=data["rare_rows"],
@@ -190,8 +187,7 @@ def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
              for k in tqdm(runners, desc=f"memory {device} V={V}", leave=False, file=sys.stderr)}
     del runners, data
     gc.collect()
-    return dict(info, load_after=os.getloadavg()), {k: ([t[0] for t in v], [t[1] for t in v], peaks[k])
-                                                    for k, v in timed.items()}
+    return dict(info, load_after=os.getloadavg()), {k: (*zip(*v), peaks[k]) for k, v in timed.items()}
 
 
 def bench_head(args, devices, log, result, save):
