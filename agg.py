@@ -713,9 +713,8 @@ class UL(MLE):
 
 
 class ULAGG(AGG):
-    """AGG's gated NLL + token-level unlikelihood (AGG Table 4; the paper does not say how the two combine, so the
-    three ways are this project's: gate_ul, not gated, ul_features_only). Ungated, the UL term's softmax pulls every
-    rare embedding towards the features."""
+    """AGG's gated NLL + token-level unlikelihood (AGG Table 4, which does not say how the two combine: gate_ul,
+    ungated and ul_features_only are this project's). Ungated, the UL softmax pulls every rare row to the features."""
     name = "ul+agg"
     spec = dict(AGG.spec, alpha_ul=UL.spec["alpha_ul"],
                 gate_ul=(True, bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (our choice)"),
@@ -972,8 +971,7 @@ def singular_spectrum(weight):
 
 
 def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
-    """(frequent, medium, rare) index tensors: the vocabulary split by training counts, most frequent first
-    (AGG Sec. 3.1: 30% / 50% / 20%)."""
+    """(frequent, medium, rare) index tensors: the vocabulary by training counts, 30/50/20% (AGG Sec. 3.1)."""
     counts = torch.as_tensor(counts)
     order = torch.argsort(counts.double(), descending=True, stable=True)
     n_freq, n_med = round(fractions[0] * len(counts)), round(fractions[1] * len(counts))
@@ -984,8 +982,7 @@ GROUPS = ("freq", "med", "rare")  # the names of frequency_groups' three groups,
 
 
 def group_of(groups, vocab_size, missing=-1):
-    """(V,) long: each token's group number in `groups` (frequency_groups' order: 0 frequent, 1 medium, 2 rare),
-    `missing` for tokens in none."""
+    """(V,) long: each token's number in `groups` (as frequency_groups': 0 freq, 1 med, 2 rare), else `missing`."""
     gid = torch.full((vocab_size,), missing, dtype=torch.long)
     for g, idx in enumerate(groups):
         gid[torch.as_tensor(idx, dtype=torch.long)] = g

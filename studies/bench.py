@@ -154,7 +154,6 @@ def cpu_peak_mb(method, chunk_size=None, **data):
 
 
 def peak_mb(runner, device, data):
-    """Peak memory (MB) of one step of `runner` above its set-up: CUDA max_memory_allocated, or cpu_peak_mb."""
     if device == "cpu":
         return cpu_peak_mb(runner.name, runner.chunk_size, **data)
     gc.collect()
@@ -202,8 +201,7 @@ def bench_head(args, devices, log, result, save):
             (wall, cpu, peak), (ms, cpu_ms) = res[n, None], med[n]
             result["cases"].append(c := dict(
                 method=n, V=V, device=device, ms=round(ms, 3), ms_ratio_vs_mle=round(ms / med["mle"][0], 4),
-                peak_mb=None if peak is None else round(peak, 2),
-                mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
+                peak_mb=peak and round(peak, 2), mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
             result["spread"].append(s := dict(
                 method=n, V=V, device=device, ms_min=round(min(wall), 3), ms_max=round(max(wall), 3),
                 samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms, 3),
@@ -269,8 +267,7 @@ def bench_lm(args, log):
     samples = interleave(names, args.lm_rounds, 1, tokens_per_s, "lm steps")
     med = {n: statistics.median(s) for n, s in samples.items()}
     rows = [dict(method=n, tokens_per_s=round(med[n], 1), ratio_vs_mle=round(med[n] / med["mle"], 4),
-                 min=round(min(samples[n]), 1), max=round(max(samples[n]), 1), rare_vocab=rare.get(n))
-            for n in names]
+                 min=round(min(samples[n]), 1), max=round(max(samples[n]), 1), rare_vocab=rare.get(n)) for n in names]
     res = dict(preset="cpu", data=f"train_lm.py training split ({data['dir']})", vocab_size=V, block_size=block,
                tokens_per_step=seqs_per_step * block, window=K, alpha=args.lm_alpha, steps_per_round=args.lm_steps,
                rounds=args.lm_rounds, rows=rows, model={k: cfg[k] for k in train_lm.MODEL_FIELDS})
@@ -317,9 +314,8 @@ def build_parser():
     return p
 
 
-QUICK = dict(vocab=[8192], tokens=1024, d_model=128, seq_len=256, repeats=2, warmup=1,
-             chunk_vocab=[16384], chunk_tokens=512, chunk_d=64, chunk_sizes=[0, 64], chunk_repeats=1,
-             sections="head,chunked", window=50)
+QUICK = dict(vocab=[8192], tokens=1024, d_model=128, seq_len=256, repeats=2, warmup=1, sections="head,chunked",
+             chunk_vocab=[16384], chunk_tokens=512, chunk_d=64, chunk_sizes=[0, 64], chunk_repeats=1, window=50)
 
 
 def main(argv=None):
