@@ -224,8 +224,7 @@ def bench_chunked(args, devices, log):
         candidates = [(m, c or None) for m in ("mle", "agg") for c in args.chunk_sizes]
         _, res = measure(args, device, V, T, d, T, candidates, args.chunk_repeats, 1, "chunked")
         rows += [dict(method=m, V=V, T=T, d=d, device=device, chunk_size=c, ms=round(statistics.median(wall), 3),
-                      peak_mb=None if peak is None else round(peak, 2),
-                      logits_mb=round((c or T) * V * 4 / 2 ** 20, 2),  # one float32 rows x V buffer
+                      peak_mb=peak and round(peak, 2), logits_mb=round((c or T) * V * 4 / 2 ** 20, 2),
                       weight_grad_mb=round(V * d * 4 / 2 ** 20, 2)) for (m, c), (wall, _, peak) in res.items()]
     log(table("\nchunked head (chunk_size of loss()): peak MB above set-up; one rows x V float32 buffer = logits MB",
               ["method", "V", "T", "d", "chunk_size", "ms", "peak MB", "logits MB", "weight grad MB"],

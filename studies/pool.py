@@ -61,7 +61,6 @@ def run(next_job, jobs, after=None, result=lambda name: None):
 
 
 def finished(folder):
-    """True when the run folder's checkpoint holds its last step."""
     path = os.path.join(folder, "ckpt.pt")
     return os.path.exists(path) and (ck := runlib.load_checkpoint(path))["step"] >= ck["config"]["max_steps"]
 
