@@ -507,7 +507,7 @@ class AGPS(StaticGroupMethod):
     spec = dict(StaticGroupMethod.spec,
                 mu1=(None, float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)"),
                 mu2=(None, float, "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)"),
-                rare_rank=(None, int, "AGPS i_r: words from this frequency rank on are rare (not rare_fraction)"))
+                rare_rank=(None, int, "AGPS i_r: words from this frequency rank on are rare (overrides rare_fraction)"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
