@@ -228,6 +228,7 @@ _RANGES = {  # what each hyper-parameter must be (NaN fails every comparison), c
     **dict.fromkeys(("window", "static_after", "disc_steps"), (lambda v: _WHOLE(v, 1), "a whole number >= 1")),
     **dict.fromkeys(("until", "rare_rank"), (lambda v: _WHOLE(v, 0), "a whole number >= 0")),
     "parts": (lambda v: v in ("b", "c", "bc"), "'b', 'c' or 'bc'"),
+    "center_mode": (lambda v: v in ("step", "loss"), "'step' or 'loss'"),
 }
 
 
@@ -334,8 +335,7 @@ class MLE:
         col_gate, group_rows, group_gate = self.gates(y)
         rare = self.rare_mask()
         acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-        need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad))
+        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
         # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls only
         mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype)
         cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
@@ -390,8 +390,7 @@ class AGG(MLE):
         alpha=(0.03, float, "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)"),
         window=(1000, int, "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)"),
         use_g1=(True, bool, "AGG: apply gate g1 (Eq. 7)"), use_g2=(True, bool, "AGG: apply gate g2 (Eq. 8)"),
-        static_after=(None, int, "freeze AGG's rare group after N steps (agg-static default: steps per epoch, "
-                                 "AGG Appendix D)"),
+        static_after=(None, int, "freeze AGG's rare group after N steps (agg-static default: one epoch, AGG App. D)"),
         continuous_g1=(False, bool, "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold"),
         center_gate=(False, bool, "agg-centered: gate only the push along the batch's mean feature"),
         prefill=(False, bool, "agg-prefill: start AGG's window full, at the training split's expected counts"))
@@ -508,8 +507,7 @@ class AGPS(StaticGroupMethod):
     spec = dict(StaticGroupMethod.spec,
                 mu1=(None, float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)"),
                 mu2=(None, float, "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)"),
-                rare_rank=(None, int, "AGPS i_r: words from this frequency rank on are rare (instead of "
-                                      "rare_fraction)"))
+                rare_rank=(None, int, "AGPS i_r: words from this frequency rank on are rare (overrides rare_fraction)"))
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -715,15 +713,12 @@ class UL(MLE):
 
 
 class ULAGG(AGG):
-    """AGG's gated NLL + token-level unlikelihood (AGG Table 4; the paper does not say how the two combine, so the
-    three ways are this project's: gate_ul, not gated, ul_features_only). Ungated, the UL term's softmax pulls every
-    rare embedding towards the features."""
+    """AGG's gated NLL + token-level unlikelihood (AGG Table 4, which does not say how the two combine: gate_ul,
+    ungated and ul_features_only are this project's). Ungated, the UL softmax pulls every rare row to the features."""
     name = "ul+agg"
     spec = dict(AGG.spec, alpha_ul=UL.spec["alpha_ul"],
-                gate_ul=(True, bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (this project's "
-                                     "choice)"),
-                ul_features_only=(False, bool, "ul+agg-features: the UL term's gradient reaches the features only, "
-                                               "not the weight"))
+                gate_ul=(True, bool, "ul+agg: gate the UL term's weight gradient with AGG's gates too (our choice)"),
+                ul_features_only=(False, bool, "ul+agg-features: the UL term's gradient reaches the features only"))
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         gate = None
@@ -745,11 +740,6 @@ class Center(MLE):
     spec = dict(center_mode=("step", str, "center: 'step' subtracts the mean embedding row after each step "
                                           "(mu-centering), 'loss' adds mu_coef * ||mean row||^2 (mu-loss)"),
                 mu_coef=(1.0, float, "center with center_mode 'loss': weight of the mu-loss ||mean row||^2"))
-
-    def __init__(self, vocab_size, **kw):
-        super().__init__(vocab_size, **kw)
-        _check(self.hparams["center_mode"] in ("step", "loss"),
-               f"method {self.name!r}: center_mode must be 'step' or 'loss', got {self.hparams['center_mode']!r}")
 
     @torch.no_grad()
     def after_step(self, weight):
@@ -810,15 +800,11 @@ def gradient_parts(hidden, weight, targets, rare, gates=(None, None, None), igno
 
 
 METHODS = {cls.name: cls for cls in [
-    MLE, AGG,
-    _variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False),
-    _variant(AGG, "agg-static", static_after=1000),
-    _variant(AGG, "agg-continuous", continuous_g1=True),
-    _variant(AGG, "agg-centered", center_gate=True),
-    _variant(AGG, "agg-prefill", prefill=True),
-    AGPS, FreezeRare,
-    _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts,
-    CosReg, FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True),
+    MLE, AGG, _variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False),
+    _variant(AGG, "agg-static", static_after=1000), _variant(AGG, "agg-continuous", continuous_g1=True),
+    _variant(AGG, "agg-centered", center_gate=True), _variant(AGG, "agg-prefill", prefill=True),
+    AGPS, FreezeRare, _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"),
+    FreezeParts, CosReg, FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True),
     Center, ZLoss, AGGCenter,
 ]}
 HPARAMS = {key: (typ, meaning) for cls in METHODS.values() for key, (_default, typ, meaning) in cls.spec.items()}
@@ -985,8 +971,7 @@ def singular_spectrum(weight):
 
 
 def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
-    """(frequent, medium, rare) index tensors: the vocabulary split by training counts, most frequent first
-    (AGG Sec. 3.1: 30% / 50% / 20%)."""
+    """(frequent, medium, rare) index tensors: the vocabulary by training counts, 30/50/20% (AGG Sec. 3.1)."""
     counts = torch.as_tensor(counts)
     order = torch.argsort(counts.double(), descending=True, stable=True)
     n_freq, n_med = round(fractions[0] * len(counts)), round(fractions[1] * len(counts))
@@ -997,8 +982,7 @@ GROUPS = ("freq", "med", "rare")  # the names of frequency_groups' three groups,
 
 
 def group_of(groups, vocab_size, missing=-1):
-    """(V,) long: each token's group number in `groups` (frequency_groups' order: 0 frequent, 1 medium, 2 rare),
-    `missing` for tokens in none."""
+    """(V,) long: each token's number in `groups` (as frequency_groups': 0 freq, 1 med, 2 rare), else `missing`."""
     gid = torch.full((vocab_size,), missing, dtype=torch.long)
     for g, idx in enumerate(groups):
         gid[torch.as_tensor(idx, dtype=torch.long)] = g

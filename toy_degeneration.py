@@ -41,8 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16, help="dimension of the hidden true token vectors")
     p.add_argument("--beta", type=float, default=20.0, help="strength of the context . true-vector term")
     p.add_argument("--lam", type=float, default=0.7, help="weight of the x_-1 transition table in the mixture")
-    p.add_argument("--epoch-steps", type=int, default=100,
-                   help="training corpus size in optimizer steps (one epoch); also AGG's window K (AGG Sec. 4.1)")
+    p.add_argument("--epoch-steps", type=int, default=100, help="steps per epoch (the corpus size); AGG's window K")
     p.add_argument("--val-tokens", type=int, default=32768, help="held-out tokens for perplexity")
     # the model and its training
     p.add_argument("--dim", type=int, default=32, help="embedding size d")
@@ -50,13 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64, help="targets per sequence")
     p.add_argument("--batch-seqs", type=int, default=64, help="sequences per step (tokens per step = this x seq-len)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    p.add_argument("--alpha", type=float, default=0.4,
-                   help="AGG alpha (rare if appearances per step a_k/K < alpha, AGG Eq. 5) for agg, agg-*, ul+agg")
+    p.add_argument("--alpha", type=float, default=0.4, help="AGG Eq. 5: rare if a_k/K < alpha (agg, agg-*, ul+agg)")
     p.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
                    help="override a method hyper-parameter, e.g. --set cosreg.gamma=0.5 (repeatable)")
     p.add_argument("--log-every", type=int, default=5, help="steps between geometry snapshots for training.png")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads (0: torch's default); on a machine busy with other jobs, 1 is often faster")
+    p.add_argument("--threads", type=int, default=0, help="torch threads, 0: torch's default (1 on a busy machine)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (metrics.json and the table only)")
     args = p.parse_args(argv)
     # check the inputs argparse cannot: method names, the sweep's alphas, --set's keys, the counts

@@ -87,8 +87,7 @@ class Runner:
             self.method = agg.build_method(name, vocab_size=V, counts=data["counts"], special_ids=SPECIAL_IDS, **hp)
             for y in data["history"] if agg.agg_family(name) else []:
                 self.method.observe(y)
-        self.hidden = data["hidden"].detach().requires_grad_()
-        self.weight = data["weight"].detach().requires_grad_()
+        self.hidden, self.weight = (data[k].detach().requires_grad_() for k in ("hidden", "weight"))
         self.batches, self.i, self.bf16 = data["batches"], 0, data["bf16"]
 
     def step(self, hidden=None, y=None):
@@ -125,12 +124,11 @@ def interleave(names, rounds, warmup, run, desc):
     return out
 
 
-def _cpu_peak(spec):
+def _cpu_peak(method, chunk_size, threads, data):
     """The peak RSS (MB) of one step above its set-up (VmHWM, reset by /proc/self/clear_refs on Linux >= 4.0)."""
     status_kb = lambda key: next(int(r.split()[1]) for r in open("/proc/self/status") if r.startswith(key + ":"))
-    torch.set_num_threads(spec.pop("threads"))
-    name, chunk_size = spec.pop("method"), spec.pop("chunk_size")
-    runner = Runner(name, make_data(device="cpu", **spec), chunk_size)
+    torch.set_num_threads(threads)
+    runner = Runner(method, make_data(device="cpu", **data), chunk_size)
     runner.step(hidden=runner.hidden[:1, :16], y=runner.batches[0][:1, :16])  # every code path, a small allocation
     runner.hidden.grad = runner.weight.grad = None
     gc.collect()
@@ -145,19 +143,17 @@ def cpu_peak_mb(method, chunk_size=None, **data):
     """Peak RSS (MB) of one step of `method` on make_data(**data) above its set-up, in a fresh process (forkserver)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "agg"])
-    spec = dict(data, method=method, chunk_size=chunk_size, threads=torch.get_num_threads())
     # A fixed glibc mmap threshold (read as the process or its server starts): every buffer >= 1 MiB is its own
     # mapping, unmapped when freed, so the peak RSS counts live tensors, not the freed buffers glibc keeps at random.
     with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2 ** 20)), cf.ProcessPoolExecutor(1, ctx) as pool:
         try:
-            return pool.submit(_cpu_peak, spec).result()
+            return pool.submit(_cpu_peak, method, chunk_size, torch.get_num_threads(), data).result()
         except cf.process.BrokenProcessPool:  # killed before it could answer (the OOM killer, most likely)
             raise SystemExit(f"peak memory of {method} at V={data['V']}: the child process died; out of memory? "
                              "Try a smaller --tokens / --vocab, or --no-memory") from None
 
 
 def peak_mb(runner, device, data):
-    """Peak memory (MB) of one step of `runner` above its set-up: CUDA max_memory_allocated, or cpu_peak_mb."""
     if device == "cpu":
         return cpu_peak_mb(runner.name, runner.chunk_size, **data)
     gc.collect()
@@ -179,7 +175,7 @@ fmt = lambda x, spec: "n/a" if x is None else spec.format(x)
 
 def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
     """Time the (method, chunk_size) candidates interleaved on one data set, then measure their peak memory:
-    ({V, device, alpha, rare shares, load}, {candidate: ([wall ms], [CPU ms], peak MB or None)})."""
+    ({V, device, alpha, rare shares, load}, {candidate: (wall ms per round, CPU ms per round, peak MB or None)})."""
     spec = dict(V=V, T=T, d=d, seq_len=seq_len, window=args.window, dtype=args.dtype)
     data = make_data(device=device, **spec)
     info = dict(V=V, device=device, alpha=data["alpha"], rare_vocab=data["rare_vocab"], rare_rows=data["rare_rows"],
@@ -190,8 +186,7 @@ def measure(args, device, V, T, d, seq_len, candidates, repeats, warmup, desc):
              for k in tqdm(runners, desc=f"memory {device} V={V}", leave=False, file=sys.stderr)}
     del runners, data
     gc.collect()
-    return dict(info, load_after=os.getloadavg()), {k: ([t[0] for t in v], [t[1] for t in v], peaks[k])
-                                                    for k, v in timed.items()}
+    return dict(info, load_after=os.getloadavg()), {k: (*zip(*v), peaks[k]) for k, v in timed.items()}
 
 
 def bench_head(args, devices, log, result, save):
@@ -206,8 +201,7 @@ def bench_head(args, devices, log, result, save):
             (wall, cpu, peak), (ms, cpu_ms) = res[n, None], med[n]
             result["cases"].append(c := dict(
                 method=n, V=V, device=device, ms=round(ms, 3), ms_ratio_vs_mle=round(ms / med["mle"][0], 4),
-                peak_mb=None if peak is None else round(peak, 2),
-                mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
+                peak_mb=peak and round(peak, 2), mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
             result["spread"].append(s := dict(
                 method=n, V=V, device=device, ms_min=round(min(wall), 3), ms_max=round(max(wall), 3),
                 samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms, 3),
@@ -230,8 +224,7 @@ def bench_chunked(args, devices, log):
         candidates = [(m, c or None) for m in ("mle", "agg") for c in args.chunk_sizes]
         _, res = measure(args, device, V, T, d, T, candidates, args.chunk_repeats, 1, "chunked")
         rows += [dict(method=m, V=V, T=T, d=d, device=device, chunk_size=c, ms=round(statistics.median(wall), 3),
-                      peak_mb=None if peak is None else round(peak, 2),
-                      logits_mb=round((c or T) * V * 4 / 2 ** 20, 2),  # one float32 rows x V buffer
+                      peak_mb=peak and round(peak, 2), logits_mb=round((c or T) * V * 4 / 2 ** 20, 2),
                       weight_grad_mb=round(V * d * 4 / 2 ** 20, 2)) for (m, c), (wall, _, peak) in res.items()]
     log(table("\nchunked head (chunk_size of loss()): peak MB above set-up; one rows x V float32 buffer = logits MB",
               ["method", "V", "T", "d", "chunk_size", "ms", "peak MB", "logits MB", "weight grad MB"],
@@ -273,8 +266,7 @@ def bench_lm(args, log):
     samples = interleave(names, args.lm_rounds, 1, tokens_per_s, "lm steps")
     med = {n: statistics.median(s) for n, s in samples.items()}
     rows = [dict(method=n, tokens_per_s=round(med[n], 1), ratio_vs_mle=round(med[n] / med["mle"], 4),
-                 min=round(min(samples[n]), 1), max=round(max(samples[n]), 1), rare_vocab=rare.get(n))
-            for n in names]
+                 min=round(min(samples[n]), 1), max=round(max(samples[n]), 1), rare_vocab=rare.get(n)) for n in names]
     res = dict(preset="cpu", data=f"train_lm.py training split ({data['dir']})", vocab_size=V, block_size=block,
                tokens_per_step=seqs_per_step * block, window=K, alpha=args.lm_alpha, steps_per_round=args.lm_steps,
                rounds=args.lm_rounds, rows=rows, model={k: cfg[k] for k in train_lm.MODEL_FIELDS})
@@ -321,9 +313,8 @@ def build_parser():
     return p
 
 
-QUICK = dict(vocab=[8192], tokens=1024, d_model=128, seq_len=256, repeats=2, warmup=1,
-             chunk_vocab=[16384], chunk_tokens=512, chunk_d=64, chunk_sizes=[0, 64], chunk_repeats=1,
-             sections="head,chunked", window=50)
+QUICK = dict(vocab=[8192], tokens=1024, d_model=128, seq_len=256, repeats=2, warmup=1, sections="head,chunked",
+             chunk_vocab=[16384], chunk_tokens=512, chunk_d=64, chunk_sizes=[0, 64], chunk_repeats=1, window=50)
 
 
 def main(argv=None):

@@ -93,8 +93,8 @@ def numerics(out, device, lm_flags, nmt_flags, steps=8):
         go(script, "split", *base, "--device", device, "--dtype", "float32", "--stop-at", str(steps // 2))
         split = go(script, "split", "--device", device, "--resume")
         res[key] = dict(steps=steps, loss_fp32=fp32, loss_cpu=cpu, loss_bf16=bf16,
-                           device_vs_cpu_fp32_max_rel=max_rel(fp32, cpu), bf16_vs_fp32_max_rel=max_rel(bf16, fp32),
-                           repeat=compare(again, full), resume=dict(stop_at=steps // 2, **compare(split, full)))
+                        device_vs_cpu_fp32_max_rel=max_rel(fp32, cpu), bf16_vs_fp32_max_rel=max_rel(bf16, fp32),
+                        repeat=compare(again, full), resume=dict(stop_at=steps // 2, **compare(split, full)))
         runlib.write_json(out, res)
 
 

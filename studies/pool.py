@@ -13,9 +13,8 @@ import train_lm
 
 
 def run(next_job, jobs, after=None, result=lambda name: None):
-    """Keep `jobs` commands running: next_job(busy names) gives (name, argv, log path or None), or None when nothing
-    more can start now; after(name) when a job ends. A failed job stops the pool unless result(name) says its failure
-    is a result (a diverged run)."""
+    """Keep `jobs` commands running: next_job(busy names) gives (name, argv, log or None), or None if none can start
+    now; after(name) as a job ends. A failure stops the pool unless result(name) counts it a result (a diverged run)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // jobs))) if jobs > 1 else None
     procs, logs = {}, {}
 
@@ -62,7 +61,6 @@ def run(next_job, jobs, after=None, result=lambda name: None):
 
 
 def finished(folder):
-    """True when the run folder's checkpoint holds its last step."""
     path = os.path.join(folder, "ckpt.pt")
     return os.path.exists(path) and (ck := runlib.load_checkpoint(path))["step"] >= ck["config"]["max_steps"]
 

@@ -53,8 +53,7 @@ SEEDS = {"mle": 5, "agg": 5, "coupled-adam": 5, "zloss": 5, "center": 5}  # the 
 # knob values off the selection run on 5 seeds, chosen after seeing the curves (mu-loss 10: no PPL cost on 3 seeds)
 KNOB_SEEDS = {("center", "mu10"): 5}  # the others: 3
 FINALISTS = 2  # settings of a rival's sweep run on seeds 1-2 too, the best of them on the mean of seeds 0-2
-# a pair never spans two hosts: an MLE replica on the host of a rival's run of the selection, where MLE's was not
-REPLICA = re.compile(r"^mle-lr(?P<lr>[0-9.e+-]+)-s(?P<seed>\d+)-k(?P<host>[0-9a-f]{8})$")
+REPLICA = re.compile(r"^mle-lr(?P<lr>[0-9.e+-]+)-s(?P<seed>\d+)-k(?P<host>[0-9a-f]{8})$")  # an MLE replica's run name
 
 
 def run_name(rival, lr, knob, seed):
