@@ -58,14 +58,13 @@ class Schedule(scale.Study):
         cells, unpaired = [], []
         for fraction, steps in ((f, n) for f, ns in CELLS.items() for n in ns):
             members = {n: r for n, r in runs.items() if (r["train_fraction"], r["max_steps"]) == (fraction, steps)}
-            host = {(r["method"], r["seed"]): r.get("kernels") for r in members.values()}
-            other = lambda r: host.get(("agg" if r["method"] == "mle" else "mle", r["seed"]), r.get("kernels"))
-            unpaired += [n for n, r in members.items() if other(r) != r.get("kernels")]  # its partner: another host
-            same = [r for r in members.values() if other(r) == r.get("kernels")]
-            if (cell := scale.paired_cell(same)) is not None:
-                cells.append(dict(train_fraction=fraction, max_steps=steps, train_tokens=same[0]["train_tokens"],
-                                  epochs=same[0]["epochs"], hosts=sorted({str(r.get("kernels")) for r in same}),
-                                  **cell))
+            host = {(r["method"], r["seed"]): scale.host(r) for r in members.values()}
+            other = lambda r: host.get(("agg" if r["method"] == "mle" else "mle", r["seed"]), scale.host(r))
+            unpaired += [n for n, r in members.items() if other(r) != scale.host(r)]  # its partner: another host
+            if (cell := scale.paired_cell(list(members.values()))) is not None:  # pairs on one host only
+                first = next(iter(members.values()))
+                cells.append(dict(train_fraction=fraction, max_steps=steps, train_tokens=first["train_tokens"],
+                                  epochs=first["epochs"], **cell))
         fits = {k: scale.fit_trend(cells, k, on=("train_tokens", "epochs"), predict={}) for k in scale.FIT_QUANTITIES}
         self.write(path, argv, dict(runs=runs, diverged=diverged, unpaired=unpaired, compare=cells, fits=fits))
         if cells:
