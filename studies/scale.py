@@ -60,7 +60,7 @@ FULL_STEPS = 2400
 # session, one machine per commit): the kernels of a kernel-recording run of the same command that it matches to the
 # last digit, else a host of its own that no machine since has reproduced (RESULTS.md, "Hosts").
 HOSTS = {**dict.fromkeys(["22848175", "12f4d436", "46b49903", "239a9ec6", "0fb0103d", "d1235e38"], "94e9eedb52747eaa"),
-         "8d6c18a1": "unknown-8d6c18a1", "93b8f84e": "unknown-93b8f84e"}
+         **dict.fromkeys(["8d6c18a1", "93b8f84e"], "unrecorded: results/lm_ablations.json's host")}
 REPLICA = re.compile(r"-k[0-9a-f]{8}$")  # NAME-kHOST: NAME trained again on HOST, so that its pair shares a host
 
 
