@@ -395,6 +395,10 @@ def test_the_schedule_moves_data_and_epochs_apart_pairs_within_a_host_and_fits_b
     cells = {(c["train_fraction"], c["max_steps"]): c for c in res["compare"]}
     assert len(cells) == 7 and cells[1.0, 9600]["seeds"] == [0, 1, 2, 3]  # seed 4's pair spans two hosts
     assert sorted(res["unpaired"]) == ["f1-n9600-agg-s4", "f1-n9600-mle-s4"]
+    study = schedule.Schedule(str(tmp_path / "out"), prior=[str(path)])
+    study.host = "c3" * 8  # the split pair is trained again, both runs, on this host
+    assert {n for n, _f, _c in study.plan() if scale.REPLICA.search(n)} == {
+        "f1-n9600-agg-s4-kc3c3c3c3", "f1-n9600-mle-s4-kc3c3c3c3"}
     assert cells[0.25, 2400]["epochs"] == pytest.approx(4 * cells[0.25, 600]["epochs"])
     fit = res["fits"]["ppl_log_ratio"]  # over the 7 cell means, on log tokens and log epochs
     assert fit["cells"] == 7 and "predictions" not in fit and "log10(epochs)" in fit["model"]
