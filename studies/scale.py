@@ -198,7 +198,7 @@ class Study:
         not run."""
         out, made = {}, [*self.prior, *(os.listdir(self.runs) if os.path.isdir(self.runs) else ())]
         copies = lambda n: [n] + [r for r in made if r.startswith(n) and REPLICA.fullmatch(r[len(n):])
-                                  and self.finished(r)]
+                                  and self.finished(r) and self.evaluated(r)]  # a replica stays until evaluated
         for by in cells if self.host else []:
             for mle, agg in itertools.product(by.get("mle", []), by.get("agg", [])):
                 if self.finished(mle) and self.finished(agg) and not any(  # no pair on one host yet

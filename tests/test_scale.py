@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -214,6 +215,12 @@ def test_a_cell_pairs_runs_on_one_host_and_a_mixed_pair_is_trained_again_here(tm
     study.write_results(str(path), [])
     cell = next(c for c in json.loads(path.read_text())["compare"] if c["train_fraction"] == 0.5)
     assert cell["seeds"] == [0, 2] and cell["hosts"] == [a1, a1]  # never a pair across hosts
+    for name in replicas:  # trained, not yet evaluated: still planned, so that the pool evaluates them
+        fake_run(study, name, 150)
+    again = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    again.host = c3
+    assert replicas <= {n for n, _f, _c in again.plan()}
+    shutil.rmtree(tmp_path / "out")
     for name in replicas:  # trained here: the pair of seed 1 on host c3
         method = "mle" if "-mle-" in name else "agg"
         sh = None if method == "mle" else float(name.split("-r")[1].split("-")[0])
