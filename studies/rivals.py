@@ -10,9 +10,9 @@ The protocol (this project's choices):
 - each rival: LRS x its main knob at seed 0 on the full data; the FINALISTS settings with the lowest valid PPL at the
   last step then get seeds 1 and 2, and the lowest mean valid PPL over seeds 0-2 is selected (one seed can land in
   a good or a bad mode: scale.py's S runs at lr 8e-3 did, so one seed would select a mode, not a setting);
-- then seeds 0-2 at the selection (0-4 for MLE, AGG, Coupled Adam and z-loss), paired with MLE by seed, and seeds
-  0-2 of every other knob value at the selected lr (0-4 for those in KNOB_SEEDS), each paired with MLE too: the
-  knob's trade-off between PPL and geometry with seed intervals;
+- then seeds 0-2 at the selection (0-4 for MLE, AGG, Coupled Adam, z-loss and centering), paired with MLE by seed,
+  and seeds 0-2 of every other knob value at the selected lr (0-4 for those in KNOB_SEEDS), each paired with MLE
+  too: the knob's trade-off between PPL and geometry with seed intervals;
 - a pair never spans two hosts (config.json's `versions.kernels`): a rival's run of a selection made on a host where
   MLE's run of that seed was not gets an MLE replica on that host (mle-lrLR-sS-kHOST); the sweeps' selections may mix
   hosts, which moves a run as another seed would;
@@ -48,7 +48,8 @@ RIVALS = {
     "untied-mle": ("mle", ["--untie"], [("", [])]),
     "untied-agg": ("agg", ["--untie"], SHARES),
 }
-SEEDS = {"mle": 5, "agg": 5, "coupled-adam": 5, "zloss": 5}  # the others: 3
+SEEDS = {"mle": 5, "agg": 5, "coupled-adam": 5, "zloss": 5, "center": 5}  # the others: 3 (center: its selection
+# at 5 seeds as mu-loss 10 has them; its seeds 3-4 came later, on another host, each with an MLE replica there)
 # knob values off the selection run on 5 seeds, chosen after seeing the curves (mu-loss 10: no PPL cost on 3 seeds)
 KNOB_SEEDS = {("center", "mu10"): 5}  # the others: 3
 FINALISTS = 2  # settings of a rival's sweep run on seeds 1-2 too, the best of them on the mean of seeds 0-2
