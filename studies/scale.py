@@ -18,6 +18,9 @@ The protocol (this project's choices; RESULTS.md states them with the numbers):
   conclusions under test were measured at), both at the lr selected for the selected share.
 - a second corpus: the pairs at M with M's selections on the English Bible (--dataset bible-en, 2400 steps), seeds
   0 1 2, so that no conclusion rests on one set of articles.
+- a pair never spans two hosts (config.json's `versions.kernels`; a run made before it was recorded takes its
+  commit's host, HOSTS): both runs of a pair that ran on two hosts are trained again on one (NAME-kHOST), the
+  originals kept for the selections.
 
 Every run is a train_lm.py run folder under OUT/runs (resumable: stop this script at any time and rerun it), evaluated
 by eval.py into RUN/report/ once finished. Selections read validation only; test is read by eval.py for the table.
@@ -53,6 +56,17 @@ METHODS = ["mle", "agg"]
 HEADLINE_SHARE = 0.2  # the share of the conclusions under test (README's headline): AGG runs with it in every cell
 SECOND_CORPUS = dict(name="bible", size="M", flags=["--dataset", "bible-en"], cost=1.3)
 FULL_STEPS = 2400
+# The host of a run recorded before config.json carried `versions.kernels`, by the commit of its first segment (one
+# session, one machine per commit): the kernels of a kernel-recording run of the same command that it matches to the
+# last digit, else a host of its own that no machine since has reproduced (RESULTS.md, "Hosts").
+HOSTS = {**dict.fromkeys(["22848175", "12f4d436", "46b49903", "239a9ec6", "0fb0103d", "d1235e38"], "94e9eedb52747eaa"),
+         **dict.fromkeys(["8d6c18a1", "93b8f84e"], "unrecorded: results/lm_ablations.json's host")}
+REPLICA = re.compile(r"-k[0-9a-f]{8}$")  # NAME-kHOST: NAME trained again on HOST, so that its pair shares a host
+
+
+def host(record):
+    """A run record's host: its kernels, else its commit's (HOSTS), else None."""
+    return record.get("kernels") or HOSTS.get((record.get("git_commit") or "")[:8])
 
 
 def run_spec(size, fraction, method, lr, seed, share=None):  # (name, train_lm.py flags) of a run
@@ -160,7 +174,7 @@ class Study:
     def plan(self):
         """[(name, flags, cost)] of every run wanted so far, cheapest first."""
         share, wanted = self.share()
-        runs = {name: (flags, COST[SHARE_SETTING["size"]]) for name, flags in wanted}
+        runs, cells = {name: (flags, COST[SHARE_SETTING["size"]]) for name, flags in wanted}, {}
         for size, method in itertools.product(SIZES, METHODS if share is not None else ["mle"]):
             lr, sweep = self.lr(size, method, share)
             runs.update({name: (flags, COST[size]) for name, flags in sweep})
@@ -168,9 +182,29 @@ class Study:
                 for fraction, seed in itertools.product(FRACTIONS, SEEDS):  # the selected share and the headline's
                     name, flags = run_spec(size, fraction, method, lr, seed, sh)
                     runs[name] = (flags, COST[size] * fraction)
+                    cells.setdefault((size, fraction, seed), {}).setdefault(method, []).append(name)
                     if size == SECOND_CORPUS["size"] and fraction == 1.0:  # the full-data pair on the second corpus
                         runs[f"{SECOND_CORPUS['name']}-{name}"] = flags + SECOND_CORPUS["flags"], SECOND_CORPUS["cost"]
+        runs.update(self.replicas(runs, cells.values()))
         return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0]))
+
+    def run_host(self, name):  # the host of a finished run: its config.json's kernels, else its record's
+        cfg = runlib.run_config(self.folder(name))
+        return (cfg.get("versions") or {}).get("kernels") if cfg else host(self.prior.get(name, {}))
+
+    def replicas(self, runs, cells):
+        """{NAME-kHOST: (flags, cost)}: both runs of a finished MLE / AGG pair of a cell ({method: names} of one size,
+        data size and seed) that ran on two hosts, trained again here (HOST: this machine's kernels) where they did
+        not run."""
+        out, made = {}, [*self.prior, *(os.listdir(self.runs) if os.path.isdir(self.runs) else ())]
+        copies = lambda n: [n] + [r for r in made if r.startswith(n) and REPLICA.fullmatch(r[len(n):])
+                                  and self.finished(r) and self.evaluated(r)]  # a replica stays until evaluated
+        for by in cells if self.host else []:
+            for mle, agg in itertools.product(by.get("mle", []), by.get("agg", [])):
+                if self.finished(mle) and self.finished(agg) and not any(  # no pair on one host yet
+                        self.run_host(a) == self.run_host(b) for a in copies(mle) for b in copies(agg)):
+                    out.update({f"{n}-k{self.host[:8]}": runs[n] for n in (mle, agg) if self.run_host(n) != self.host})
+        return out
 
     def selections(self):
         share, _ = self.share()
@@ -180,6 +214,7 @@ class Study:
         names = {n for n, _f, _c in self.plan()} | set(self.prior) | \
             {n for n in (os.listdir(self.runs) if os.path.isdir(self.runs) else ()) if not n.endswith(".log")}
         runs, diverged = self.records(sorted(names), lambda n: run_record(self, n, sizes=True))
+        runs = {n: dict(r, host=host(r), **{"replica": True} if REPLICA.search(n) else {}) for n, r in runs.items()}
         sel = self.selections()
         ppl = lambda specs: {name: self.valid_ppl(name) for name, _f in specs}
         lr_runs = {size: {m: ppl(self.lr(size, m, sel["share"])[1]) for m in METHODS
@@ -253,10 +288,15 @@ def run_record(study, name, sizes=False, **extra):
 
 
 def paired_cell(runs):
-    """AGG against MLE in one (size, data) cell, paired by seed: PPLs as they are and calibrated, I(W), Uniq."""
-    by = {(r["method"], r["seed"]): r for r in runs}
-    seeds = sorted(s for m, s in by if m == "agg" and ("mle", s) in by)
-    pairs = [(by["mle", s], by["agg", s]) for s in seeds]
+    """AGG against MLE in one (size, data) cell, paired by seed on one host (the runs themselves, else replicas):
+    PPLs as they are and calibrated, I(W), Uniq, and each pair's host."""
+    by = {}
+    for r in sorted(runs, key=lambda r: bool(r.get("replica"))):
+        by.setdefault((r["method"], r["seed"]), []).append(r)
+    pairs = {s: next(((b, a) for a in aggs for b in by.get(("mle", s), []) if host(a) == host(b)), None)
+             for (m, s), aggs in by.items() if m == "agg"}
+    seeds = sorted(s for s, pair in pairs.items() if pair)
+    pairs = [pairs[s] for s in seeds]
     if len(pairs) < 2:
         return None
     ratio = lambda key: [math.log(compare.get(a, key) / compare.get(b, key)) for b, a in pairs]
@@ -269,7 +309,8 @@ def paired_cell(runs):
         gap_closed_by_calibration=[1 - log(rare(b["rare_bias"]) / rare(a["rare_bias"])) / log(rare(b) / rare(a))
                                    for b, a in pairs],
         isotropy_diff=diff("isotropy"), rare_isotropy_diff=diff("isotropy_groups.rare"), uniq_diff=diff("uniq"))
-    out = dict(seeds=seeds, **{k: compare.paired_interval(v) for k, v in quantities.items()})
+    out = dict(seeds=seeds, hosts=[host(b) for b, _a in pairs], **{k: compare.paired_interval(v)
+                                                                    for k, v in quantities.items()})
     for k, key in (("isotropy", "isotropy"), ("uniq", "uniq"), ("rare_isotropy", "isotropy_groups.rare")):
         out.update({f"{m}_{k}": [compare.get(r[i], key) for r in pairs] for i, m in enumerate(("mle", "agg"))})
     return out
@@ -328,8 +369,8 @@ def prediction(fits):
     with its 95% prediction interval, and how to test them."""
     ratio = lambda p: dict(ratio=math.exp(p["prediction"]), pi95=[math.exp(x) for x in p["pi95"]])
     return dict(test=TEST_PREDICTION, **{f"share{sh}": {name[14:]: {q: ratio(f[k]["predictions"][name]) for q, k in (
-        ("raw", "ppl_log_ratio"), ("calibrated", "calibrated_ppl_log_ratio")) if f[k]} for name in PREDICT
-        if name != "paper_regime"} for sh, f in fits.items()})
+        ("raw", "ppl_log_ratio"), ("calibrated", "calibrated_ppl_log_ratio")) if name in (f[k] or {}).get(
+            "predictions", {})} for name in PREDICT if name != "paper_regime"} for sh, f in fits.items()})
 
 
 def pooled_by_data(cells):

@@ -9,8 +9,8 @@ The protocol (this project's choices):
   scale study moves the data, the steps and the warm-up (10% of the steps) together: its cells at M are this grid's
   3.5-epoch column; here every cell warms up for the cpu preset's 240 steps, and (1, 2,400) is the headline's setting;
 - every run: M (the cpu preset), lr 4e-3, 12 validations; MLE, and AGG at the headline's rare share 0.2; seeds 0-4,
-  paired by seed within one host (config.json's `versions.kernels`: a run whose partner ran on another host is listed
-  as unpaired, never paired);
+  paired by seed on one host (config.json's `versions.kernels`): both runs of a pair that ran on two hosts are
+  trained again on one (NAME-kHOST, as in the scale study); `unpaired` lists the runs still waiting for that;
 - per cell the paired AGG/MLE quantities of the scale study (scale.paired_cell: test PPL as it is and with both models'
   rare bias calibrated, rare PPL, I(W), Uniq); OLS over the cell means (cells, not seeds, are the design points) on
   log10 training tokens and log10 epochs, with its lack-of-fit test (scale.fit_trend).
@@ -41,9 +41,12 @@ def run_spec(fraction, steps, method, seed):  # (name, train_lm.py flags) of a r
 class Schedule(scale.Study):
     label, name = "out/schedule", "schedule"
 
-    def plan(self):  # every run, the shortest first
-        runs = [(*run_spec(f, n, m, s), n) for f, ns in CELLS.items() for n in ns for m in METHODS for s in SEEDS]
-        return sorted(runs, key=lambda r: (r[2], r[0]))
+    def plan(self):  # every run, the shortest first; a pair on two hosts is trained again here (scale's replicas)
+        runs = {name: (flags, n) for f, ns in CELLS.items() for n in ns for m in METHODS for s in SEEDS
+                for name, flags in [run_spec(f, n, m, s)]}
+        cells = [{m: [run_spec(f, n, m, s)[0]] for m in METHODS} for f, ns in CELLS.items() for n in ns for s in SEEDS]
+        runs.update(self.replicas(runs, cells))
+        return sorted(((name, f, c) for name, (f, c) in runs.items()), key=lambda r: (r[2], r[0]))
 
     def selections(self):
         return {}
@@ -51,21 +54,23 @@ class Schedule(scale.Study):
     def record(self, name):  # scale's record with the epochs: optimizer steps x tokens per step / training tokens
         record = scale.run_record(self, name, sizes=True)
         tokens_per_step = runlib.run_config(self.folder(name))["tokens_per_step_actual"]
-        return dict(record, epochs=record["max_steps"] * tokens_per_step / record["train_tokens"])
+        return dict(record, epochs=record["max_steps"] * tokens_per_step / record["train_tokens"],
+                    **{"replica": True} if scale.REPLICA.search(name) else {})
 
     def write_results(self, path, argv, _corpus_path=None):
-        runs, diverged = self.records([n for n, _f, _c in self.plan()], self.record)
+        names = {n for n, _f, _c in self.plan()} | set(self.prior) | set(
+            os.listdir(self.runs) if os.path.isdir(self.runs) else ())
+        runs, diverged = self.records(sorted(n for n in names if not n.endswith(".log")), self.record)
         cells, unpaired = [], []
         for fraction, steps in ((f, n) for f, ns in CELLS.items() for n in ns):
             members = {n: r for n, r in runs.items() if (r["train_fraction"], r["max_steps"]) == (fraction, steps)}
-            host = {(r["method"], r["seed"]): r.get("kernels") for r in members.values()}
-            other = lambda r: host.get(("agg" if r["method"] == "mle" else "mle", r["seed"]), r.get("kernels"))
-            unpaired += [n for n, r in members.items() if other(r) != r.get("kernels")]  # its partner: another host
-            same = [r for r in members.values() if other(r) == r.get("kernels")]
-            if (cell := scale.paired_cell(same)) is not None:
-                cells.append(dict(train_fraction=fraction, max_steps=steps, train_tokens=same[0]["train_tokens"],
-                                  epochs=same[0]["epochs"], hosts=sorted({str(r.get("kernels")) for r in same}),
-                                  **cell))
+            hosts = lambda m, s: {scale.host(r) for r in members.values() if (r["method"], r["seed"]) == (m, s)}
+            lone = {s for s in SEEDS if hosts("mle", s) and hosts("agg", s) and not hosts("mle", s) & hosts("agg", s)}
+            unpaired += [n for n, r in members.items() if r["seed"] in lone]  # both ran, on two hosts
+            if (cell := scale.paired_cell(list(members.values()))) is not None:  # pairs on one host only
+                first = next(iter(members.values()))
+                cells.append(dict(train_fraction=fraction, max_steps=steps, train_tokens=first["train_tokens"],
+                                  epochs=first["epochs"], **cell))
         fits = {k: scale.fit_trend(cells, k, on=("train_tokens", "epochs"), predict={}) for k in scale.FIT_QUANTITIES}
         self.write(path, argv, dict(runs=runs, diverged=diverged, unpaired=unpaired, compare=cells, fits=fits))
         if cells:

@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -171,12 +172,70 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
         for sh in (sel_share, scale.HEADLINE_SHARE):
             record(run_name("M", 0.5, "agg", lr, s, sh), "agg", 0.5, sh, s, 150 * (1.01 if sh == sel_share else 1.03))
     path.write_text(json.dumps(dict(runs=runs)))
-    scale.Study(str(tmp_path / "out"), prior=[str(path)]).write_results(str(path), [])
+    study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    study.host = "d4" * 8  # a pair on one host exists now: no machine trains the cell's runs again
+    assert not any(scale.REPLICA.search(n) for n, _f, _c in study.plan())
+    study.write_results(str(path), [])
     result = json.loads(path.read_text())
     cells = {(c["agg_share"], c["train_fraction"]): c for c in result["compare"]}
     assert set(cells) == {(sh, f) for sh in (sel_share, scale.HEADLINE_SHARE) for f in (0.5, 1.0)}
     assert np.isclose(np.exp(cells[scale.HEADLINE_SHARE, 0.5]["ppl_log_ratio"]["mean"]), 1.03)
     assert np.isclose(np.exp(cells[sel_share, 0.5]["ppl_log_ratio"]["mean"]), 1.01)
+
+
+def test_a_cell_pairs_runs_on_one_host_and_a_mixed_pair_is_trained_again_here(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "SIZES", {"M": scale.SIZES["M"]})
+    monkeypatch.setattr(scale, "FRACTIONS", [0.5, 1.0])
+    lr, share, a1, b2, c3 = 4e-3, scale.SHARES[0], "a1" * 8, "b2" * 8, "c3" * 8
+    runs = {}
+
+    def record(name, method, fraction, sh, seed, ppl, lr=lr, kernels=a1):
+        rare = dict(freq=100.0, med=1000.0, rare=ppl * 40)
+        runs[name] = dict(method=method, seed=seed, size="M", train_fraction=fraction, train_tokens=int(7e5 * fraction),
+                          n_params_non_embedding=793_000, d_model=128, n_layer=4, lr=lr, rare_share=sh, kernels=kernels,
+                          valid_ppl=ppl, ppl=ppl, ppl_groups=rare, isotropy=0.1, isotropy_groups=dict(rare=0.05),
+                          uniq=100, rare_bias=dict(ppl=ppl, ppl_groups=dict(rare, rare=ppl * 30)))
+    for s in scale.SELECTION_SEEDS:  # the sweeps select lr 4e-3 for both and the share SHARES[0]
+        for i, sh in enumerate([share / 2] + scale.SHARES):
+            record(run_name("M", 1.0, "agg", lr, s, sh), "agg", 1.0, sh, s, 101 + abs(i - 1))
+        for i, x in enumerate(scale.LRS["M"]):
+            record(run_name("M", 1.0, "mle", x, s), "mle", 1.0, None, s, 100 + abs(i - 1), x)
+            record(run_name("M", 1.0, "agg", x, s, share), "agg", 1.0, share, s, 101 + abs(i - 1), x)
+    for s in scale.SEEDS:  # the half-data cell: seed 1's AGG runs ran on another host than its MLE run
+        record(run_name("M", 0.5, "mle", lr, s), "mle", 0.5, None, s, 150)
+        for sh in (share, scale.HEADLINE_SHARE):
+            record(run_name("M", 0.5, "agg", lr, s, sh), "agg", 0.5, sh, s, 153, kernels=b2 if s == 1 else a1)
+    path = tmp_path / "lm_scale.json"
+    path.write_text(json.dumps(dict(runs=runs)))
+    study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    study.host = c3  # this machine: the mixed pair's runs, both, are planned here
+    replicas = {n for n, _f, _c in study.plan() if scale.REPLICA.search(n)}
+    assert replicas == {run_name("M", 0.5, "mle", lr, 1) + "-kc3c3c3c3"} | {
+        run_name("M", 0.5, "agg", lr, 1, sh) + "-kc3c3c3c3" for sh in (share, scale.HEADLINE_SHARE)}
+    study.write_results(str(path), [])
+    cell = next(c for c in json.loads(path.read_text())["compare"] if c["train_fraction"] == 0.5)
+    assert cell["seeds"] == [0, 2] and cell["hosts"] == [a1, a1]  # never a pair across hosts
+    for name in replicas:  # trained, not yet evaluated: still planned, so that the pool evaluates them
+        fake_run(study, name, 150)
+    again = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    again.host = c3
+    assert replicas <= {n for n, _f, _c in again.plan()}
+    shutil.rmtree(tmp_path / "out")
+    for name in replicas:  # trained here: the pair of seed 1 on host c3
+        method = "mle" if "-mle-" in name else "agg"
+        sh = None if method == "mle" else float(name.split("-r")[1].split("-")[0])
+        record(name, method, 0.5, sh, 1, 150 if method == "mle" else 156, kernels=c3)
+    path.write_text(json.dumps(dict(runs=runs)))
+    study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
+    study.host = "d4" * 8  # a pair on one host exists now: no machine trains the cell's runs again
+    assert not any(scale.REPLICA.search(n) for n, _f, _c in study.plan())
+    study.write_results(str(path), [])
+    result = json.loads(path.read_text())
+    cell = next(c for c in result["compare"] if c["train_fraction"] == 0.5 and c["agg_share"] == share)
+    assert cell["seeds"] == [0, 1, 2] and cell["hosts"] == [a1, c3, a1]
+    assert cell["ppl_log_ratio"]["diffs"] == pytest.approx([math.log(153 / 150), math.log(156 / 150), math.log(153 / 150)])
+    assert result["runs"][next(iter(replicas))]["replica"] is True
+    assert scale.host(dict(git_commit="22848175" + "0" * 32)) == "94e9eedb52747eaa"  # a run before kernels: its commit's
 
 
 def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp_path, monkeypatch):
@@ -343,6 +402,10 @@ def test_the_schedule_moves_data_and_epochs_apart_pairs_within_a_host_and_fits_b
     cells = {(c["train_fraction"], c["max_steps"]): c for c in res["compare"]}
     assert len(cells) == 7 and cells[1.0, 9600]["seeds"] == [0, 1, 2, 3]  # seed 4's pair spans two hosts
     assert sorted(res["unpaired"]) == ["f1-n9600-agg-s4", "f1-n9600-mle-s4"]
+    study = schedule.Schedule(str(tmp_path / "out"), prior=[str(path)])
+    study.host = "c3" * 8  # the split pair is trained again, both runs, on this host
+    assert {n for n, _f, _c in study.plan() if scale.REPLICA.search(n)} == {
+        "f1-n9600-agg-s4-kc3c3c3c3", "f1-n9600-mle-s4-kc3c3c3c3"}
     assert cells[0.25, 2400]["epochs"] == pytest.approx(4 * cells[0.25, 600]["epochs"])
     fit = res["fits"]["ppl_log_ratio"]  # over the 7 cell means, on log tokens and log epochs
     assert fit["cells"] == 7 and "predictions" not in fit and "log10(epochs)" in fit["model"]
