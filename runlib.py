@@ -1,5 +1,5 @@
 """The life of a run, shared by train_lm.py and train_nmt.py: flags, method, optimizer, schedule, atomic checkpoints
-loaded as data, and `Run` (resume, one writer per run folder, config.json with provenance, log.jsonl, signals, DDP)."""
+loaded as data, and `Run` (resume, one writer per run folder, config.json with provenance, log.jsonl, signals)."""
 import argparse
 import contextlib
 import fcntl
@@ -34,7 +34,7 @@ RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "config.json", "log.jsonl", "tokenizer.j
 def add_run_flags(p, task):
     g = p.add_argument_group("run (the same in train_lm.py and train_nmt.py)")
     g.add_argument("--out", help=f"run folder (default out/{task}-METHOD-sSEED)")
-    g.add_argument("--seed", type=int, default=0, help="seed of init, data order and dropout (process r: seed + r)")
+    g.add_argument("--seed", type=int, default=0, help="seed of init, data order and dropout")
     g.add_argument("--resume", action="store_true", help="continue OUT/ckpt.pt exactly, with its saved config")
     g.add_argument("--overwrite", action="store_true", help="start afresh in OUT (only a run's own files are removed)")
     g.add_argument("--max-steps", type=int, help="optimizer steps (also the LR schedule's length)")
@@ -172,20 +172,7 @@ def autocast(cfg):  # a context factory: autocast to --dtype bfloat16 / float16 
     return contextlib.nullcontext
 
 
-def tensor_checksum(obj, h=None, key=""):
-    """sha256 over every tensor of a (nested) checkpoint, keys in order: detects bytes changed on disk."""
-    h = h or hashlib.sha256()
-    if torch.is_tensor(obj):
-        h.update(key.encode() + obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    for k, v in sorted(obj.items(), key=lambda kv: str(kv[0])) if isinstance(obj, dict) else enumerate(
-            obj if isinstance(obj, (list, tuple)) else ()):
-        if k != "checksum":
-            tensor_checksum(v, h, f"{key}/{k}")
-    return h.hexdigest()
-
-
-def save_checkpoint(path, state):  # with a checksum load_checkpoint verifies
-    state = dict(state, checksum=tensor_checksum(state))
+def save_checkpoint(path, state):
     write_file(path, lambda tmp: torch.save(state, tmp), "the previous checkpoint is intact; free space, then --resume")
 
 
@@ -207,8 +194,6 @@ def load_checkpoint(path, task=None):
                          f"again with --overwrite")
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
-    if "checksum" in ck and tensor_checksum(ck) != ck["checksum"]:
-        raise SystemExit(f"{path}: its tensors do not match their checksum (damaged on disk): restore a good copy")
     ck["task"] = ck.get("task") or ck["config"].get("task")
     if task is not None and ck["task"] != task:
         raise SystemExit(f"{path} is a checkpoint of task {ck['task']!r}, not {task!r}: use that task's script")
@@ -304,17 +289,12 @@ class Run:
             print(f"resuming {self.ckpt_path} at step {self.ck['step']}")
         elif os.path.exists(self.ckpt_path) and not cfg["overwrite"]:
             raise SystemExit(f"{self.ckpt_path} already exists: pass --resume to continue it or --overwrite to restart")
-        self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-        self.ddp, self.master = self.world > 1, self.rank == 0
-        if self.ddp:  # under torchrun: one process per GPU (NCCL), or gloo on CPU
-            if self.cfg["device"].startswith("cuda"):
-                self.cfg["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-                torch.cuda.set_device(self.cfg["device"])
-            torch.distributed.init_process_group("nccl" if self.cfg["device"].startswith("cuda") else "gloo")
-        self.device, self.print = self.cfg["device"], print if self.master else (lambda *a, **k: None)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise SystemExit("one process per run: run without torchrun (a study's runs go to separate GPUs instead)")
+        self.device = self.cfg["device"]
         self.stop_step = min(self.cfg["max_steps"], self.cfg["stop_at"] or self.cfg["max_steps"])
         self.wandb, self.signal, self.step, self.segments, self.handlers, self.lock = None, None, 0, None, {}, None
-        torch.manual_seed(self.cfg["seed"] + self.rank)  # process r draws from seed + r: its own dropout masks
+        torch.manual_seed(self.cfg["seed"])  # init and dropout masks
 
     def _on_signal(self, signum, frame):
         if self.signal is not None and signum == signal.SIGINT:
@@ -332,22 +312,11 @@ class Run:
             signal.signal(s, handler)
         if self.wandb is not None:
             self.wandb.finish()
-        if self.ddp and exc_type is None:
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
         if self.lock is not None:
             self.lock.close()  # and with it the flock
         if exc_type is None and self.signal is not None and self.step < self.stop_step:
             raise SystemExit(f"{self.signal}: stopped at step {self.step}, checkpoint {self.ckpt_path} written; "
                              f"`python train_{self.task}.py --out {self.out} --resume` continues it")
-
-    def prepare(self, prepare_fn):  # the data: rank 0 builds the cache while the others wait
-        if self.ddp and not self.master:
-            torch.distributed.barrier()
-        data = prepare_fn(self.cfg, log=self.print)
-        if self.ddp and self.master:
-            torch.distributed.barrier()
-        return data
 
     def restore(self, model, opt, sched, method, scaler):
         """Continue the checkpoint exactly (weights, optimizer, schedule, the method's state, loss scale, RNGs)."""
@@ -360,18 +329,15 @@ class Run:
         method.to(next(model.parameters()).device)
         if self.ck.get("scaler") and scaler.is_enabled():
             scaler.load_state_dict(self.ck["scaler"])
-        if len(self.ck["rng"]) == self.world:  # else another process count: each rank keeps its fresh seed
-            rng = self.ck["rng"][self.rank]  # torch's (the data order has seeded generators of its own)
-            torch.set_rng_state(rng["torch"])
-            if rng["cuda"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
+        rng = self.ck["rng"][0]  # torch's (the data order has seeded generators of its own)
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = self.ck["step"]
         return self.step
 
     def begin(self, tokenizer_json, **info):
-        """Rank 0 takes the folder, checks the data and writes config.json (with `info`), the tokenizer and the log."""
-        if not self.master:
-            return
+        """Take the folder, check the data and write config.json (with `info`), the tokenizer and the log."""
         self._lock()
         resumed, now = self.ck is not None, self.cfg.get("data_fingerprint")
         if resumed and not same_data(was := self.ck["config"].get("data_fingerprint"), now):
@@ -395,8 +361,7 @@ class Run:
                         cpu_capability=torch.backends.cpu.get_cpu_capability(), kernels=kernel_fingerprint())
         first = {k: self.segments[0].get(k, segment[k]) for k in ("git_commit", "argv", "agg_sha256")}
         write_json(os.path.join(self.out, "config.json"), dict(self.cfg, versions=versions, git_dirty=dirty, **first,
-                   segments=self.segments, **info, world_size=self.world,
-                   resumed_from_step=self.step if resumed else None))
+                   segments=self.segments, **info, resumed_from_step=self.step if resumed else None))
         # a new run empties log.jsonl; a resumed one keeps the records up to its checkpoint, a torn last line dropped
         lines = open(self.log_path).readlines() if resumed and os.path.exists(self.log_path) else []
         if lines and not lines[-1].endswith("\n"):
@@ -437,17 +402,8 @@ class Run:
         if new and os.path.isdir(snaps) and not os.listdir(snaps):
             os.rmdir(snaps)
 
-    def wrap(self, model):
-        """The module the forward pass goes through (compiled, DDP); the methods and checkpoints keep `model` itself."""
-        fwd, index = torch.compile(model) if self.cfg["compile"] else model, torch.device(self.device).index
-        if self.ddp:
-            fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=None if index is None else [index])
-        return fwd
-
     def log(self, record):
         """One record to log.jsonl and wandb (as SPLIT/key); a non-finite valid loss or PPL stops the run."""
-        if not self.master:
-            return
         try:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -465,17 +421,11 @@ class Run:
                           f"the method's hyper-parameters")
 
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
-        """ckpt.pt: all an exact resume needs (+ `extra`: the data position), never non-finite weights; every rank calls
-        it (the RNG states are gathered)."""
+        """ckpt.pt: all an exact resume needs (+ `extra`: the data position), never non-finite weights."""
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        self.step, rng = step, dict(torch=torch.get_rng_state(), cuda=cuda)  # all that training draws from
-        rngs = [rng] * self.world
-        if self.ddp:
-            torch.distributed.all_gather_object(rngs, rng)
+        self.step, rngs = step, [dict(torch=torch.get_rng_state(), cuda=cuda)]  # all that training draws from
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             raise self.diverged(f"step {step}: the model has non-finite weights")
-        if not self.master:
-            return
         head = dict(model=model.state_dict(), step=step, config=self.cfg, task=self.task)
         save_checkpoint(self.ckpt_path, dict(head, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
                                              method=method.state_dict(), scaler=scaler.state_dict(), rng=rngs,
@@ -486,10 +436,6 @@ class Run:
                 os.remove(old)
 
     def stopping(self, step):
-        """True when a signal asks the run to stop (on any rank under DDP: every rank stops at the same step)."""
-        self.step, flag = step, self.signal is not None
-        if self.ddp:
-            t = torch.tensor([float(flag)], device=self.device)
-            torch.distributed.all_reduce(t)
-            flag, self.signal = bool(t.item()), self.signal or ("a signal on another rank" if t.item() else None)
-        return step < self.stop_step and flag
+        """True when a signal asks the run to stop."""
+        self.step = step
+        return step < self.stop_step and self.signal is not None

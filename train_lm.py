@@ -3,7 +3,7 @@
 
     python train_lm.py --method agg                          # offline default corpus, cpu preset on CPU
     python train_lm.py --dataset wikitext-103 --preset paper-6l --method agg
-    torchrun --nproc_per_node 8 train_lm.py --dataset wikitext-103 --preset gpt2-medium --method agg
+    python train_lm.py --dataset wikitext-103 --preset gpt2-medium --method agg --compile  # on a GPU
     python train_lm.py --out out/lm-agg-s0 --resume       # continue a run with its saved config
 
 A run's --out folder holds config.json (config and provenance), log.jsonl (train and valid records), ckpt.pt and
@@ -89,7 +89,7 @@ def build_parser():
                    help="a learned per-token bias on the logits (zero-initialised, no weight decay, plain gradient)")
     runlib.add_run_flags(p, "lm")
     g = p.add_argument_group("training")
-    g.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, all ranks")
+    g.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step")
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (gradient accumulation)")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--weight-decay", type=float, default=None)
@@ -212,7 +212,7 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, x):
-        """The features of x, the head's input (forward: DDP wraps the call agg's losses need)."""
+        """The features of x, the head's input (agg's losses take features and the tied weight, not logits)."""
         T = x.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.block_size}")
@@ -232,7 +232,7 @@ class GPT(nn.Module):
         """Untie late: the output matrix starts as a copy of the tied one, with its optimizer state, and trains on."""
         self.lm_head.weight.copy_(self.tok_emb.weight)
         opt.state[self.lm_head.weight] = {k: v.clone() for k, v in opt.state[self.tok_emb.weight].items()}
-        self.untied, self._ddp_params_and_buffers_to_ignore = True, []  # DDP takes lm_head from here on
+        self.untied = True
 
     def head(self, h):
         """The output layer: logits of features h."""
@@ -269,8 +269,6 @@ def build_model(cfg, vocab_size, step=0):
                 untie="late" if cfg.get("untie_at") is not None else bool(cfg.get("untie")),
                 softcap=cfg.get("logit_softcap"))
     model.untied = untied(cfg, step)
-    if cfg.get("untie_at") is not None and not model.untied:  # DDP: no gradient reaches lm_head before the split
-        model._ddp_params_and_buffers_to_ignore = ["lm_head.weight"]
     return model
 
 
@@ -296,20 +294,16 @@ def check_memory(cfg, V, B):
                          f"more than this machine's {have / 2**30:.0f} GiB: lower --block-size or --micro-batch")
 
 
-def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp=False, world=1,
-               scaler=NO_SCALER):
-    """One optimizer step on this process's sequences: (mean loss, mean NLL over all ranks, the method's stats)."""
-    method.observe(y_all)  # once per optimizer step, all targets of the step (agg all-reduces under DDP)
+def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, scaler=NO_SCALER):
+    """One optimizer step on the step's sequences: (mean loss, mean NLL, the method's stats)."""
+    method.observe(y_all)  # once per optimizer step, all targets of the step
     loss_sum, nll_sum = 0.0, 0.0
-    starts = list(range(0, len(x_all), micro_batch))
-    for j, s in enumerate(starts):
+    for s in range(0, len(x_all), micro_batch):
         x, y = x_all[s:s + micro_batch], y_all[s:s + micro_batch]
-        # under DDP, gradients are synchronised on the last micro-batch only
-        with model.no_sync() if ddp and j < len(starts) - 1 else contextlib.nullcontext():
-            with autocast():
-                hidden = model(x)  # = raw.features(x), the input of the tied head
-                loss = method.loss(hidden, raw.out_weight, y, bias=raw.out_bias, softcap=raw.softcap)  # gates W's grad
-            scaler.scale(loss * (y.numel() / y_all.numel())).backward()
+        with autocast():
+            hidden = model(x)  # = raw.features(x), the input of the tied head
+            loss = method.loss(hidden, raw.out_weight, y, bias=raw.out_bias, softcap=raw.softcap)  # gates W's grad
+        scaler.scale(loss * (y.numel() / y_all.numel())).backward()
         loss_sum += loss.item() * y.numel()
         nll_sum += float(method.stats.get("nll", loss.item())) * y.numel()
     scaler.unscale_(opt)  # float16: clip the true gradient
@@ -318,12 +312,7 @@ def train_step(model, raw, method, opt, x_all, y_all, micro_batch, autocast, ddp
     scaler.update()
     method.after_step(raw.out_weight)  # e.g. FRAGE's discriminator, centering's mean row
     opt.zero_grad(set_to_none=True)
-    if ddp:
-        t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=y_all.device)
-        torch.distributed.all_reduce(t)
-        loss_sum, nll_sum = t.tolist()
-    n = y_all.numel() * world
-    return loss_sum / n, nll_sum / n, method.stats
+    return loss_sum / y_all.numel(), nll_sum / y_all.numel(), method.stats
 
 
 def score(model, ids, n, cfg, device, autocast, context=0):
@@ -390,18 +379,13 @@ def train(cfg, explicit=frozenset(), argv=()):
     """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
     with runlib.Run(cfg, explicit, argv, RUN_CONTROL) as run:
         cfg, device = run.cfg, torch.device(run.device)
-        # data: the token ids of the train and valid splits (data.py builds the cache once, on rank 0)
-        data = run.prepare(prepare_lm)
+        # data: the token ids of the train and valid splits (data.py builds the cache once)
+        data = prepare_lm(cfg)
         V, counts = data["vocab_size"], data["counts"]
         cfg["data_fingerprint"] = os.path.basename(data["dir"])  # corpus + tokenizer hash: checked on resume and eval
         seq = Sequences(data["ids"]["train"], cfg["block_size"], cfg["seed"])
-        # --tokens-per-step is the global batch on any number of processes, in whole sequences
-        seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))
-        if seqs_per_step % run.world:
-            raise SystemExit(f"--tokens-per-step {cfg['tokens_per_step']} gives {seqs_per_step} sequences of "
-                             f"{cfg['block_size']} tokens, not divisible by {run.world} processes: change it")
-        local_seqs = seqs_per_step // run.world  # this process's sequences per step
-        check_memory(cfg, V, min(cfg["micro_batch"], local_seqs))
+        seqs_per_step = max(1, round(cfg["tokens_per_step"] / cfg["block_size"]))  # in whole sequences
+        check_memory(cfg, V, min(cfg["micro_batch"], seqs_per_step))
         tokens_per_step = seqs_per_step * cfg["block_size"]  # what AGG's alpha is counted against
         steps_per_epoch = seq.n / seqs_per_step  # AGG's window K: one epoch (AGG Sec. 4.1)
         groups = agg.frequency_groups(counts)  # 30/50/20% of the vocabulary by train counts (AGG Sec. 3.1)
@@ -418,35 +402,34 @@ def train(cfg, explicit=frozenset(), argv=()):
         autocast, scaler = runlib.autocast(cfg), torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         best_ppl = run.ck.get("best_valid_ppl", math.inf) if run.ck else math.inf
-        raw, model = model, run.wrap(model)  # raw: the weights the methods see; model: compiled / DDP wrapper
+        raw, model = model, torch.compile(model) if cfg["compile"] else model  # raw: the weights the methods see
         n_params = sum(p.numel() for p in raw.parameters())
         rare_share = agg.rare_share_of_alpha(counts, hp["alpha"], tokens_per_step, special_ids) if "alpha" in hp \
             else None
         run.begin(data["tokenizer"].to_str(), n_params=n_params, vocab_size_actual=V, data_cache=data["dir"],
                   data_tokens=data["meta"]["tokens"], tokens_per_step_actual=tokens_per_step,
                   steps_per_epoch=steps_per_epoch, method_hparams=hp, method_rare_share=rare_share)
-        run.print(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({local_seqs} seqs x {run.world}"
-                  f"), {steps_per_epoch:.1f} steps/epoch, {cfg['method']} {hp}" +
+        print(f"{n_params / 1e6:.2f}M params, V={V}, {tokens_per_step} tokens/step ({seqs_per_step} seqs), "
+                  f"{steps_per_epoch:.1f} steps/epoch, {cfg['method']} {hp}" +
                   (f", {rare_share:.1%} of the vocabulary rare at average rates" if rare_share else ""))
         if cfg["rare_share"] and rare_share is not None and abs(rare_share - cfg["rare_share"]) > 0.02:  # tied counts
-            run.print(f"warning: --rare-share {cfg['rare_share']} marks {rare_share:.1%} of the vocabulary rare here")
+            print(f"warning: --rare-share {cfg['rare_share']} marks {rare_share:.1%} of the vocabulary rare here")
 
-        bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
+        bar = tqdm(total=cfg["max_steps"], initial=step, dynamic_ncols=True, mininterval=1.0)
         t0, first = time.time(), step  # throughput since this invocation started
         model.train()  # dropout on
         while step < run.stop_step:
-            # this process's share of the step's sequences: the data position is just the step counter
-            x_all, y_all = seq.get(step * seqs_per_step + run.rank * local_seqs, local_seqs, device)
+            # the step's sequences: the data position is just the step counter
+            x_all, y_all = seq.get(step * seqs_per_step, seqs_per_step, device)
             # the method's update: observe the targets, accumulate micro-batches, clip, step
             loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
-                                          run.ddp, run.world, scaler)
+                                          scaler)
             if not math.isfinite(loss):
                 raise run.diverged(f"step {step + 1}: loss is {loss}")
             sched.step()  # the lr of the next step
             step += 1
             if untied(cfg, step) and not raw.untied:  # --untie-at: from here on the output matrix is lm_head
                 raw.untie(opt)
-                model = run.wrap(raw) if run.ddp else model
             bar.update(1)  # the progress bar counts optimizer steps
             rec = dict(loss=loss, nll=nll, ppl=math.exp(min(nll, 50)), **runlib.method_record(stats, tokens_per_step))
             bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec},
@@ -456,12 +439,12 @@ def train(cfg, explicit=frozenset(), argv=()):
                 run.log(dict(step=step, split="train", **rec, tokens_per_s=speed, lr=sched.get_last_lr()[0],
                              epoch=step / steps_per_epoch))
             # snapshots of the embedding matrix for the SVD plots over time of studies.compare (AGG Fig. 1)
-            if run.master and step in cfg["snapshot_steps"]:
+            if step in cfg["snapshot_steps"]:
                 runlib.save_checkpoint(os.path.join(run.out, "snapshots", f"emb_{step}.pt"),
                                        dict(step=step, weight=raw.out_weight.detach().float().cpu().clone()))
-            # once in a while: validate (rank 0) and keep the model of the lowest valid PPL
+            # once in a while: validate and keep the model of the lowest valid PPL
             evaluated = step % cfg["eval_interval"] == 0 or step == run.stop_step
-            if evaluated and run.master:
+            if evaluated:
                 v = validate(raw, data["ids"]["valid"], cfg, device, autocast, groups, cfg["eval_tokens"],
                              method.rare_mask() if method.steps else None, seen=counts > 0, method=method)
                 run.log(dict(step=step, split="valid", **v))  # a non-finite PPL stops the run
@@ -479,7 +462,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if stopping:
                 break
         bar.close()
-    run.print(f"done: step {step}, checkpoint {run.ckpt_path}")
+    print(f"done: step {step}, checkpoint {run.ckpt_path}")
     return run.out
 
 

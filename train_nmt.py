@@ -6,14 +6,12 @@ Machine translation with AGG and its peers: a Transformer encoder-decoder with t
     python train_nmt.py --method agg                     # AGG (rare group: 20% of the target vocabulary on cpu)
     python train_nmt.py --dataset wmt14 --src en --tgt de --preset base     # the paper's set-up (needs the HF hub)
     python train_nmt.py --data-dir DIR --src fr --tgt en # your own corpus: DIR/{train,valid,test}.{fr,en}
-    torchrun --nproc_per_node 8 train_nmt.py --dataset wmt14 --preset base --method agg
     python train_nmt.py --out out/nmt-agg-s0 --resume       # continue an interrupted run
 
 The run (flags, resume, seeding, checkpoints, config.json, log.jsonl) is train_lm.py's, through runlib.Run; the
 corpora are data.py's; validate() scores the valid split in training and, called by eval.py, the test split.
 """
 import argparse
-import contextlib
 import math
 import os
 import re
@@ -78,7 +76,7 @@ def build_parser():
                    help="post: LayerNorm after each residual (Vaswani et al.; base and big); pre: before (cpu)")
     runlib.add_run_flags(p, "nmt")
     t = p.add_argument_group("training")
-    t.add_argument("--tokens-per-step", type=int, default=None, help="padded tokens per optimizer step (all ranks)")
+    t.add_argument("--tokens-per-step", type=int, default=None, help="padded tokens per optimizer step")
     t.add_argument("--micro-tokens", type=int, default=None, help="padded tokens per micro-batch (grad accumulation)")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=None, help="linear warm-up steps to the peak lr")
@@ -495,31 +493,23 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None):
     return out, hyps
 
 
-def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, ddp, world, scaler):
-    """One optimizer step on this process's micro-batches [(src, dec_in, dec_out)], each weighted by its share of the
-    step's targets over all ranks (`scaler`: float16's loss scaling, else a no-op; no clipping, as Vaswani et al. and
-    fairseq's WMT recipes). Returns (mean loss, mean NLL, target tokens), all over every rank's targets."""
-    n_all = torch.tensor([sum(int((m[2] != PAD).sum()) for m in micro)], device=micro[0][2].device)
-    if ddp:  # the step's target tokens over all ranks: each micro-batch weighs by its share of them
-        torch.distributed.all_reduce(n_all)
-    n_all = int(n_all)
+def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, scaler):
+    """One optimizer step on the micro-batches [(src, dec_in, dec_out)], each weighted by its share of the step's
+    targets (`scaler`: float16's loss scaling, else a no-op; no clipping, as Vaswani et al. and fairseq's WMT
+    recipes). Returns (mean loss, mean NLL, target tokens)."""
+    n_all = sum(int((m[2] != PAD).sum()) for m in micro)
     method.observe(torch.cat([m[2].reshape(-1) for m in micro]), ignore_index=PAD)  # once per optimizer step
     opt.zero_grad(set_to_none=True)
     loss_sum, nll_sum = 0.0, 0.0
-    for j, (s, ti, to) in enumerate(micro):
-        with fwd.no_sync() if ddp and j < len(micro) - 1 else contextlib.nullcontext():  # DDP: sync on the last
-            with autocast():
-                hidden = fwd(s, ti)
-            share = int((to != PAD).sum()) / n_all * world  # DDP averages gradients over ranks
-            # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
-            loss = method.loss(hidden.float(), model.out_weight, to, ignore_index=PAD, label_smoothing=label_smoothing)
-            scaler.scale(loss * share).backward()
+    for s, ti, to in micro:
+        with autocast():
+            hidden = fwd(s, ti)
+        share = int((to != PAD).sum()) / n_all
+        # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
+        loss = method.loss(hidden.float(), model.out_weight, to, ignore_index=PAD, label_smoothing=label_smoothing)
+        scaler.scale(loss * share).backward()
         loss_sum += loss.item() * share
         nll_sum += method.stats["nll"] * share
-    if ddp:  # the logged loss: the mean over all ranks' targets
-        t = torch.tensor([loss_sum, nll_sum], dtype=torch.float64, device=micro[0][2].device)
-        torch.distributed.all_reduce(t)
-        loss_sum, nll_sum = (t / world).tolist()
     scaler.step(opt)  # float16: skipped when the gradient has inf/NaN
     scaler.update()
     method.after_step(model.out_weight)
@@ -530,21 +520,19 @@ def train(cfg, explicit=frozenset(), argv=()):
     """Train (or resume) the run `cfg` describes; returns its folder. main() parses the command line into cfg."""
     with runlib.Run(cfg, explicit, argv, RUN_CONTROL) as run:
         cfg, device = run.cfg, run.device
-        # data: token ids of both sides (data.py builds the cache once, on rank 0), batched by tokens
-        data = run.prepare(prepare_nmt)
+        # data: token ids of both sides (data.py builds the cache once), batched by tokens
+        data = prepare_nmt(cfg)
         V = data.vocab_size
         cfg["data_fingerprint"] = data.cache.name  # corpus hash: checked on resume and eval
         tr_src, tr_tgt = data.ids["train.src"], data.ids["train.tgt"]
-        # --tokens-per-step is the global batch on any number of processes: each process takes micro-batches of at
-        # most tokens_per_step / world padded tokens, accum of them per step
-        micro_tokens = min(cfg["micro_tokens"], max(1, cfg["tokens_per_step"] // run.world))
+        # --tokens-per-step: accum micro-batches of at most micro_tokens padded tokens each
+        micro_tokens = cfg["micro_tokens"]
         batches = make_batches(tr_src, tr_tgt, micro_tokens, max_len=cfg["max_len"], seed=cfg["seed"])
-        accum = max(1, math.ceil(cfg["tokens_per_step"] / (micro_tokens * run.world)))
-        per_step = accum * run.world  # micro-batches per step over all processes
-        steps_per_epoch = len(batches) // per_step
+        accum = max(1, math.ceil(cfg["tokens_per_step"] / micro_tokens))
+        steps_per_epoch = len(batches) // accum
         if steps_per_epoch == 0:
             raise SystemExit(f"the training split has only {len(batches)} micro-batches of {micro_tokens} tokens, "
-                             f"fewer than one step ({per_step}); lower --tokens-per-step")
+                             f"fewer than one step ({accum}); lower --tokens-per-step")
 
         # model, method, optimizer, schedule
         model = build_model(cfg, V).to(device)
@@ -569,33 +557,31 @@ def train(cfg, explicit=frozenset(), argv=()):
         scaler = torch.amp.GradScaler(torch.device(device).type, enabled=cfg["dtype"] == "float16")  # loss scaling
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         epoch, cursor = (run.ck["epoch"], run.ck["cursor"]) if run.ck else (0, 0)
-        fwd = run.wrap(model)  # compiled / DDP wrapper; `model` keeps the weights the methods see
+        fwd = torch.compile(model) if cfg["compile"] else model  # `model` keeps the weights the methods see
         n_params = sum(p.numel() for p in model.parameters())
         rare_share = agg.rare_share_of_alpha(data.counts, hp["alpha"], target_tokens_per_step, target_special) \
             if "alpha" in hp else None
         run.begin(data.tokenizer.to_str(), vocab_size_actual=V, steps_per_epoch=steps_per_epoch, grad_accum=accum,
-                  micro_tokens_actual=micro_tokens, padded_tokens_per_step=micro_tokens * per_step,
+                  micro_tokens_actual=micro_tokens, padded_tokens_per_step=micro_tokens * accum,
                   method_hparams=hp, method_rare_share=rare_share, target_tokens_per_step=target_tokens_per_step,
                   data_cache=str(data.cache), source_only_tokens=len(never_targets), rare_rule=rare_rule(cfg),
                   n_train_pairs=len(tr_src), n_train_batches=len(batches), n_params=n_params)
-        run.print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
-                  f"{n_params / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, <= {micro_tokens * per_step} padded "
-                  f"tokens/step ({micro_tokens} x {accum} x {run.world} processes), method {cfg['method']} {hp}")
-        bar = tqdm(total=cfg["max_steps"], initial=step, disable=not run.master, desc=f"nmt {cfg['method']}")
+        print(f"nmt {cfg['src']}->{cfg['tgt']} ({cfg['dataset']}): {len(tr_src)} train pairs, V={V}, "
+                  f"{n_params / 1e6:.2f}M params, {steps_per_epoch} steps/epoch, <= {micro_tokens * accum} padded "
+                  f"tokens/step ({micro_tokens} x {accum}), method {cfg['method']} {hp}")
+        bar = tqdm(total=cfg["max_steps"], initial=step, desc=f"nmt {cfg['method']}")
         t0, tok_count = time.time(), 0
         model.train()  # dropout on
         while step < run.stop_step:
-            # this process's micro-batches of the step (the remainder of an epoch is dropped); an epoch's batches in an
-            # order of (seed, epoch), so the data position is (epoch, cursor)
-            if cursor + per_step > len(batches):
+            # the step's micro-batches (the remainder of an epoch is dropped); an epoch's batches in an order of
+            # (seed, epoch), so the data position is (epoch, cursor)
+            if cursor + accum > len(batches):
                 epoch, cursor = epoch + 1, 0
             order = np.random.default_rng([cfg["seed"], epoch]).permutation(len(batches))
-            mine = order[cursor + run.rank * accum: cursor + (run.rank + 1) * accum]
-            cursor += per_step
-            micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
+            micro = [collate(tr_src, tr_tgt, batches[i], device) for i in order[cursor:cursor + accum]]
+            cursor += accum
             # the method's update: observe the targets, accumulate micro-batches, step
-            loss, nll, n_all = train_step(fwd, model, method, opt, micro, cfg["label_smoothing"], autocast, run.ddp,
-                                          run.world, scaler)
+            loss, nll, n_all = train_step(fwd, model, method, opt, micro, cfg["label_smoothing"], autocast, scaler)
             sched.step()  # the lr of the next step
             step += 1
             tok_count += n_all
@@ -609,9 +595,9 @@ def train(cfg, explicit=frozenset(), argv=()):
                 run.log(rec)
                 bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "ppl", "method_rare_fraction") if k in rec})
                 t0, tok_count = time.time(), 0
-            # once in a while: validate with BLEU (rank 0); checkpoint every --save-interval and at each validation
+            # once in a while: validate with BLEU; checkpoint every --save-interval and at each validation
             evaluated = step % cfg["eval_interval"] == 0 or step == run.stop_step
-            if evaluated and run.master:
+            if evaluated:
                 res, _ = validate(model, method, data, cfg, device, bleu_sents=cfg["valid_bleu_sents"])
                 run.log(dict(step=step, split="valid", **res))  # a non-finite PPL stops the run
                 tqdm.write(f"step {step}: valid loss {res['loss']:.3f} ppl {res['ppl']:.1f} BLEU {res['bleu']:.2f} "
@@ -624,7 +610,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             if stopping:  # after the checkpoint: the run exits with status 1
                 break
         bar.close()
-    run.print(f"done: step {step}, checkpoint {run.ckpt_path}; test it with `python eval.py {run.out}`")
+    print(f"done: step {step}, checkpoint {run.ckpt_path}; test it with `python eval.py {run.out}`")
     return run.out
 
 

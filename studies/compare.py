@@ -405,9 +405,6 @@ def reanalyse(path, add=()):
 
 
 # ----------------------------------------------------------------------------------------------------------- plots
-PLOT_STYLE = {"axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "figure.titlesize": 9}
-
-
 def save(fig, path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -656,7 +653,7 @@ def main(argv=None):
                      if os.path.exists(f := os.path.join(d, "snapshots", f"emb_{s}.pt"))] for k, d in folders.items()}
     snapshots = {k: v for k, v in snapshots.items() if v}
     biases = {k: r["out_bias"] for k, r in results.items() if r["out_bias"] is not None}
-    with plt.rc_context(PLOT_STYLE):
+    with plt.rc_context({"axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "figure.titlesize": 9}):
         plots = [plot_singular_values({k: m["singular_values"] for k, m in metrics.items()},
                                       out("singular_values.png")),
                  plot_svd({"": [(k, r["weight"], gid[k]) for k, r in results.items()]}, out("svd_projection.png"),

@@ -3,7 +3,6 @@
 import json
 import os
 import random
-import socket
 import sys
 
 import pytest
@@ -11,8 +10,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import train_lm  # noqa: E402 (the repository is on sys.path from here)
-import train_nmt  # noqa: E402
 torch.set_num_threads(1)  # tiny models: extra threads only spin on a shared 2-core machine
 
 # train_lm.py: a 1-layer model on a tiny Zipfian corpus (seconds per run)
@@ -83,21 +80,3 @@ def read_log():
         with open(os.path.join(out, "log.jsonl")) as f:
             return [json.loads(line) for line in f]
     return read
-
-
-def _ddp_worker(rank, world, port, module, argv):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    {"train_lm": train_lm, "train_nmt": train_nmt}[module].main(argv)
-
-
-@pytest.fixture(scope="session")
-def run_ddp():
-    """run_ddp(module, argv, world=2): `module`.main(argv) in `world` gloo processes on a free local port."""
-    def run(module, argv, world=2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.multiprocessing.spawn(_ddp_worker, args=(world, port, module, argv), nprocs=world, join=True)
-    return run

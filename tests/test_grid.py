@@ -87,6 +87,19 @@ def test_sigterm_to_the_pool_stops_its_jobs_with_checkpoints(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == handler  # the pool's handler is gone with the pool
 
 
+def test_the_pool_gives_each_running_job_its_own_gpu(tmp_path, monkeypatch):
+    """Job slot s runs on the s-th visible GPU: two jobs at once never share one, a later job reuses a freed one."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    job = ("import os, sys, time\nopen(sys.argv[1], 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+           "while sys.argv[2:] and not os.path.exists(sys.argv[2]): time.sleep(0.05)")  # wait for the other's start
+    other = {"first": "second", "second": "first"}
+    jobs = [(n, [sys.executable, "-c", job, str(tmp_path / n)] + ([str(tmp_path / other[n])] if n in other else []),
+             None) for n in ("first", "second", "third")]
+    pool.run(lambda busy: jobs.pop(0) if jobs else None, 2)
+    gpu = {n: (tmp_path / n).read_text() for n in ("first", "second", "third")}
+    assert {gpu["first"], gpu["second"]} == {"5", "7"} and gpu["third"] in ("5", "7")
+
+
 def grid_runs(method, seed, **axes):
     """(folder, command) of each setting of a grid over `axes` (lrs, warmups, sweep) with --out o."""
     args = argparse.Namespace(**{"out": "o", "lrs": None, "warmups": None, "sweep": None, **axes})

@@ -237,16 +237,6 @@ def test_an_out_folder_that_holds_no_run_is_not_emptied(corpus, tmp_path):
     assert json.load(open(hf / "config.json")) == {"model_type": "gpt2", "n_layer": 1}
 
 
-def test_damaged_checkpoint_tensors_are_detected(corpus, tmp_path):
-    out = tmp_path / "dmg"
-    train_lm.main(lm_argv(corpus, out))
-    ck = torch.load(out / "ckpt.pt", weights_only=True)
-    ck["model"]["tok_emb.weight"][0, 0] += 1.0  # changed after the checksum was written (torch.load sees nothing)
-    torch.save(ck, out / "ckpt.pt")
-    with pytest.raises(SystemExit, match="do not match their checksum"):
-        runlib.load_checkpoint(str(out / "ckpt.pt"))
-
-
 def test_provenance_of_every_segment_is_kept(corpus, tmp_path):
     out = tmp_path / "prov"
     train_lm.main(lm_argv(corpus, out, steps=4) + ["--stop-at", "2"])
