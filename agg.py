@@ -33,10 +33,8 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-# -----------------------------------------------------------------------------
-# The loss head: softmax cross-entropy with a gated weight gradient, logits computed once.
 
-
+# ------------------------------ the loss head: softmax cross-entropy with a gated weight gradient, logits computed once
 class GatedSoftmaxCE(torch.autograd.Function):
     """Mean softmax cross-entropy of logits = h @ weight.T (+ bias) whose gradient wrt `weight` is gated.
     With G = softmax(logits) - onehot(y) (label-smoothed if asked), dL/dh = G @ W exactly as in MLE, and
@@ -92,7 +90,6 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
     """One chunk of GatedSoftmaxCE: the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows; writes
     its rows of grad_h, adds to grad_w. mean_h (d,): gate only the push along the mean feature (agg-centered): row i,
     column k gives G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
-    V = w_mm.shape[0]
     logits = (hs @ w_mm.T).to(acc_dtype)
     if bias is not None:
         logits += bias
@@ -100,15 +97,13 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
         logits = logits.div_(softcap).tanh_()
         dcap = 1 - logits.square()
         logits.mul_(softcap)
-    target_logit = logits.gather(1, ys[:, None]).squeeze(1)
+    target_logit, row_max = logits.gather(1, ys[:, None]).squeeze(1), logits.amax(dim=1, keepdim=True)
     mean_logit = logits.mean(dim=1) if smoothing else None
-    row_max = logits.amax(dim=1, keepdim=True)
     exp = logits.sub_(row_max).exp_()  # in place: the one chunk x V buffer (logsumexp would add another)
     sum_exp = exp.sum(dim=1)
     lse = row_max.squeeze(1) + sum_exp.log()
-    nll = lse - target_logit
+    nll, log_z2 = lse - target_logit, lse.square()
     loss = (1 - smoothing) * nll + smoothing * (lse - mean_logit) if smoothing else nll  # = F.cross_entropy's value
-    log_z2 = lse.square()
     if z_coef:
         loss = loss + z_coef * log_z2  # z-loss (PaLM Sec. 5): z_coef (log Z)^2 per position
     sums = [loss.sum(), nll.sum(), torch.zeros((), dtype=acc_dtype, device=hs.device), log_z2.sum()]
@@ -122,7 +117,7 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
     # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
     grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
     if smoothing:
-        grad.sub_(smoothing / (V * n))
+        grad.sub_(smoothing / (w_mm.shape[0] * n))
     if softcap:
         grad.mul_(dcap)  # chain rule through C tanh(s / C)
     grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
@@ -169,10 +164,7 @@ def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.flo
     return gate
 
 
-# -----------------------------------------------------------------------------
-# AGG's alpha and the static rare groups, from training counts
-
-
+# --------------------------------------------------------- AGG's alpha and the static rare groups, from training counts
 def _check(ok, message, error=ValueError):
     if not ok:
         raise error(message)
@@ -187,8 +179,7 @@ def alpha_for_rare_share(counts, rare_share, tokens_per_step, special_ids=()):
     rate_all = _per_step_rate(counts, tokens_per_step, special_ids)
     rate = rate_all.unique()  # sorted distinct rates
     cuts = torch.cat([(rate[:-1] + rate[1:]) / 2, rate[-1:] + 1.0])  # between each rate and the next
-    shares = (rate_all[None, :] < cuts[:, None]).double().mean(1)
-    return float(cuts[(shares - rare_share).abs().argmin()])
+    return float(cuts[((rate_all[None, :] < cuts[:, None]).double().mean(1) - rare_share).abs().argmin()])
 
 
 def rare_share_of_alpha(counts, alpha, tokens_per_step, special_ids=()):
@@ -213,11 +204,10 @@ def least_frequent_mask(counts, fraction, special_ids=()):
     return mask
 
 
-# -----------------------------------------------------------------------------
-# Methods. Each one: observe(targets) once per optimizer step, loss(hidden, weight, targets), stats, state_dict.
-# Each declares its hyper-parameters once: spec = {name: (default, type, meaning)}. From it come the class's
-# `defaults` {name: default} and the module's HPARAMS {name: (type, meaning)}, the training scripts' flags.
-
+# -------------------------------------------------------------------------------------------------------------- methods
+# Each one: observe(targets) once per optimizer step, loss(hidden, weight, targets), stats, state_dict. Each declares
+# its hyper-parameters once: spec = {name: (default, type, meaning)}. From it come the class's `defaults` {name:
+# default} and the module's HPARAMS {name: (type, meaning)}, the training scripts' flags.
 _WHOLE = lambda v, lo: not isinstance(v, bool) and v >= lo and float(v).is_integer()  # window: K divides a_k (Eq. 5)
 _RANGES = {  # what each hyper-parameter must be (NaN fails every comparison), checked when a method is built
     **dict.fromkeys(("alpha", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef", "disc_lr"),
@@ -264,8 +254,7 @@ class MLE:
         self.special_ids = sorted({int(i) for i in special_ids})
         bad = [i for i in self.special_ids if not 0 <= i < vocab_size]  # -1 would silently mean the last token
         _check(not bad, f"special_ids {bad} are outside [0, vocab_size={vocab_size})")
-        self.steps = 0  # optimizer steps observed
-        self._stats = {}  # the last loss() call's stats
+        self.steps, self._stats = 0, {}  # optimizer steps observed; the last loss() call's stats
 
     def observe(self, targets, ignore_index=-100):
         """Call once per optimizer step with all target ids of that step (never with validation batches)."""
@@ -314,8 +303,7 @@ class MLE:
                f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
         _check(0 <= label_smoothing < 1, f"label_smoothing must be in [0, 1), got {label_smoothing}")
         _check(softcap is None or isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-               and 0 < softcap < math.inf,
-               f"softcap must be a number > 0 and finite (or None), got {softcap!r}")
+               and 0 < softcap < math.inf, f"softcap must be a number > 0 and finite (or None), got {softcap!r}")
         if bias is not None and tuple(bias.shape) != (self.vocab_size,):
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
         ts = [t for t in (hidden, weight, targets, bias) if t is not None]
@@ -326,8 +314,7 @@ class MLE:
         h, y = hidden.reshape(-1, d), targets.reshape(-1)
         valid = y != ignore_index
         # one device sync for both checks: an id outside [0, V) would index another token's row or fail deep inside
-        out_of_range = (valid & ((y < 0) | (y >= self.vocab_size))).any()
-        all_valid, bad = torch.stack([valid.all(), out_of_range]).tolist()
+        all_valid, bad = torch.stack([valid.all(), (valid & ((y < 0) | (y >= self.vocab_size))).any()]).tolist()
         if bad:
             self._check_ids(y, ignore_index)
         if not all_valid:
@@ -474,8 +461,7 @@ class AGG(MLE):
         super().load_state_dict(state)
         self.appearances = state["appearances"].clone()
         self.history = deque((i.clone(), c.clone()) for i, c in state["history"])
-        self.static_rare = state["static_rare"]
-        self.prefill_rate = state.get("prefill_rate")
+        self.static_rare, self.prefill_rate = state["static_rare"], state.get("prefill_rate")
 
 
 def _variant(base, name, **overrides):
@@ -504,8 +490,7 @@ class AGPS(StaticGroupMethod):
     push from non-rare features scaled by f1 = c/mu1 and an extra push from rare features scaled by f2 = min(c/mu2, 1).
     Follows Algorithm 1 literally: the rare-target rows get f1 + f2 (its L1 and L2 terms both reach them)."""
     name = "agps"
-    spec = dict(StaticGroupMethod.spec,
-                mu1=(None, float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)"),
+    spec = dict(StaticGroupMethod.spec, mu1=(None, float, "AGPS mu1 (AGPS Eq. 14; default: the largest rare count)"),
                 mu2=(None, float, "AGPS mu2 (AGPS Eq. 15; default: the mean rare count)"),
                 rare_rank=(None, int, "AGPS i_r: words from this frequency rank on are rare (overrides rare_fraction)"))
 
@@ -577,10 +562,8 @@ class FreezeParts(StaticGroupMethod):
         rare = self.rare.to(y.device)
         if not bool(rare.any()):
             return None, None, None
-        zero_on_rare = (~rare).double()
-        col_gate = zero_on_rare if "b" in self.hparams["parts"] else None
-        group_gate = zero_on_rare if "c" in self.hparams["parts"] else None
-        return col_gate, rare[y], group_gate
+        zero_on_rare, parts = (~rare).double(), self.hparams["parts"]
+        return zero_on_rare if "b" in parts else None, rare[y], zero_on_rare if "c" in parts else None
 
 
 def _pairwise_cosine(weight):
@@ -794,19 +777,16 @@ def gradient_parts(hidden, weight, targets, rare, gates=(None, None, None), igno
     p[rows, y] = 0.0  # the target's own column is part (a)
     to_rare = rare.to(y.device)[y]
     a = torch.zeros(V, d, dtype=torch.float64, device=h.device).index_add_(0, y, (pull[:, None] * h).double())
-    b = (p[~to_rare].T @ h[~to_rare]).double()
-    c = (p[to_rare].T @ h[to_rare]).double()
+    b, c = ((p[m].T @ h[m]).double() for m in (~to_rare, to_rare))
     return torch.stack([a.norm(dim=1), b.norm(dim=1), c.norm(dim=1)], dim=1) / max(n, 1)
 
 
 METHODS = {cls.name: cls for cls in [
     MLE, AGG, _variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False),
     _variant(AGG, "agg-static", static_after=1000), _variant(AGG, "agg-continuous", continuous_g1=True),
-    _variant(AGG, "agg-centered", center_gate=True), _variant(AGG, "agg-prefill", prefill=True),
-    AGPS, FreezeRare, _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"),
-    FreezeParts, CosReg, FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True),
-    Center, ZLoss, AGGCenter,
-]}
+    _variant(AGG, "agg-centered", center_gate=True), _variant(AGG, "agg-prefill", prefill=True), AGPS, FreezeRare,
+    _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c"), FreezeParts, CosReg,
+    FRAGE, UL, ULAGG, _variant(ULAGG, "ul+agg-features", ul_features_only=True), Center, ZLoss, AGGCenter]}
 HPARAMS = {key: (typ, meaning) for cls in METHODS.values() for key, (_default, typ, meaning) in cls.spec.items()}
 
 
@@ -838,10 +818,7 @@ def build_method(name, vocab_size, steps_per_epoch=None, tokens_per_step=None, r
     return METHODS[name](vocab_size, **hparams)
 
 
-# -----------------------------------------------------------------------------
-# Optimizer
-
-
+# ------------------------------------------------------------------------------------------------------------ optimizer
 class CoupledAdamW(torch.optim.Optimizer):
     """AdamW whose second moment is shared by the rows of each coupled parameter (Coupled Adam, Stollenwerk &
     Stollenwerk 2025): Adam divides each embedding row's update by its own sqrt(v), so rare rows (small v) take large
@@ -885,18 +862,14 @@ class CoupledAdamW(torch.optim.Optimizer):
                     p.mul_(1 - lr * wd)
                 m.lerp_(p.grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
                 # Coupled Adam: one second moment per column, the mean over the rows (the vocabulary)
                 v_used = v.mean(0, keepdim=True) if group["coupled"] and p.dim() else v
-                denom = (v_used.sqrt() / bc2 ** 0.5).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / bc1)
+                denom = (v_used.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
         return loss
 
 
-# -----------------------------------------------------------------------------
-# Embedding-geometry metrics
-
-
+# ------------------------------------------------------------------------------------------- embedding-geometry metrics
 @torch.no_grad()
 def isotropy(weight, weights=None, center=False):
     """I(W) = min_a Z(a) / max_a Z(a), Z(a) = sum_i exp(w_i . a) (AGG Eq. 3), a over the eigenvectors of W^T W AND
@@ -925,8 +898,7 @@ def isotropy(weight, weights=None, center=False):
 def isoscore(weight):
     """IsoScore (Rudman et al. 2022) of the rows of `weight` as points in R^n: 1 when they spread their variance equally
     over all n dimensions, 0 when they use one (the `isoscore` package's, float64); nan when all rows are equal."""
-    x = weight.detach().double()
-    n = x.shape[1]
+    x, n = weight.detach().double(), weight.shape[1]
     _check(n >= 2 and len(x) >= 2, f"isoscore needs >= 2 rows in >= 2 dimensions, got {tuple(x.shape)}")
     x = x - x.mean(0)
     var = torch.linalg.eigvalsh(x.T @ x / (len(x) - 1)).clamp(min=0)  # variances along the principal components
@@ -972,9 +944,8 @@ def singular_spectrum(weight):
 
 def frequency_groups(counts, fractions=(0.3, 0.5, 0.2)):
     """(frequent, medium, rare) index tensors: the vocabulary by training counts, 30/50/20% (AGG Sec. 3.1)."""
-    counts = torch.as_tensor(counts)
-    order = torch.argsort(counts.double(), descending=True, stable=True)
-    n_freq, n_med = round(fractions[0] * len(counts)), round(fractions[1] * len(counts))
+    order = torch.argsort(torch.as_tensor(counts).double(), descending=True, stable=True)
+    n_freq, n_med = round(fractions[0] * len(order)), round(fractions[1] * len(order))
     return order[:n_freq], order[n_freq:n_freq + n_med], order[n_freq + n_med:]
 
 
@@ -1002,8 +973,7 @@ class GroupNLL:
     with each position's NLL and group id (group_of's; extra ids up to n_groups - 1 count in the total only)."""
 
     def __init__(self, n_groups=3):
-        self.nll = torch.zeros(n_groups, dtype=torch.float64)
-        self.count = torch.zeros(n_groups, dtype=torch.long)
+        self.nll, self.count = torch.zeros(n_groups, dtype=torch.float64), torch.zeros(n_groups, dtype=torch.long)
 
     def add(self, nll, group):
         g = group.flatten()

@@ -349,8 +349,7 @@ def synthetic_pairs(n_train=4000, n_eval=200, n_words=30, seed=1234):
             seen.add("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=int(rng.integers(3, 6)))))
         return sorted(seen)
 
-    src_words, tgt_words = words(), [w.upper() for w in words()]
-    prob = 1.0 / np.arange(1, n_words + 1) ** 1.1
+    src_words, tgt_words, prob = words(), [w.upper() for w in words()], 1.0 / np.arange(1, n_words + 1) ** 1.1
     prob /= prob.sum()
 
     def sample(n):

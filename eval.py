@@ -88,8 +88,7 @@ def geometry(weight, counts, include_unseen=False):
     the (weighted) mean row, and the under-trained rows of Land & Bartolo 2024."""
     groups, counts = agg.frequency_groups(counts), torch.as_tensor(counts)
     seen = None if include_unseen else counts > 0
-    geo = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen)
-    W = weight.detach().double().cpu()
+    geo, W = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen), weight.detach().double().cpu()
     rows = W if seen is None else W[seen]
     seen_rows, w = W[counts > 0], counts[counts > 0].double()  # weighted by train frequency
     geo.update(geometry_rows_rule="all" if include_unseen else "seen in training", isoscore=agg.isoscore(rows),
@@ -348,9 +347,8 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     if n := args.max_sentences:
         data.ids.update({k: data.ids[k][:n] for k in ("test.src", "test.tgt")})
         data.text["test"] = tuple(side[:n] for side in data.text["test"])
-    averaged = None
-    if args.average_last:
-        weights, averaged = average_checkpoints(cfg["out"], args.average_last)
+    weights, averaged = average_checkpoints(cfg["out"], args.average_last) if args.average_last else (None, None)
+    if weights is not None:
         model.load_state_dict(weights)
     res, hyps = train_nmt.validate(model, None, data, cfg, device, split="test", bleu_sents=0)
     hyp_text, (src_text, ref_text) = [data.decode(h) for h in hyps], data.text["test"]

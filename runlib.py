@@ -48,15 +48,19 @@ def add_run_flags(p, task):
     g = p.add_argument_group("method (agg.METHODS; hyper-parameters go to agg.build_method only when given), optimizer")
     g.add_argument("--method", default="mle", choices=list(agg.METHODS), metavar="METHOD",
                    help=f"one of: {', '.join(agg.METHODS)}")
-    for key, (typ, text) in agg.HPARAMS.items():
-        users = [name for name, cls in agg.METHODS.items() if key in cls.defaults]
-        g.add_argument(method_flag(key), dest=key, type=true_or_false if typ is bool else typ,
-                       help=f"{text} [{', '.join(users[:3])}]")
+    add_method_flags(g)
     g.add_argument("--rare-share", type=float, help="AGG family: the alpha whose rare group is this share of the vocab")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "coupled-adam"],
                    help="coupled-adam: the vocabulary matrices take Coupled Adam's update (agg.CoupledAdamW)")
     g.add_argument("--embedding-weight-decay", type=float, help="the vocabulary matrices' (default: --weight-decay)")
     g.add_argument("--embedding-lr", type=float, metavar="MULT", help="the vocabulary matrices' lr, times --lr (1)")
+
+
+def add_method_flags(g, skip=()):  # one flag per hyper-parameter of agg.py's methods, named as config.json names it
+    for key, (typ, text) in [(k, v) for k, v in agg.HPARAMS.items() if k not in skip]:
+        users = [name for name, cls in agg.METHODS.items() if key in cls.defaults]
+        g.add_argument(method_flag(key), dest=key, type=true_or_false if typ is bool else typ,
+                       help=f"{text} [{', '.join(users[:3])}]")
 
 
 def true_or_false(text):  # argparse's one line for another word names it: "invalid true_or_false value: 'x'"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import agg
+import runlib
 
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}
 
@@ -50,13 +51,13 @@ def parse_args(argv=None):
     p.add_argument("--batch-seqs", type=int, default=64, help="sequences per step (tokens per step = this x seq-len)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--alpha", type=float, default=0.4, help="AGG Eq. 5: rare if a_k/K < alpha (agg, agg-*, ul+agg)")
-    p.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
-                   help="override a method hyper-parameter, e.g. --set cosreg.gamma=0.5 (repeatable)")
     p.add_argument("--log-every", type=int, default=5, help="steps between geometry snapshots for training.png")
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0: torch's default (1 on a busy machine)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (metrics.json and the table only)")
+    runlib.add_method_flags(p.add_argument_group("the other method hyper-parameters (as train_lm.py's flags)"),
+                            skip=("alpha",))
     args = p.parse_args(argv)
-    # check the inputs argparse cannot: method names, the sweep's alphas, --set's keys, the counts
+    # check the inputs argparse cannot: method names, the sweep's alphas, the method flags' methods, the counts
     args.method_list = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     bad = [m for m in args.method_list if m not in agg.METHODS]
     if bad or not args.method_list:
@@ -67,28 +68,13 @@ def parse_args(argv=None):
         args.sweep = [0.0]
     if any(a <= 0 for a in args.sweep):
         p.error(f"--alpha-sweep must be comma-separated numbers > 0, got {args.alpha_sweep!r}")
-    args.overrides = {}
-    for item in args.set:
-        name, _, hp = item.partition("=")[0].rpartition(".")
-        if "=" not in item or name not in agg.METHODS or hp not in agg.METHODS[name].defaults:
-            known = sorted(agg.METHODS[name].defaults) if name in agg.METHODS else f"methods {list(agg.METHODS)}"
-            p.error(f"--set {item!r}: expected METHOD.KEY=VALUE, e.g. cosreg.gamma=0.5; valid: {known}")
-        args.overrides.setdefault(name, {})[hp] = parse_value(item.partition("=")[2])
+    args.overrides = {k: getattr(args, k) for k in agg.HPARAMS if k != "alpha" and getattr(args, k) is not None}
+    for key in [k for k in args.overrides if not any(k in agg.METHODS[m].defaults for m in args.method_list)]:
+        p.error(f"{runlib.method_flag(key)} applies to none of --methods {','.join(args.method_list)}")
     for flag in ("steps", "epoch_steps", "vocab", "dim", "seq_len", "batch_seqs", "log_every", "val_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return args
-
-
-def parse_value(text):
-    """'3' -> 3, '0.5' -> 0.5, 'true' -> True, 'none' -> None, anything else stays a string."""
-    words = {"none": None, "null": None, "true": True, "false": False}
-    for cast in (int, float, lambda t: words[t.lower()]):
-        try:
-            return cast(text)
-        except (ValueError, KeyError):
-            pass
-    return text
 
 
 # ----------------------------------------------------------------------------------------------- the synthetic language
@@ -179,7 +165,7 @@ def method_hparams(name, args):
     hp = {"alpha": args.alpha} if agg.agg_family(name) else {}
     if agg.METHODS[name].defaults.get("static_after") is not None:
         hp["static_after"] = min(args.epoch_steps, max(1, args.steps // 2))
-    return {**hp, **args.overrides.get(name, {})}
+    return {**hp, **{k: v for k, v in args.overrides.items() if k in agg.METHODS[name].defaults}}
 
 
 def train_one(label, name, hparams, data, args):
@@ -403,10 +389,10 @@ def main(argv=None):
     # metrics.json: every run and the configuration; embeddings.pt: the final W of every run, for your own analysis
     methods = {lab: results[lab] for lab in args.method_list}
     sweep = [{"alpha": hp["alpha"], **results[lab]} for lab, _, hp in sweep_runs]
-    config = {k: v for k, v in vars(args).items() if k not in ("method_list", "sweep", "set", "overrides")}
+    config = {k: v for k, v in vars(args).items() if k not in ("method_list", "sweep", "overrides") and v is not None}
     config.update(tokens_per_step=args.batch_seqs * args.seq_len, train_tokens=int(data["train"][:, 2:].numel()),
                   val_tokens=int(data["val"][:, 2:].numel()), oracle_ppl=data["oracle_ppl"],
-                  unigram_ppl=data["unigram_ppl"], overrides=args.overrides, torch=torch.__version__,
+                  unigram_ppl=data["unigram_ppl"], torch=torch.__version__,
                   group_sizes={g: len(i) for g, i in data["groups"].items()})
     metrics = {"methods": methods, "config": config, **({"alpha_sweep": sweep} if sweep else {})}
     with open(os.path.join(args.out, "metrics.json"), "w") as f:

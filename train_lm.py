@@ -74,9 +74,8 @@ def build_parser():
     g.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
                    help="cpu (the README's numbers) or the paper's set-ups: " +
                         "; ".join(f"{k}: " + ", ".join(f"{f}={v}" for f, v in p.items()) for k, p in PRESETS.items()))
-    for name, typ in [("n-layer", int), ("d-model", int), ("n-head", int), ("d-ff", int), ("dropout", float),
-                      ("block-size", int)]:
-        g.add_argument("--" + name, type=typ, default=None)
+    for name in MODEL_FIELDS:
+        g.add_argument("--" + name.replace("_", "-"), type=float if name == "dropout" else int)
     untie = g.add_mutually_exclusive_group()
     untie.add_argument("--untie", action="store_true",
                        help="a separate output matrix (a control: the methods and the geometry are that matrix's)")
@@ -249,8 +248,7 @@ class GPT(nn.Module):
         loop, the head applied at the last position only): temperature 0 is greedy; top_k keeps the k most likely."""
         for _ in range(n_new):
             with autocast():
-                logits = self.head(self.features(x[:, -self.block_size:])[:, -1])
-            logits = logits.float()
+                logits = self.head(self.features(x[:, -self.block_size:])[:, -1]).float()
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -397,8 +395,7 @@ def train(cfg, explicit=frozenset(), argv=()):
                                          special_ids=special_ids, steps_per_epoch=steps_per_epoch,
                                          tokens_per_step=tokens_per_step)
         opt = runlib.make_optimizer(model, cfg, [m.weight for m in (model.tok_emb, model.lm_head) if m is not None])
-        schedule = runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"])  # warm-up, cosine to 10%
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, runlib.lr_schedule("cosine", cfg["warmup"], cfg["max_steps"]))
         autocast, scaler = runlib.autocast(cfg), torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         best_ppl = run.ck.get("best_valid_ppl", math.inf) if run.ck else math.inf
@@ -422,8 +419,7 @@ def train(cfg, explicit=frozenset(), argv=()):
             # the step's sequences: the data position is just the step counter
             x_all, y_all = seq.get(step * seqs_per_step, seqs_per_step, device)
             # the method's update: observe the targets, accumulate micro-batches, clip, step
-            loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast,
-                                          scaler)
+            loss, nll, stats = train_step(model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast, scaler)
             if not math.isfinite(loss):
                 raise run.diverged(f"step {step + 1}: loss is {loss}")
             sched.step()  # the lr of the next step

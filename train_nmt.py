@@ -68,9 +68,8 @@ def build_parser():
     m.add_argument("--preset", default="cpu", choices=list(PRESETS),
                    help="cpu (the README's numbers) or the paper's Transformers: " +
                         "; ".join(f"{k}: " + ", ".join(f"{f}={v}" for f, v in p.items()) for k, p in PRESETS.items()))
-    for name, typ in [("enc-layers", int), ("dec-layers", int), ("d-model", int), ("n-head", int), ("d-ff", int),
-                      ("dropout", float), ("vocab-size", int), ("max-len", int)]:
-        m.add_argument("--" + name, type=typ, default=None)
+    for name in ("enc-layers", "dec-layers", "d-model", "n-head", "d-ff", "dropout", "vocab-size", "max-len"):
+        m.add_argument("--" + name, type=float if name == "dropout" else int)
     m.add_argument("--untie", action="store_true", help="a separate output matrix (a control: the methods act on it)")
     m.add_argument("--norm", default=None, choices=["pre", "post"],
                    help="post: LayerNorm after each residual (Vaswani et al.; base and big); pre: before (cpu)")
@@ -172,8 +171,7 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
 
     def split(self, x):
-        B, T, d = x.shape
-        return x.view(B, T, self.h, d // self.h).transpose(1, 2)
+        return x.unflatten(-1, (self.h, -1)).transpose(1, 2)  # (B, T, d) -> (B, h, T, d / h)
 
     def kv(self, x, cache=None):
         """The keys and values of x (B, heads, T, d/heads); with a cache (incremental decoding), after the past steps'
@@ -192,8 +190,7 @@ class Attention(nn.Module):
         k, v = self.kv(x if mem is None else mem, cache) if kv is None else kv
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            dropout_p=self.dropout if self.training else 0.0)
-        B, H, T, dh = y.shape
-        return self.o(y.transpose(1, 2).reshape(B, T, H * dh))
+        return self.o(y.transpose(1, 2).flatten(2))
 
 
 class FFN(nn.Sequential):
@@ -244,8 +241,7 @@ class Transformer(nn.Module):
     projection. norm="post": the Transformer of Vaswani et al. (LayerNorm after each residual, no final LayerNorm);
     "pre": LayerNorm before each sublayer and after the last layer (trains stably at higher learning rates)."""
 
-    def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, norm="pre", untie=False,
-                 **_):
+    def __init__(self, vocab_size, d_model, n_head, d_ff, enc_layers, dec_layers, dropout, norm="pre", untie=False):
         super().__init__()
         pre = norm == "pre"
         self.d = d_model
@@ -322,8 +318,7 @@ def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
         V = lp.shape[1]
         lp[:, [PAD, BOS]] = -math.inf
         lp.masked_fill_((t >= row_max - 1)[:, None] & (torch.arange(V, device=dev) != EOS), -math.inf)  # cap: </s> only
-        cand = (scores.view(-1, 1) + lp).view(B, K * V)
-        top_s, top_i = cand.topk(2 * K, dim=1)
+        top_s, top_i = (scores.view(-1, 1) + lp).view(B, K * V).topk(2 * K, dim=1)
         top_beam, top_tok = top_i // V, top_i % V
         is_eos = top_tok == EOS
         # finish: </s> among the top K, finite score, sentence not done
@@ -335,8 +330,7 @@ def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
         if bool(done.all()):
             break
         # continue: the first K non-</s> candidates (a beam adds at most one </s>, so at least K remain)
-        keep = ~is_eos & (torch.cumsum((~is_eos).long(), 1) <= K)
-        cols = keep.nonzero()[:, 1].view(B, K)
+        cols = (~is_eos & (torch.cumsum((~is_eos).long(), 1) <= K)).nonzero()[:, 1].view(B, K)
         new_beam = (top_beam.gather(1, cols) + torch.arange(B, device=dev)[:, None] * K).view(-1)
         scores = top_s.gather(1, cols)
         scores[done] = -math.inf
@@ -380,8 +374,7 @@ def bleu_tok_compound(hyps, refs, lang):
     def prep(text):
         tokens = moses.tokenize(text, aggressive_dash_splits=True, return_str=True)
         return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", tokens)
-    return sacrebleu.corpus_bleu([prep(h) for h in hyps], [[prep(r) for r in refs]], tokenize="none",
-                                 force=True).score
+    return sacrebleu.corpus_bleu([prep(h) for h in hyps], [[prep(r) for r in refs]], tokenize="none", force=True).score
 
 
 # ---------------------------------------------------------------------------------------------------------- training
@@ -462,8 +455,7 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None):
     count = acc.tokens()
     out = {"loss": acc.loss(), "ppl": acc.ppl(), "tokens": count, "ppl_groups": acc.ppl_groups(),
            "group_rare_mass_pred": mass_pred["group"] / count, "group_rare_mass_true": mass_true["group"] / count}
-    if hasattr(method, "frozen"):  # freeze-rare: whether the rare rows are still frozen (AGG Fig. 2)
-        out["rare_frozen"] = method.frozen()
+    out.update({"rare_frozen": method.frozen()} if hasattr(method, "frozen") else {})  # freeze-rare (AGG Fig. 2)
     if "method" in rare:
         out.update(method_rare_count=int(rare["method"].sum()), method_rare_mass_pred=mass_pred["method"] / count,
                    method_rare_mass_true=mass_true["method"] / count)
@@ -551,9 +543,8 @@ def train(cfg, explicit=frozenset(), argv=()):
                 data.counts, share, target_tokens_per_step, target_special),
             vocab_size=V, counts=data.corpus_counts, special_ids=method_special, steps_per_epoch=steps_per_epoch)
         opt = runlib.make_optimizer(model, cfg, [model.embed] + ([model.out_embed] if cfg["untie"] else []))
-        schedule = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"])
+        schedule, autocast = runlib.lr_schedule(cfg["schedule"], cfg["warmup"], cfg["max_steps"]), runlib.autocast(cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        autocast = runlib.autocast(cfg)
         scaler = torch.amp.GradScaler(torch.device(device).type, enabled=cfg["dtype"] == "float16")  # loss scaling
         step = run.restore(model, opt, sched, method, scaler)  # a resumed run continues exactly
         epoch, cursor = (run.ck["epoch"], run.ck["cursor"]) if run.ck else (0, 0)

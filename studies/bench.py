@@ -51,8 +51,7 @@ class TorchCE:  # plain PyTorch: F.cross_entropy(h @ W.T, y) (logits, log-softma
 def make_data(V, T, d, seq_len, window, device, dtype="float32", seed=0, rare_fraction=0.2, n_batches=4):
     """Zipf(1.1) targets (T / seq_len, seq_len) (ul needs (B, T)) and a history of `window` steps for the counters
     (its counts are the static methods'); alpha makes ~rare_fraction of the vocabulary rare."""
-    g = torch.Generator().manual_seed(seed)
-    p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
+    g, p = torch.Generator().manual_seed(seed), torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
     p = (p / p.sum()).float()
     draw = torch.multinomial(p, (window + n_batches) * T, replacement=True, generator=g).view(-1, T // seq_len, seq_len)
     history, batches = draw[:window], [b.to(device) for b in draw[window:]]
@@ -202,9 +201,8 @@ def bench_head(args, devices, log, result, save):
             result["cases"].append(c := dict(
                 method=n, V=V, device=device, ms=round(ms, 3), ms_ratio_vs_mle=round(ms / med["mle"][0], 4),
                 peak_mb=peak and round(peak, 2), mem_ratio_vs_mle=round(peak / mle_peak, 4) if mle_peak else None))
-            result["spread"].append(s := dict(
-                method=n, V=V, device=device, ms_min=round(min(wall), 3), ms_max=round(max(wall), 3),
-                samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms, 3),
+            result["spread"].append(s := dict(method=n, V=V, device=device, ms_min=round(min(wall), 3),
+                ms_max=round(max(wall), 3), samples_ms=[round(x, 3) for x in wall], cpu_ms=round(cpu_ms, 3),
                 cpu_ratio_vs_mle=round(cpu_ms / med["mle"][1], 4), cpu_samples_ms=[round(x, 3) for x in cpu]))
             rows.append([n, f"{ms:.0f} ({min(wall):.0f}-{max(wall):.0f})", f"{c['ms_ratio_vs_mle']:.2f}x "
                          f"({min(wall) / min(mle_wall):.2f}x)", f"{s['cpu_ratio_vs_mle']:.2f}x",

@@ -46,7 +46,6 @@ def variant_names(configs):
             return train_nmt.rare_rule(cfg)  # also of a config saved before --rare-rule
         value = cfg[key] if key in cfg else flag_defaults(task(cfg)).get(key)  # a run saved before the flag
         return getattr(agg.METHODS.get(cfg.get("method")), "defaults", {}).get(key) if value is None else value
-
     names = {}
     for method in dict.fromkeys(cfg.get("method", "?") for cfg in configs.values()):
         runs = [r for r, cfg in configs.items() if cfg.get("method", "?") == method]
@@ -80,7 +79,6 @@ def summarise(metrics):
             elif isinstance(v, dict) and v and ((sub := nested([r[k] for r in runs])) or not top):
                 out[k] = sub
         return out
-
     by_variant = {}
     for m in metrics.values():
         by_variant.setdefault(m.get("variant", m.get("method", "?")), []).append(m)
@@ -172,8 +170,7 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
         rare = type_stats[labels[0][0]]["rare"]
         gap = sum(type_stats[b]["nll"] - type_stats[c]["nll"] for b, c in labels)[rare]  # per rare type, pooled
         count = sum(type_stats[b]["count"] for b, _ in labels)[rare].double()
-        ids = rare.nonzero().squeeze(1)
-        gap, count, ids = gap[count > 0], count[count > 0], ids[count > 0]
+        gap, count, ids = gap[count > 0], count[count > 0], rare.nonzero().squeeze(1)[count > 0]
         order = torch.argsort(gap, descending=True)
         total = float(gap.sum()) or float("nan")  # nan shares when the two variants score alike
         out["rare_types"] = dict(
@@ -259,8 +256,7 @@ def paired_bleu(base_hyps, cand_hyps, refs, tokenize, n_boot=1000, seed=0):
     metric = sacrebleu.BLEU(tokenize=tokenize)
     stats = [np.asarray(metric._extract_corpus_statistics(h, [refs]), dtype=np.int64) for h in (base_hyps, cand_hyps)]
     score = lambda st: metric._compute_score_from_stats(st.sum(0).tolist()).score
-    base, cand = score(stats[0]), score(stats[1])
-    rng = np.random.default_rng(seed)
+    base, cand, rng = score(stats[0]), score(stats[1]), np.random.default_rng(seed)
     diffs = np.array([score(stats[1][i]) - score(stats[0][i])
                       for i in (rng.integers(0, len(refs), len(refs)) for _ in range(n_boot))])
     other_side = float(np.mean(diffs <= 0) if cand > base else np.mean(diffs >= 0))
@@ -405,7 +401,8 @@ def reanalyse(path, add=()):
 
 
 # ----------------------------------------------------------------------------------------------------------- plots
-def save(fig, path):
+def save(fig, path, rect=None):  # tight layout (the axes within rect), the PNG, the figure closed
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -417,7 +414,6 @@ def plot_singular_values(spectra, path):
         ax.plot(np.arange(1, len(s) + 1), s, label=label)
     ax.set(xlabel="index", ylabel="normalised singular value", title="Singular values of the tied embedding")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     return save(fig, path)
 
 
@@ -443,7 +439,6 @@ def plot_svd(rows, path, title):
             ax.axis("off")
     axes[0][0].legend(markerscale=5, fontsize=8)
     fig.suptitle(f"{title} (red rare, green medium, blue frequent)")
-    fig.tight_layout()
     return save(fig, path)
 
 
@@ -458,7 +453,6 @@ def plot_output_bias(biases, counts, path):
     axes[0][0].set_ylabel("learned output bias")
     axes[0][0].legend(markerscale=5)
     fig.suptitle("Learned output bias against token frequency (--output-bias)")
-    fig.tight_layout()
     return save(fig, path)
 
 
@@ -502,8 +496,7 @@ def plot_training_curves(folders, variants, path):
     fig.legend(*axes[0].get_legend_handles_labels(), fontsize=6, loc="lower center", ncol=min(len(groups), 7),
                frameon=False)
     fig.suptitle("Validation records over training (AGG Fig. 2)")
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(groups) - 1) // 7), 1, 1))
-    return save(fig, path)
+    return save(fig, path, (0, 0.06 + 0.03 * ((len(groups) - 1) // 7), 1, 1))
 
 
 def plot_gradient_parts(folders, variants, path):
@@ -521,8 +514,7 @@ def plot_gradient_parts(folders, variants, path):
     fig.legend(loc="center right", fontsize=6, ncol=1 + len(groups) // 6)  # beside the axes: many methods fit
     fig.suptitle("Parts of the embeddings' gradient (AGG Eq. 4): (a) dashed, (b) solid, (c) dotted, as each method "
                  "applies them")
-    fig.tight_layout(rect=(0, 0, 0.93 - 0.08 * (len(groups) // 6), 1))
-    return save(fig, path)
+    return save(fig, path, (0, 0, 0.93 - 0.08 * (len(groups) // 6), 1))
 
 
 def plot_rare_share(folders, variants, path):
@@ -535,7 +527,6 @@ def plot_rare_share(folders, variants, path):
     ax.set(xscale="log", xlabel="optimizer step", ylabel="rare group / vocabulary",
            title="Size of the rare group over training (AGG Fig. 4)")
     ax.legend()
-    fig.tight_layout()
     return save(fig, path)
 
 

@@ -98,9 +98,8 @@ def sweep_table(metrics, command, key=None):
                   valid_ppl_mean=sum(r["valid_ppl"] for r in rs) / len(rs),
                   test_ppl_mean=sum(r["test_ppl"] for r in rs) / len(rs)) for k, rs in sorted(by.items())]
     best = lambda method: min((s for s in table if s["method"] == method), key=lambda s: s["valid_ppl_mean"])
-    selected = {s["method"]: best(s["method"]) for s in table}
     return dict(command=command, selection="lowest mean valid PPL over seeds (last checkpoint)", runs=runs,
-                settings=table, selected=selected)
+                settings=table, selected={s["method"]: best(s["method"]) for s in table})
 
 
 def main(argv=None):
@@ -144,8 +143,7 @@ def main(argv=None):
         pool.run(lambda busy: next(queue, None), args.jobs)
     report = os.path.join(args.out, "report")
     metrics = compare.main([*folders, "--out", report, *args.eval_args.split()])  # report/summary.json: summarise's
-    command = shlex.join(["python", "-m", "studies.grid", *argv])
-    summary = compare.summarise(metrics)
+    command, summary = shlex.join(["python", "-m", "studies.grid", *argv]), compare.summarise(metrics)
     lines = ["# Methods table", "", f"`{command}`", "", "Each cell: mean ± std over seeds (n = runs per method; one "
              "run: its value). Test split, frequency groups 30/50/20% of the vocabulary by train counts; Uniq = "
              "distinct next-token argmax predictions.", ""]

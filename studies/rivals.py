@@ -220,8 +220,7 @@ def plot_pareto(study, runs, selections, path):
     fig.suptitle(f"{study.title} at the cpu preset. Faint: the sweeps (seed 0; triangles: above the frame);\n"
                  "lines: each rival's knob at its selected lr (mean and range of seeds 0-2); large: the selections "
                  "(mean and range over seeds)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.1 if handles else 0, 1, 1))
-    compare.save(fig, path)
+    compare.save(fig, path, (0, 0.1 if handles else 0, 1, 1))
 
 
 def lr_sensitivity(sweep, selections, vocab_size):
@@ -247,7 +246,6 @@ def plot_lr_sensitivity(sensitivity, title, path):
     ax.set_title(f"{title}: valid PPL over the lr grid at each selected knob (seed 0)\nlegend: lr sensitivity, the "
                  "mean over the grid of the valid loss above its best (nats)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     compare.save(fig, path)
 
 

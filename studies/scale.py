@@ -238,8 +238,7 @@ class Study:
                            share_valid_ppl=ppl(self.share()[1]), lr=sel["lr"], lr_valid_ppl=lr_runs),
             runs=runs, diverged=diverged, compare=cells,  # one cell per (AGG share, size, data size)
             fits=fits, pooled_by_data={f"{sh:g}": pooled_by_data(of[sh]) for sh in shares if of[sh]},
-            prediction=prediction(fits)),
-            elsewhere=corpus if corpus_path else ())
+            prediction=prediction(fits)), elsewhere=corpus if corpus_path else ())
         for share in [share for share in shares if of[share]]:  # the selected share's figure, one per other share
             suffix = "" if share == sel["share"] else f"_share{share:g}"
             plot_cells(of[share], os.path.splitext(path)[0] + suffix + ".png", f"AGG (rare share {share:g}) against "
@@ -327,7 +326,6 @@ TEST_PREDICTION = ("each cell, seeds 0 1 2: python train_lm.py --dataset wikitex
                    "giving the tokens (config.json's data_tokens), N = 3.5 epochs of 1,024 tokens, LR the selection "
                    "at M; then python -m studies.compare RUNS --compare mle agg --out REPORT")
 
-
 AXES = {"n_params_non_embedding": ("params", "non-embedding params"), "train_tokens": ("tokens", "train tokens"),
         "epochs": ("epochs", "epochs")}  # a cell key the fits regress on: (its name in the fit, in words)
 
@@ -348,8 +346,7 @@ def fit_trend(cells, key, on=("n_params_non_embedding", "train_tokens"), predict
     pure = sum(float(np.sum((np.asarray(c[key]["diffs"]) - c[key]["mean"]) ** 2)) for c in cells)  # within cells
     df_pure = int(n.sum() - len(n))
     f_lof = float(n @ resid ** 2) / dof / (pure / df_pure) if df_pure and pure > 0 else float("nan")
-    params = {c.get("size"): c.get("n_params_non_embedding") for c in cells}
-    predictions = {}
+    params, predictions = {c.get("size"): c.get("n_params_non_embedding") for c in cells}, {}
     for name, at in predict.items():
         if (p := at.get("n_params_non_embedding", params.get(at.get("size")))) is not None:
             x0 = np.array([1.0, math.log10(p), math.log10(at["train_tokens"])])
@@ -408,7 +405,6 @@ def plot_cells(cells, path, suptitle, rows=SIZE_ROWS, panels=PANELS):
             ax.set_title(title, fontsize=9)
             ax.legend(fontsize=6)
     fig.suptitle(suptitle, fontsize=10)
-    fig.tight_layout()
     compare.save(fig, path)
 
 

@@ -34,8 +34,7 @@ PANELS = [scale.PANELS[0], ("calibrated_ppl_log_ratio", "AGG / MLE test PPL, bot
 def run_spec(fraction, steps, method, seed):  # (name, train_lm.py flags) of a run
     flags = ["--method", method, "--seed", str(seed), "--lr", f"{LR:g}", "--train-fraction", f"{fraction:g}",
              "--max-steps", str(steps), "--warmup", str(WARMUP), "--eval-interval", str(steps // 12)]
-    share = ["--rare-share", f"{SHARE:g}"] if method == "agg" else []
-    return f"f{fraction:g}-n{steps}-{method}-s{seed}", flags + share
+    return f"f{fraction:g}-n{steps}-{method}-s{seed}", flags + ["--rare-share", f"{SHARE:g}"] * (method == "agg")
 
 
 class Schedule(scale.Study):

@@ -121,20 +121,22 @@ def test_bad_inputs_name_the_fix(capsys):
         toy.parse_args(["--methods", "mle,agg-typo"])
     err = capsys.readouterr().err
     assert "agg-typo" in err and "freeze-rare" in err
-    with pytest.raises(SystemExit):
-        toy.parse_args(["--set", "cosreg.alpha=1"])
-    assert "gamma" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a method flag that none of --methods takes
+        toy.parse_args(["--methods", "mle,agg", "--gamma", "0.5"])
+    assert "--gamma applies to none of --methods mle,agg" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parse_args(["--alpha-sweep", "0.1,x"])
     with pytest.raises(SystemExit):
-        toy.parse_args(["--set", "cosreg.gamma"])
-    assert "cosreg.gamma" in capsys.readouterr().err
+        toy.parse_args(["--use-g1", "maybe"])
+    assert "--use-g1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parse_args(["--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
-    assert toy.parse_args(["--set", "cosreg.gamma=0.5"]).overrides == {"cosreg": {"gamma": 0.5}}
-    # --set values: numbers, booleans and none as such, anything else a string
-    overrides = toy.parse_args(["--set", "agg.window=3", "--set", "agg.use_g1=false", "--set", "agps.mu1=None",
-                                "--set", "freeze-b.parts=bc"]).overrides
-    assert overrides == {"agg": {"window": 3, "use_g1": False}, "agps": {"mu1": None}, "freeze-b": {"parts": "bc"}}
-    assert type(overrides["agg"]["window"]) is int
+    # the method flags of train_lm.py, each to the methods that take it, over the toy's own settings
+    args = toy.parse_args(["--methods", "agg,agg-static,agps,freeze-b", "--window", "3", "--use-g1", "false",
+                           "--mu1", "2.5", "--parts", "c"])
+    hp = {m: toy.method_hparams(m, args) for m in args.method_list}
+    assert hp == {"agg": {"alpha": 0.4, "window": 3, "use_g1": False},
+                  "agg-static": {"alpha": 0.4, "window": 3, "use_g1": False, "static_after": 75},
+                  "agps": {"mu1": 2.5}, "freeze-b": {"parts": "c"}}
+    assert type(hp["agg"]["window"]) is int
