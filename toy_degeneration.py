@@ -71,6 +71,11 @@ def parse_args(argv=None):
     args.overrides = {k: getattr(args, k) for k in agg.HPARAMS if k != "alpha" and getattr(args, k) is not None}
     for key in [k for k in args.overrides if not any(k in agg.METHODS[m].defaults for m in args.method_list)]:
         p.error(f"{runlib.method_flag(key)} applies to none of --methods {','.join(args.method_list)}")
+    for m in args.method_list:  # agg.py checks each method's hyper-parameters, before any training
+        try:
+            agg.build_method(m, args.vocab, counts=torch.ones(args.vocab), **method_hparams(m, args))
+        except ValueError as e:
+            p.error(str(e))
     for flag in ("steps", "epoch_steps", "vocab", "dim", "seq_len", "batch_seqs", "log_every", "val_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -207,8 +212,7 @@ def train_one(label, name, hparams, data, args):
 @torch.no_grad()
 def evaluate(model, method, data, chunk_seqs=128):
     """Held-out PPL, total and per frequency group; Uniq; the rare set's predicted vs true probability mass."""
-    val, W = data["val"], model.emb.weight
-    nll, preds, masses = [], [], []
+    val, W, nll, preds, masses = data["val"], model.emb.weight, [], [], []
     for s in range(0, len(val), chunk_seqs):
         x = val[s:s + chunk_seqs]
         h, y = model(x[:, :-2], x[:, 1:-1]), x[:, 2:]
@@ -374,8 +378,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    t0 = time.perf_counter()
-    data = make_data(args)
+    t0, data = time.perf_counter(), make_data(args)
     # the runs (label, method, hyper-parameters): each of --methods, then AGG at each alpha of --alpha-sweep
     runs = [(m, m, method_hparams(m, args)) for m in args.method_list]
     sweep_runs = [(f"agg@{a:g}", "agg", {**method_hparams("agg", args), "alpha": a}) for a in args.sweep]

@@ -234,8 +234,7 @@ class GPT(nn.Module):
         self.untied = True
 
     def head(self, h):
-        """The output layer: logits of features h."""
-        logits = h @ self.out_weight.t()
+        logits = h @ self.out_weight.t()  # the output layer: logits of features h
         logits = logits if self.out_bias is None else logits + self.out_bias
         return logits if self.softcap is None else self.softcap * torch.tanh(logits.float() / self.softcap)
 

@@ -59,8 +59,7 @@ def make_data(V, T, d, seq_len, window, device, dtype="float32", seed=0, rare_fr
     counts[SPECIAL_IDS] = counts.max()
     # alpha: the count threshold whose rare share (a_k < threshold) is closest to rare_fraction (at least 1 rare)
     values = counts.unique()
-    shares = torch.searchsorted(counts.sort().values, values[1:]).double() / V  # share of tokens below each value
-    best = int((shares - rare_fraction).abs().argmin()) + 1
+    best = int((torch.searchsorted(counts.sort().values, values[1:]).double() / V - rare_fraction).abs().argmin()) + 1
     alpha = float(values[best]) / window
     hidden = torch.randn(T // seq_len, seq_len, d, generator=g).to(device)
     weight = (0.02 * torch.randn(V, d, generator=g)).to(device)

@@ -126,6 +126,9 @@ def test_bad_inputs_name_the_fix(capsys):
     assert "--gamma applies to none of --methods mle,agg" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parse_args(["--alpha-sweep", "0.1,x"])
+    with pytest.raises(SystemExit):  # agg.py's range check, before any training
+        toy.parse_args(["--methods", "mle,cosreg", "--gamma", "-1"])
+    assert "cosreg': gamma must be a finite number >= 0, got -1.0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parse_args(["--use-g1", "maybe"])
     assert "--use-g1" in capsys.readouterr().err
