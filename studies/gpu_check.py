@@ -24,8 +24,9 @@ SCRIPTS = {"lm": train_lm, "nmt": train_nmt}
 
 
 def throughput(folder):
-    """Tokens/s after the warm-up steps (compilation, allocator) from --log-interval 1 records: train_lm logs tokens/s
-    since the invocation started, train_nmt target tokens/s since its last record."""
+    """Tokens/s after the warm-up steps (compilation, allocator; the first epoch where 10 more steps ran: a process's
+    first steps of each NMT batch shape are 3-5x slower) from --log-interval 1 records: train_lm logs tokens/s since
+    the invocation started, train_nmt target tokens/s since its last record."""
     cfg, recs = runlib.run_config(folder), ev.log_records(folder, "train")
     if cfg["task"] == "lm":
         tokens = [cfg["tokens_per_step_actual"]] * len(recs)
@@ -34,7 +35,7 @@ def throughput(folder):
     else:
         tokens = [r["target_tokens_per_step"] for r in recs]
         secs = [t / r["tokens_per_s"] for t, r in zip(tokens, recs)]
-    warm = max(3, len(recs) // 4)
+    warm = max(3, len(recs) // 4, round(cfg["steps_per_epoch"]) * (len(recs) >= cfg["steps_per_epoch"] + 10))
     return dict(preset=cfg["preset"], n_params=cfg["n_params"], vocab_size=cfg["vocab_size_actual"],
                 steps=len(recs), warmup_steps=warm, first_step_s=round(secs[0], 3) if secs else None,
                 tokens_per_s=round(sum(tokens[warm:]) / sum(secs[warm:]), 1) if len(recs) > warm else None)

@@ -106,7 +106,7 @@ main() {
   local modes=eager
   [ $MODE = gpu ] && modes="eager compile"
   for mode in $modes; do
-    local flag="" caps="80 50 70"
+    local flag="" caps="80 50 130"
     [ $mode = compile ] && flag=--compile caps="150 100 120"
     set -- $caps
     for p in $LM_PRESETS; do
