@@ -525,11 +525,13 @@ def test_bf16_autocast_runs_and_stays_close():
     h, w, y = inputs(seed=10)
     h, w = h.float(), w.float()
     _, gh, gw = grads(method, h, w, y)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, gh16, gw16 = grads(method, h, w, y)
-    assert gh16.dtype == torch.float32 and gw16.dtype == torch.float32
-    torch.testing.assert_close(gh16, gh, rtol=0.05, atol=0.02)
-    torch.testing.assert_close(gw16, gw, rtol=0.05, atol=0.02)
+    for chunk in (None, 7):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, gh16, gw16 = grads(method, h, w, y, chunk_size=chunk)
+        assert gh16.dtype == torch.float32 and gw16.dtype == torch.float32
+        torch.testing.assert_close(gh16, gh, rtol=0.05, atol=0.02)
+        # the gates ride on G's cast to bf16: each row of dL/dW, gated or not, within bf16's precision of float32's
+        assert ((gw16 - gw).norm(dim=1) <= 0.02 * gw.norm(dim=1)).all()
 
 
 def test_stats_report_the_rare_group_and_its_probability_mass():
