@@ -63,13 +63,11 @@ class GatedSoftmaxCE(torch.autograd.Function):
             sums = torch.zeros(4, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability, (log Z)^2
             mean_h = h_mm.to(acc_dtype).mean(0) if center and n else None
             step, cut = chunk_size or max(n, 1), lambda t, rows: None if t is None else t[rows]
-            idx = None if group_rows is None else group_rows.nonzero().squeeze(1)  # one host sync a call, not a chunk
-            ends = None if idx is None else torch.searchsorted(idx.cpu(), torch.arange(0, n + step, step)).tolist()
-            for c, s in enumerate(range(0, n, step)):
+            for s in range(0, n, step):
                 rows = slice(s, s + step)
                 sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols, cut(grad_h, rows),
-                                    grad_w, col_gate, None if idx is None else idx[ends[c]:ends[c + 1]] - s, group_gate,
-                                    mean_h, b_acc, grad_b, z_coef, softcap)
+                                    grad_w, col_gate, cut(group_rows, rows), group_gate, mean_h, b_acc, grad_b, z_coef,
+                                    softcap)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         loss, nll, rare_mass, log_z2 = (sums / max(n, 1)).unbind()
@@ -87,11 +85,11 @@ class GatedSoftmaxCE(torch.autograd.Function):
                 None if grad_b is None else grad_b.mul_(grad_loss), None, None)
 
 
-def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_idx, group_gate,
+def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate,
                 mean_h=None, bias=None, grad_b=None, z_coef=0.0, softcap=None):
-    """One chunk of GatedSoftmaxCE: the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows; writes its
-    rows of grad_h, adds to grad_w; group_idx: its group rows. mean_h (d,): gate only the push along the mean feature
-    (agg-centered): row i, column k gives G_ik (h_i - mean_h) + gate_ik G_ik mean_h."""
+    """One chunk of GatedSoftmaxCE: the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows; writes
+    its rows of grad_h, adds to grad_w. mean_h (d,): gate only the push along the mean feature (agg-centered): row i,
+    column k gives G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
     logits = (hs @ w_mm.T).to(acc_dtype)
     if bias is not None:
         logits += bias
@@ -126,43 +124,42 @@ def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w
     if grad_b is not None:
         grad_b += grad.sum(0)  # dL/db = sum_i G_i: never gated
     if mean_h is None:
-        _add_grad_w(grad_w, _gated(grad, ys, col_gate, group_idx, group_gate, w_mm.dtype), hs)  # dL/dW = (G*gate)^T h
+        _gate_(grad, ys, col_gate, group_rows, group_gate)
+        _add_grad_w(grad_w, grad, hs, w_mm.dtype)  # dL/dW = (G * gate)^T h
     else:  # ungated G^T h, minus the gated-away part of the push along mean_h
         ungated_colsum = grad.sum(0)
-        _add_grad_w(grad_w, grad.to(w_mm.dtype), hs)
-        _gated(grad, ys, col_gate, group_idx, group_gate, grad.dtype)
+        _add_grad_w(grad_w, grad, hs, w_mm.dtype)
+        _gate_(grad, ys, col_gate, group_rows, group_gate)
         grad_w.sub_(torch.outer(ungated_colsum - grad.sum(0), mean_h))
     return torch.stack(sums)
 
 
-def _add_grad_w(grad_w, g, hs):
-    """grad_w += g^T hs, the matmul in g's dtype (the autocast one), accumulated in grad_w's."""
+def _add_grad_w(grad_w, grad, hs, mm_dtype):
+    """grad_w += grad^T hs, the matmul in the autocast dtype, accumulated in grad_w's."""
+    g = grad.to(mm_dtype)
     if g.dtype == grad_w.dtype:
         grad_w.addmm_(g.T, hs)
     else:
         grad_w += g.T @ hs
 
 
-def _gated(grad, ys, col_gate, idx, group_gate, dtype):
-    """grad (rows x V) times the per-(row type, column) gate of GatedSoftmaxCE, as `dtype`: in place if that is
-    grad's, else written by the cast itself (no extra pass over rows x V). idx: the group rows (None: none)."""
-    out = grad if dtype == grad.dtype else torch.empty_like(grad, dtype=dtype)
-    if idx is not None:  # the group rows, and their targets' pull (p - 1) h_i (part (a) of AGG Eq. 4: never gated)
-        tgt = ys[idx]
-        tgt_grad, group = grad[idx, tgt], grad[idx] if group_gate is None else grad[idx] * group_gate
-    if col_gate is not None or out is not grad:
-        torch.mul(grad, col_gate, out=out) if col_gate is not None else out.copy_(grad)
-    if idx is not None:
-        out[idx], out[idx, tgt] = group.to(dtype), tgt_grad.to(dtype)
-    return out
+def _gate_(grad, ys, col_gate, group_rows, group_gate):
+    """Scale grad (rows x V) in place by the per-(row type, column) gate of GatedSoftmaxCE."""
+    idx = ys[:0] if group_rows is None else group_rows.nonzero().squeeze(1)  # the group rows (maybe none)
+    tgt = ys[idx]
+    tgt_grad = grad[idx, tgt]  # (p - 1) h_i: the pull to the target, part (a) of AGG Eq. 4
+    group = grad[idx] * group_gate if group_gate is not None else grad[idx]
+    if col_gate is not None:
+        grad.mul_(col_gate)
+    grad[idx] = group
+    grad[idx, tgt] = tgt_grad
 
 
 def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.float64):
     """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it (for analysis and the UL term)."""
     gate = torch.ones(len(y), vocab_size, dtype=dtype, device=y.device)
-    cast = lambda g: None if g is None else g.to(y.device, dtype)
-    _gated(gate, y, cast(col_gate), None if group_rows is None else group_rows.nonzero().squeeze(1), cast(group_gate),
-           dtype)
+    cast = lambda g: None if g is None else g.to(dtype)
+    _gate_(gate, y, cast(col_gate), group_rows, cast(group_gate))
     gate[torch.arange(len(y), device=y.device), y] = 1.0  # and 1 at every row's target
     return gate
 
@@ -265,16 +262,13 @@ class MLE:
         self.steps += 1
 
     def _check_ids(self, targets, ignore_index):
-        """The valid target ids, checked, as one flat CPU tensor (one copy, one host sync)."""
         _check(not targets.is_floating_point() and targets.dtype != torch.bool,
                f"method {self.name!r}: targets must be integer token ids, got {targets.dtype}")
-        t = targets.reshape(-1).cpu()
-        t = t[t != ignore_index]
+        t = targets[targets != ignore_index]
         if len(t) and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
             raise ValueError(f"method {self.name!r}: target id {bad} is outside [0, vocab_size={self.vocab_size}) "
                              f"and is not ignore_index={ignore_index}")
-        return t
 
     def after_step(self, weight):
         """Call after each optimizer.step(): freeze-rare restores its frozen rows, center subtracts the mean row."""
@@ -330,8 +324,8 @@ class MLE:
         acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
         # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls only
-        mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype, non_blocking=True)
-        cast = lambda g: None if g is None else g.to(h.device, acc_dtype, non_blocking=True)
+        mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype)
+        cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
         z_coef = float(self.hparams.get("z_coef", 0.0))
         loss, nll, rare_mass, log_z2 = GatedSoftmaxCE.apply(
             h, weight, y, cast(col_gate), group_rows, cast(group_gate), mass_cols, float(label_smoothing), chunk_size,
@@ -340,7 +334,7 @@ class MLE:
         if "z_coef" in self.hparams:
             self._stats["zloss"] = z_coef * log_z2  # the z-loss term inside `loss`
         if rare is not None:
-            rare = rare.to(y.device, non_blocking=True)
+            rare = rare.to(y.device)
             self._stats.update(rare_count=rare.sum(), rare_fraction=rare.float().mean(),
                                rare_mass_true=rare[y].float().mean() if len(y) else torch.zeros(()))
             if mass_cols is not None:
@@ -398,29 +392,35 @@ class AGG(MLE):
                f"method {self.name!r}: prefill needs counts (the training split's token counts)")
 
     def observe(self, targets, ignore_index=-100):
-        t = self._check_ids(targets, ignore_index)  # on the CPU, as the counters: no GPU sync after this copy
+        t = targets.reshape(-1)
+        t = t[t != ignore_index]
+        self._check_ids(t, ignore_index)
         step_counts = torch.bincount(t, minlength=self.vocab_size)[:self.vocab_size].long()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            step_counts = step_counts.to(targets.device)  # summed over ranks: every rank sees the same counts
-            torch.distributed.all_reduce(step_counts)
-            step_counts = step_counts.cpu()
-        self.appearances = self.appearances + step_counts
+            torch.distributed.all_reduce(step_counts)  # summed over ranks: every rank sees the same counts
+        self.appearances = self.appearances.to(step_counts.device) + step_counts
         if self.hparams["prefill"] and self.prefill_rate is None:
             self.prefill_rate = self.counts.double() / self.counts.sum().clamp(min=1) * step_counts.sum().item()
         ids = step_counts.nonzero().squeeze(1)
         self.history.append((ids, step_counts[ids]))
         if len(self.history) > self.hparams["window"]:
-            old_ids, old_counts = self.history.popleft()
+            old_ids, old_counts = (t.to(step_counts.device) for t in self.history.popleft())
             self.appearances.index_add_(0, old_ids, -old_counts)
         self.steps += 1
         if self.hparams["static_after"] is not None and self.steps == self.hparams["static_after"]:
             self.static_rare = self.rare_mask()
 
+    def to(self, device):
+        self.appearances = self.appearances.to(device)
+        self.history = deque((i.to(device), c.to(device)) for i, c in self.history)
+        self.prefill_rate = None if self.prefill_rate is None else self.prefill_rate.to(device)
+        return self
+
     def window_appearances(self):
         """a_k (Eq. 5) as a float64 tensor; with prefill, plus the expected appearances of the steps not yet seen."""
         a = self.appearances.double()
         if self.prefill_rate is not None and self.steps < self.hparams["window"]:
-            a = a + (self.hparams["window"] - self.steps) * self.prefill_rate
+            a = a + (self.hparams["window"] - self.steps) * self.prefill_rate.to(a.device)
         return a
 
     def mean_counts(self):
@@ -437,19 +437,19 @@ class AGG(MLE):
         rare[self.special_ids] = False
         return rare
 
-    def gates(self, y):  # on the CPU; sent with non_blocking copies (from pageable memory: no wait for the GPU)
-        rare = self.rare_mask()
+    def gates(self, y):
+        rare = self.rare_mask().to(y.device)
         if not bool(rare.any()):
             return None, None, None
-        a = self.window_appearances()
-        g1 = self.mean_counts()  # AGG Eq. 7: a_k / K (g in [0, 1])
+        a = self.window_appearances().to(y.device)
+        g1 = self.mean_counts().to(y.device)  # AGG Eq. 7: a_k / K (g in [0, 1])
         if self.hparams["continuous_g1"] and self.hparams["alpha"] > 0:
             g1 = g1 / self.hparams["alpha"]  # agg-continuous: a_k / (alpha K), 1 at the rarity threshold
         g1 = g1.clamp(max=1.0)
         g2 = (a / a[rare].mean().clamp(min=1e-12)).clamp(max=1.0)  # AGG Eq. 8: min(a_k / mean_rare(a), 1)
         col_gate = torch.where(rare, g1, 1.0) if self.hparams["use_g1"] else None  # rows whose target is not rare
         group_gate = torch.where(rare, g2, 1.0) if self.hparams["use_g2"] else None  # rows whose target is rare
-        return col_gate, rare.to(y.device, non_blocking=True)[y], group_gate
+        return col_gate, rare[y], group_gate
 
     def state_dict(self):
         return {**super().state_dict(), "appearances": self.appearances.cpu(),
@@ -509,13 +509,13 @@ class AGPS(StaticGroupMethod):
         self.f1, self.f2 = c_clip / mu1, (c_clip / mu2).clamp(max=1.0)
 
     def gates(self, y):
-        if not bool(self.rare.any()):
+        rare = self.rare.to(y.device)
+        if not bool(rare.any()):
             return None, None, None
-        rare = self.rare.to(y.device, non_blocking=True)
         full = ~rare  # M_word (lines 4-6): non-rare words and words of this batch get the full gradient
         full[y] = True
-        col_gate = torch.where(full, 1.0, self.f1.to(y.device, non_blocking=True))  # line 8: (M_word + f1).clip(max=1)
-        extra = torch.where(full, 0.0, self.f2.to(y.device, non_blocking=True))  # line 7: M_wordrev (the L2 path)
+        col_gate = torch.where(full, 1.0, self.f1.to(y.device))  # line 8: (M_word + f1).clip(max=1)
+        extra = torch.where(full, 0.0, self.f2.to(y.device))  # line 7: M_wordrev, the L2 path of rare-target rows
         return col_gate, rare[y], col_gate + extra
 
 
@@ -559,9 +559,9 @@ class FreezeParts(StaticGroupMethod):
     spec = dict(StaticGroupMethod.spec, parts=("bc", str, "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)"))
 
     def gates(self, y):
-        if not bool(self.rare.any()):
+        rare = self.rare.to(y.device)
+        if not bool(rare.any()):
             return None, None, None
-        rare = self.rare.to(y.device, non_blocking=True)
         zero_on_rare, parts = (~rare).double(), self.hparams["parts"]
         return zero_on_rare if "b" in parts else None, rare[y], zero_on_rare if "c" in parts else None
 
