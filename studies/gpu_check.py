@@ -25,7 +25,7 @@ SCRIPTS = {"lm": train_lm, "nmt": train_nmt}
 
 def throughput(folder):
     """Tokens/s after the warm-up steps (compilation, allocator; the first epoch where 10 more steps ran: a process's
-    first steps of each NMT batch shape are 4-7x slower) from --log-interval 1 records: train_lm logs tokens/s since
+    first steps of each NMT batch shape are 3.5-7x slower) from --log-interval 1 records: train_lm logs tokens/s since
     the invocation started, train_nmt target tokens/s since its last record."""
     cfg, recs = runlib.run_config(folder), ev.log_records(folder, "train")
     if cfg["task"] == "lm":
