@@ -1,6 +1,6 @@
 """The one job pool of the studies: commands run `jobs` at a time (one thread each on a 2-core machine; one GPU each
-where there are GPUs), each in a thread of a concurrent.futures pool that waits on its subprocess. SIGTERM / SIGINT send SIGTERM to every running
-command (a training run checkpoints at its next step and exits 1) and stop the study: rerun it to continue."""
+where there are GPUs), each in a thread of a concurrent.futures pool that waits on its subprocess. SIGTERM / SIGINT
+send SIGTERM to every running command (a training run checkpoints at its next step and exits 1) and stop the study."""
 import concurrent.futures as cf
 import contextlib
 import os
@@ -17,13 +17,14 @@ import train_lm
 def run(next_job, jobs, after=None, result=lambda name: None):
     """Keep `jobs` commands running: next_job(busy names) gives (name, argv, log or None), or None if none can start
     now; after(name) as a job ends. A failure stops the pool unless result(name) counts it a result (a diverged run)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // jobs))) if jobs > 1 else None
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))} if jobs > 1 else {}
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1", **threads)  # CPU tensors on huge pages: fewer page faults
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
     procs, logs, slots = {}, {}, list(range(jobs))  # job slot s runs on the s-th visible GPU (round robin)
 
     def start(name, argv, log):
         slot, visible = slots.pop(), [g for g in gpus.split(",") if g]
-        gpu_env = dict(env or os.environ, CUDA_VISIBLE_DEVICES=visible[slot % len(visible)]) if visible else env
+        gpu_env = dict(env, CUDA_VISIBLE_DEVICES=visible[slot % len(visible)]) if visible else env
         try:
             with open(log, "a") if log else contextlib.nullcontext() as out:  # the child holds its own handle
                 procs[name] = subprocess.Popen(argv, env=gpu_env, stdout=out, stderr=out and subprocess.STDOUT)

@@ -87,6 +87,16 @@ def test_sigterm_to_the_pool_stops_its_jobs_with_checkpoints(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == handler  # the pool's handler is gone with the pool
 
 
+def test_the_pool_puts_jobs_on_huge_pages_and_shares_the_cores(tmp_path):
+    """Each job runs with THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU tensors on huge pages) and, `jobs` at once, with
+    cores // jobs threads."""
+    job = ("import os, sys\nopen(sys.argv[1], 'w').write(os.environ['THP_MEM_ALLOC_ENABLE'] + ' ' + "
+           "os.environ['OMP_NUM_THREADS'])")
+    jobs = [("a", [sys.executable, "-c", job, str(tmp_path / "a")], None)]
+    pool.run(lambda busy: jobs.pop(0) if jobs else None, 2)
+    assert (tmp_path / "a").read_text() == f"1 {max(1, (os.cpu_count() or 1) // 2)}"
+
+
 def test_the_pool_gives_each_running_job_its_own_gpu(tmp_path, monkeypatch):
     """Job slot s runs on the s-th visible GPU: two jobs at once never share one, a later job reuses a freed one."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
