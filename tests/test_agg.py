@@ -530,7 +530,7 @@ def test_bf16_autocast_runs_and_stays_close():
             loss, gh16, gw16 = grads(method, h, w, y, chunk_size=chunk)
         assert gh16.dtype == torch.float32 and gw16.dtype == torch.float32
         torch.testing.assert_close(gh16, gh, rtol=0.05, atol=0.02)
-        # the gates ride on G's cast to bf16: each row of dL/dW, gated or not, within bf16's precision of float32's
+        # the gates act on G before its cast to bf16: each row of dL/dW, gated or not, within bf16's precision of fp32's
         assert ((gw16 - gw).norm(dim=1) <= 0.02 * gw.norm(dim=1)).all()
 
 
