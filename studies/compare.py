@@ -245,7 +245,7 @@ RESULT_KEYS = ("method", "variant", "seed", "step", "split", "tokens", "valid_pp
                "isotropy_centered", "isotropy_weighted", "isotropy_weighted_centered", "undertrained", "article_stats",
                "word_similarity", "word_similarity_pairs")
 RUN_KEYS = ("lr", "warmup", "split_seed", "preset", "tokens_per_step", "max_steps", "method_hparams", "optimizer",
-            "untie", "weight_decay", "embedding_weight_decay", "dataset", "train_fraction",
+            "untie", "weight_decay", "embedding_weight_decay", "dataset", "train_fraction", "device", "dtype",
             "method_rare_share", "keep_last", "save_interval", "git_commit", "agg_sha256")
 
 
@@ -290,6 +290,7 @@ def run_command(saved, script):
     for key in ("lr", "warmup"):
         if "--" + key not in argv and saved.get(key) is not None:
             argv += ["--" + key, f"{saved[key]:g}" if isinstance(saved[key], float) else str(saved[key])]
+    argv += ((d := str(saved.get("device") or "cpu")) != "cpu" and "--device" not in argv) * ["--device", d]  # a GPU
     threads = (saved.get("versions") or {}).get("threads")
     threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
     # every word shell-quoted, the thread count a number: a crafted config.json cannot put shell text in the command

@@ -24,9 +24,8 @@ SCRIPTS = {"lm": train_lm, "nmt": train_nmt}
 
 
 def throughput(folder):
-    """Tokens/s after the warm-up steps (compilation, allocator; the first epoch where 10 more steps ran: a process's
-    first steps of each NMT batch shape are 3.5-7x slower) from --log-interval 1 records: train_lm logs tokens/s since
-    the invocation started, train_nmt target tokens/s since its last record."""
+    """Tokens/s after the warm-up steps (compilation, allocator; NMT: the first epoch, 3.5-7x slower per new batch
+    shape) from --log-interval 1 records (train_lm: tokens/s since the start; train_nmt: since the last record)."""
     cfg, recs = runlib.run_config(folder), ev.log_records(folder, "train")
     if cfg["task"] == "lm":
         tokens = [cfg["tokens_per_step_actual"]] * len(recs)
@@ -48,8 +47,7 @@ def train(out, steps, script, methods, *flags):
     runlib.save_checkpoint, stopping = lambda path, state: None, runlib.Run.stopping
     runlib.Run.stopping = lambda self, step: (step >= int(steps) or step >= 8 and time.time() > cut["at"]
                                               or stopping(self, step))
-    methods = methods.split(",")
-    for i, method in enumerate(methods):
+    for i, method in enumerate(methods := methods.split(",")):
         cut["at"], folder = time.time() + (end - time.time()) / (len(methods) - i), f"{out[:-5]}-{method}"
         row = dict(script=script, method=method, compile="--compile" in flags, argv=[*flags, "--method", method])
         if cuda := torch.cuda.is_available():

@@ -3,6 +3,7 @@ where there are GPUs), each in a thread of a concurrent.futures pool that waits 
 send SIGTERM to every running command (a training run checkpoints at its next step and exits 1) and stop the study."""
 import concurrent.futures as cf
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -69,9 +70,12 @@ def run(next_job, jobs, after=None, result=lambda name: None):
             signal.signal(s, handler)
 
 
-def finished(folder):
-    path = os.path.join(folder, "ckpt.pt")
-    return os.path.exists(path) and (ck := runlib.load_checkpoint(path))["step"] >= ck["config"]["max_steps"]
+def finished(folder):  # by its checkpoint, or (a run brought back from another machine without it) by its report
+    if os.path.exists(path := os.path.join(folder, "ckpt.pt")):
+        return (ck := runlib.load_checkpoint(path))["step"] >= ck["config"]["max_steps"]
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError), open(f"{folder}/report/metrics.json") as f:
+        return next(iter(json.load(f).values()))["step"] >= runlib.run_config(folder)["max_steps"]
+    return False
 
 
 def check_flags(folder, flags):

@@ -37,16 +37,14 @@ LRS = [2e-3, 4e-3, 8e-3]
 SHARES = [(f"share{s:g}", ["--rare-share", f"{s:g}"]) for s in (0.05, 0.2, 0.4)]
 # name: (method, flags, [(knob label, knob flags)]); a rival without a knob sweeps the lr only
 RIVALS = {
-    "mle": ("mle", [], [("", [])]),
-    "agg": ("agg", [], SHARES),
+    "mle": ("mle", [], [("", [])]), "agg": ("agg", [], SHARES),
     "coupled-adam": ("mle", ["--optimizer", "coupled-adam"],
                      [(f"ewd{w:g}", ["--embedding-weight-decay", f"{w:g}"]) for w in (0.0, 0.01, 0.1)]),
     "center": ("center", [], [("step", ["--center-mode", "step"])] +
                [(f"mu{c:g}", ["--center-mode", "loss", "--mu-coef", f"{c:g}"]) for c in (0.1, 1.0, 10.0)]),
     "zloss": ("zloss", [], [(f"z{c:g}", ["--z-coef", f"{c:g}"]) for c in (1e-4, 1e-3, 1e-2, 1e-1)]),  # 1e-4: OLMo 2's
     "agg+center": ("agg+center", [], SHARES),
-    "untied-mle": ("mle", ["--untie"], [("", [])]),
-    "untied-agg": ("agg", ["--untie"], SHARES),
+    "untied-mle": ("mle", ["--untie"], [("", [])]), "untied-agg": ("agg", ["--untie"], SHARES),
 }
 SEEDS = {"mle": 5, "agg": 5, "coupled-adam": 5, "zloss": 5, "center": 5}  # the others: 3 (center: its selection
 # at 5 seeds as mu-loss 10 has them; its seeds 3-4 came later, on another host, each with an MLE replica there)

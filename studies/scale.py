@@ -43,8 +43,7 @@ import runlib
 from studies import compare, pool
 
 ROOT = runlib.ROOT
-SIZES = {"S": dict(n_layer=2, d_model=64, n_head=2, d_ff=256),
-         "M": dict(n_layer=4, d_model=128, n_head=4, d_ff=512),
+SIZES = {"S": dict(n_layer=2, d_model=64, n_head=2, d_ff=256), "M": dict(n_layer=4, d_model=128, n_head=4, d_ff=512),
          "L": dict(n_layer=6, d_model=192, n_head=6, d_ff=768)}
 COST = {"S": 0.5, "M": 1.0, "L": 2.4}  # time of a run relative to M at the same data size (to run small cells first)
 LRS = {"S": [4e-3, 8e-3, 1.6e-2], "M": [2e-3, 4e-3, 8e-3], "L": [1e-3, 2e-3, 4e-3]}
@@ -56,9 +55,8 @@ METHODS = ["mle", "agg"]
 HEADLINE_SHARE = 0.2  # the share of the conclusions under test (README's headline): AGG runs with it in every cell
 SECOND_CORPUS = dict(name="bible", size="M", flags=["--dataset", "bible-en"], cost=1.3)
 FULL_STEPS = 2400
-# The host of a run recorded before config.json carried `versions.kernels`, by the commit of its first segment (one
-# session, one machine per commit): the kernels of a kernel-recording run of the same command that it matches to the
-# last digit, else a host of its own that no machine since has reproduced (RESULTS.md, "Hosts").
+# The host of a run recorded before config.json carried `versions.kernels`, by its first segment's commit (one machine
+# per commit): a kernel-recording run of the same command it matches to the digit, else its own (RESULTS.md, "Hosts").
 HOSTS = {**dict.fromkeys(["22848175", "12f4d436", "46b49903", "239a9ec6", "0fb0103d", "d1235e38"], "94e9eedb52747eaa"),
          **dict.fromkeys(["8d6c18a1", "93b8f84e"], "unrecorded: results/lm_ablations.json's host")}
 REPLICA = re.compile(r"-k[0-9a-f]{8}$")  # NAME-kHOST: NAME trained again on HOST, so that its pair shares a host
@@ -274,13 +272,14 @@ def run_record(study, name, sizes=False, **extra):
     folder, label, cfg = study.folder(name), f"{study.label}/runs", runlib.run_config(study.folder(name))
     with open(os.path.join(folder, "report", "metrics.json")) as f:
         m = next(iter(json.load(f).values()))
+    best = min((r["ppl"] for r in ev.log_records(folder)), default=None)  # the lowest valid PPL: early stopping's
     if sizes:
         V, d = cfg["vocab_size_actual"], cfg["d_model"]
         extra = dict(size=next(k for k, v in SIZES.items() if all(cfg[f] == x for f, x in v.items())),
                      n_params=cfg["n_params"], n_params_non_embedding=cfg["n_params"] - V * d - cfg["block_size"] * d,
                      d_model=d, n_layer=cfg["n_layer"], head_rank=d, train_tokens=cfg["data_tokens"]["train"],
                      rare_share=cfg.get("rare_share"))
-    record = compare.run_record(m, cfg, **extra, eval_command=shlex.join(
+    record = compare.run_record(m, cfg, **extra, valid_ppl_best=best, eval_command=shlex.join(
         ["python", "eval.py", f"{label}/{name}", "--out", f"{label}/{name}/report", *study.eval_args]))
     record["command"] = record["command"].replace(os.path.relpath(study.runs, ROOT), label)
     return record
@@ -304,12 +303,13 @@ def paired_cell(runs):
     quantities = dict(
         ppl_log_ratio=ratio("ppl"), valid_ppl_log_ratio=ratio("valid_ppl"), rare_ppl_log_ratio=ratio("ppl_groups.rare"),
         calibrated_rare_ppl_log_ratio=ratio("rare_bias.ppl_groups.rare"),
-        calibrated_ppl_log_ratio=ratio("rare_bias.ppl"),
+        calibrated_ppl_log_ratio=ratio("rare_bias.ppl"),  # and early stopping's valid PPL, where the records have it
+        valid_ppl_best_log_ratio=all(r.get("valid_ppl_best") for r in sum(pairs, ())) and ratio("valid_ppl_best"),
         gap_closed_by_calibration=[1 - log(rare(b["rare_bias"]) / rare(a["rare_bias"])) / log(rare(b) / rare(a))
                                    for b, a in pairs],
         isotropy_diff=diff("isotropy"), rare_isotropy_diff=diff("isotropy_groups.rare"), uniq_diff=diff("uniq"))
     out = dict(seeds=seeds, hosts=[host(b) for b, _a in pairs], **{k: compare.paired_interval(v)
-                                                                    for k, v in quantities.items()})
+                                                                    for k, v in quantities.items() if v})
     for k, key in (("isotropy", "isotropy"), ("uniq", "uniq"), ("rare_isotropy", "isotropy_groups.rare")):
         out.update({f"{m}_{k}": [compare.get(r[i], key) for r in pairs] for i, m in enumerate(("mle", "agg"))})
     return out

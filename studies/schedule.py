@@ -8,9 +8,9 @@ The protocol (this project's choices):
   and 14 epochs), 0.5 for 1,200 and 2,400 (3.5 and 7), the full data for 2,400, 4,800 and 9,600 (3.5, 7 and 14). The
   scale study moves the data, the steps and the warm-up (10% of the steps) together: its cells at M are this grid's
   3.5-epoch column; here every cell warms up for the cpu preset's 240 steps, and (1, 2,400) is the headline's setting;
-- every run: M (the cpu preset), lr 4e-3, 12 validations; MLE, and AGG at the headline's rare share 0.2; seeds 0-4,
-  paired by seed on one host (config.json's `versions.kernels`): both runs of a pair that ran on two hosts are
-  trained again on one (NAME-kHOST, as in the scale study); `unpaired` lists the runs still waiting for that;
+- every run: M (the cpu preset) in float32 on any device, lr 4e-3, 12 validations; MLE, and AGG at the headline's
+  rare share 0.2; seeds 0-4, paired by seed on one host (config.json's `versions.kernels`): both runs of a pair that
+  ran on two hosts are trained again on one (NAME-kHOST, as in the scale study); `unpaired` lists those waiting;
 - per cell the paired AGG/MLE quantities of the scale study (scale.paired_cell: test PPL as it is and with both models'
   rare bias calibrated, rare PPL, I(W), Uniq); OLS over the cell means (cells, not seeds, are the design points) on
   log10 training tokens and log10 epochs, with its lack-of-fit test (scale.fit_trend).
@@ -25,15 +25,15 @@ from studies import scale
 
 CELLS = {0.25: [600, 2400], 0.5: [1200, 2400], 1.0: [2400, 4800, 9600]}
 SEEDS, METHODS, LR, WARMUP, SHARE = range(5), ["mle", "agg"], 4e-3, 240, 0.2
-ROWS = [("epochs", "train_tokens", "epochs", "{:,.0f} train tokens"),
-        ("train_tokens", "epochs", "training tokens", "{:.3g} epochs")]
+ROWS = [("epochs_nominal", "train_tokens", "epochs", "{:,.0f} train tokens"),
+        ("train_tokens", "epochs_nominal", "training tokens", "{:g} epochs")]
 PANELS = [scale.PANELS[0], ("calibrated_ppl_log_ratio", "AGG / MLE test PPL, both calibrated", math.exp),
           *scale.PANELS[1:]]
 
 
 def run_spec(fraction, steps, method, seed):  # (name, train_lm.py flags) of a run
-    flags = ["--method", method, "--seed", str(seed), "--lr", f"{LR:g}", "--train-fraction", f"{fraction:g}",
-             "--max-steps", str(steps), "--warmup", str(WARMUP), "--eval-interval", str(steps // 12)]
+    flags = ["--method", method, "--seed", str(seed), "--lr", f"{LR:g}", "--dtype", "float32", "--train-fraction",
+             f"{fraction:g}", "--max-steps", str(steps), "--warmup", str(WARMUP), "--eval-interval", str(steps // 12)]
     return f"f{fraction:g}-n{steps}-{method}-s{seed}", flags + ["--rare-share", f"{SHARE:g}"] * (method == "agg")
 
 
@@ -51,9 +51,8 @@ class Schedule(scale.Study):
         return {}
 
     def record(self, name):  # scale's record with the epochs: optimizer steps x tokens per step / training tokens
-        record = scale.run_record(self, name, sizes=True)
-        tokens_per_step = runlib.run_config(self.folder(name))["tokens_per_step_actual"]
-        return dict(record, epochs=record["max_steps"] * tokens_per_step / record["train_tokens"],
+        record, cfg = scale.run_record(self, name, sizes=True), runlib.run_config(self.folder(name))
+        return dict(record, epochs=record["max_steps"] * cfg["tokens_per_step_actual"] / record["train_tokens"],
                     **{"replica": True} if scale.REPLICA.search(name) else {})
 
     def write_results(self, path, argv, _corpus_path=None):
@@ -69,7 +68,7 @@ class Schedule(scale.Study):
             if (cell := scale.paired_cell(list(members.values()))) is not None:  # pairs on one host only
                 first = next(iter(members.values()))
                 cells.append(dict(train_fraction=fraction, max_steps=steps, train_tokens=first["train_tokens"],
-                                  epochs=first["epochs"], **cell))
+                                  epochs=first["epochs"], epochs_nominal=3.5 * steps / 2400 / fraction, **cell))
         fits = {k: scale.fit_trend(cells, k, on=("train_tokens", "epochs"), predict={}) for k in scale.FIT_QUANTITIES}
         self.write(path, argv, dict(runs=runs, diverged=diverged, unpaired=unpaired, compare=cells, fits=fits))
         if cells:

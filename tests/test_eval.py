@@ -246,6 +246,12 @@ def test_a_crafted_config_json_puts_no_shell_text_in_the_command():
     assert compare.run_command(saved, "train_lm.py").startswith("OMP_NUM_THREADS=2 python train_lm.py ")
 
 
+def test_the_command_names_the_device_of_a_run_off_the_cpu():
+    saved = {"segments": [{"argv": ["--method", "agg", "--dtype", "float32"]}], "lr": 4e-3, "warmup": 240}
+    assert "--device" not in compare.run_command(dict(saved, device="cpu"), "train_lm.py")
+    assert compare.run_command(dict(saved, device="cuda"), "train_lm.py").endswith(" --warmup 240 --device cuda")
+
+
 def test_average_last_below_zero_is_refused(runs, tmp_path):
     with pytest.raises(SystemExit, match=r"--average-last -2: give the number of snapshots to average, >= 1"):
         ev.main([runs["mle"], "--out", str(tmp_path / "r"), "--average-last", "-2"])

@@ -97,6 +97,18 @@ def test_the_pool_puts_jobs_on_huge_pages_and_shares_the_cores(tmp_path):
     assert (tmp_path / "a").read_text() == f"1 {max(1, (os.cpu_count() or 1) // 2)}"
 
 
+def test_a_run_brought_back_without_its_checkpoint_is_finished_by_its_report(tmp_path):
+    """Runs trained on another machine come back without ckpt.pt: finished when eval.py's report is of the last step."""
+    (tmp_path / "report").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps({"task": "lm", "max_steps": 10}))
+    assert not pool.finished(str(tmp_path))  # no report
+    for step, done in ((5, False), (10, True)):
+        (tmp_path / "report" / "metrics.json").write_text(json.dumps({"run": {"step": step}}))
+        assert pool.finished(str(tmp_path)) is done
+    (tmp_path / "config.json").write_text("{")  # an unreadable config: not finished, no traceback
+    assert not pool.finished(str(tmp_path))
+
+
 def test_the_pool_gives_each_running_job_its_own_gpu(tmp_path, monkeypatch):
     """Job slot s runs on the s-th visible GPU: two jobs at once never share one, a later job reuses a freed one."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
