@@ -382,7 +382,7 @@ def test_the_schedule_moves_data_and_epochs_apart_pairs_within_a_host_and_fits_b
     for name, flags, _c in plan:  # every run a train_lm.py run at the preset's warm-up; AGG at the headline's share
         args = parser.parse_args(flags)
         assert (args.warmup, args.lr, args.eval_interval * 12) == (240, 4e-3, args.max_steps)
-        assert args.rare_share == (0.2 if args.method == "agg" else None)
+        assert args.rare_share == (0.2 if args.method == "agg" else None) and args.dtype == "float32"  # on any device
     runs = {}
     for fraction, steps in [(f, n) for f, ns in schedule.CELLS.items() for n in ns]:
         tokens = int(7e5 * fraction)
@@ -394,7 +394,8 @@ def test_the_schedule_moves_data_and_epochs_apart_pairs_within_a_host_and_fits_b
             runs[schedule.run_spec(fraction, steps, method, seed)[0]] = dict(
                 method=method, seed=seed, train_fraction=fraction, max_steps=steps, train_tokens=tokens,
                 epochs=steps * 1024 / tokens, kernels=host, valid_ppl=ppl, ppl=ppl, ppl_groups=rare, isotropy=0.1,
-                isotropy_groups=dict(rare=0.05), uniq=100, rare_bias=dict(ppl=ppl, ppl_groups=dict(rare, rare=ppl)))
+                isotropy_groups=dict(rare=0.05), uniq=100, rare_bias=dict(ppl=ppl, ppl_groups=dict(rare, rare=ppl)),
+                valid_ppl_best=ppl * (0.98 if method == "agg" else 0.99))  # AGG's best step 1% further below its last
     path = tmp_path / "lm_schedule.json"
     path.write_text(json.dumps(dict(command="python -m studies.schedule", runs=runs)))
     schedule.Schedule(str(tmp_path / "out"), prior=[str(path)]).write_results(str(path), [])
@@ -407,6 +408,10 @@ def test_the_schedule_moves_data_and_epochs_apart_pairs_within_a_host_and_fits_b
     assert {n for n, _f, _c in study.plan() if scale.REPLICA.search(n)} == {
         "f1-n9600-agg-s4-kc3c3c3c3", "f1-n9600-mle-s4-kc3c3c3c3"}
     assert cells[0.25, 2400]["epochs"] == pytest.approx(4 * cells[0.25, 600]["epochs"])
+    assert sorted(c["epochs_nominal"] for c in cells.values()) == [3.5, 3.5, 3.5, 7, 7, 14, 14]  # the figure's groups
+    for c in cells.values():  # early stopping's comparison beside the last step's
+        assert c["valid_ppl_best_log_ratio"]["mean"] - c["valid_ppl_log_ratio"]["mean"] == pytest.approx(
+            math.log(0.98 / 0.99))
     fit = res["fits"]["ppl_log_ratio"]  # over the 7 cell means, on log tokens and log epochs
     assert fit["cells"] == 7 and "predictions" not in fit and "log10(epochs)" in fit["model"]
     assert fit["per_decade_epochs"]["value"] == pytest.approx(0.1) and fit["per_decade_tokens"]["value"] == pytest.approx(0.02)
