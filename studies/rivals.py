@@ -72,8 +72,8 @@ class Rivals(scale.Study):
         def kernels(name):  # the host kernels a run recorded (config.json, else the results file), or None
             cfg = runlib.run_config(self.folder(name))
             return (cfg.get("versions") or {}).get("kernels") if cfg else (self.prior.get(name) or {}).get("kernels")
-        out = {n: self.flags("mle", float(m["lr"]), "", int(m["seed"])) for n in [*self.prior, *(
-            os.listdir(self.runs) if os.path.isdir(self.runs) else [])] if (m := REPLICA.match(n)) and self.finished(n)}
+        out = {n: self.flags("mle", float(m["lr"]), "", int(m["seed"])) for n in self.made()
+               if (m := REPLICA.match(n)) and self.finished(n)}
         selected = {r: b for r, b in self.selections().items() if r != "mle" and b} if mle_best and self.host else {}
         for rival, best in selected.items():
             for seed in range(self.seeds.get(rival, 3)):
@@ -115,11 +115,11 @@ class Rivals(scale.Study):
         return {rival: self.selection(rival)[0] for rival in self.table}
 
     def write_results(self, path, argv, _corpus_path=None):
-        plan = [n for n, _f, _c in self.plan()]
         names = {run_name(rival, lr, k, s): (rival, k) for rival, (_m, _f, knobs) in self.table.items()
                  for lr in LRS for k, _ in knobs for s in range(max(self.seeds.values()))}  # the others: replicas
         record = lambda n, rival, k: scale.run_record(self, n, rival=rival, replica=bool(REPLICA.match(n)), knob=k)
-        runs, diverged = self.records(plan, lambda n: record(n, *names.get(n, ("mle", ""))))
+        runs, diverged = self.records(sorted({n for n, _f, _c in self.plan()} | self.made()),
+                                      lambda n: record(n, *names.get(n, ("mle", ""))))
         selections = self.selections()
         chosen = {n: r for n, r in runs.items() if (r["lr"], r["knob"]) == tuple(selections.get(r["rival"]) or ())}
         # every rival against MLE, and the study's own pairs (does AGG act on an untied output matrix, add to a knob?)

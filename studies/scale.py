@@ -96,6 +96,9 @@ class Study:
     def folder(self, name):
         return os.path.join(self.runs, name)
 
+    def made(self):  # the runs of the results files and the run folders here (os.walk's first dirnames, or none)
+        return set(self.prior) | set(next(os.walk(self.runs), ((), [], ()))[1])
+
     def write(self, path, argv, result, elsewhere=()):
         result = dict(command=shlex.join(["python", "-m", f"studies.{self.name}", *portable(argv)]),
                       protocol=sys.modules[type(self).__module__].__doc__.split("The protocol")[1].strip(), **result)
@@ -194,7 +197,7 @@ class Study:
         """{NAME-kHOST: (flags, cost)}: both runs of a finished MLE / AGG pair of a cell ({method: names} of one size,
         data size and seed) that ran on two hosts, trained again here (HOST: this machine's kernels) where they did
         not run."""
-        out, made = {}, [*self.prior, *(os.listdir(self.runs) if os.path.isdir(self.runs) else ())]
+        out, made = {}, self.made()
         copies = lambda n: [n] + [r for r in made if r.startswith(n) and REPLICA.fullmatch(r[len(n):])
                                   and self.finished(r) and self.evaluated(r)]  # a replica stays until evaluated
         for by in cells if self.host else []:
@@ -209,8 +212,7 @@ class Study:
         return dict(share=share, lr={size: {m: self.lr(size, m, share)[0] for m in METHODS} for size in SIZES})
 
     def write_results(self, path, argv, corpus_path=None):
-        names = {n for n, _f, _c in self.plan()} | set(self.prior) | \
-            {n for n in (os.listdir(self.runs) if os.path.isdir(self.runs) else ()) if not n.endswith(".log")}
+        names = {n for n, _f, _c in self.plan()} | self.made()
         runs, diverged = self.records(sorted(names), lambda n: run_record(self, n, sizes=True))
         runs = {n: dict(r, host=host(r), **{"replica": True} if REPLICA.search(n) else {}) for n, r in runs.items()}
         sel = self.selections()

@@ -56,9 +56,7 @@ class Schedule(scale.Study):
                     **{"replica": True} if scale.REPLICA.search(name) else {})
 
     def write_results(self, path, argv, _corpus_path=None):
-        names = {n for n, _f, _c in self.plan()} | set(self.prior) | set(
-            os.listdir(self.runs) if os.path.isdir(self.runs) else ())
-        runs, diverged = self.records(sorted(n for n in names if not n.endswith(".log")), self.record)
+        runs, diverged = self.records(sorted({n for n, _f, _c in self.plan()} | self.made()), self.record)
         cells, unpaired = [], []
         for fraction, steps in ((f, n) for f, ns in CELLS.items() for n in ns):
             members = {n: r for n, r in runs.items() if (r["train_fraction"], r["max_steps"]) == (fraction, steps)}

@@ -317,6 +317,18 @@ def test_rivals_results_hold_the_knob_curve_the_pairs_and_the_pareto_picture(tmp
     assert os.path.getsize(tmp_path / "lm_rivals.png") > 10000
 
 
+def test_a_results_file_keeps_a_finished_run_its_plan_no_longer_names(tmp_path):
+    # a finalist's seed-1 run of another machine while this machine's seed-0 sweep is unfinished: not in the plan
+    name, path = rivals.run_name("zloss", 4e-3, "z0.01", 1), tmp_path / "lm_rivals.json"
+    record = dict(rival="zloss", method="zloss", lr=4e-3, knob="z0.01", seed=1, valid_ppl=290.0, kernels="a1" * 8,
+                  isotropy_groups=dict(rare=0.2), isoscore=0.2)
+    path.write_text(json.dumps(dict(command="python -m studies.rivals", runs={name: record})))
+    study = rivals.Rivals(str(tmp_path / "out"), prior=[str(path)])
+    assert name not in {n for n, _f, _c in study.plan()}
+    study.write_results(str(path), [])
+    assert json.loads(path.read_text())["runs"] == {name: record}
+
+
 def test_a_study_refuses_a_results_file_that_is_not_its_own(tmp_path):
     """A results file of another study or of studies.compare is never taken in (and so never rewritten)."""
     path = tmp_path / "lm_headline.json"
