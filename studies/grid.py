@@ -32,8 +32,7 @@ RARE = ["ppl_groups.rare", "ppl", "uniq", "isotropy"]
 # (title, methods, columns): the columns are keys of compare.COLUMNS
 TABLES = [
     ("AGG Table 3: MLE vs AGG", ["mle", "agg"], PPL3 + ["ppl", "uniq_groups.rare", "uniq", "isotropy"]),
-    ("AGG Table 4: UL vs UL + AGG", ["ul", "ul+agg"],
-     PPL3 + ["ppl", "uniq_groups.rare", "uniq", "isotropy", "gen_rep4"]),
+    ("AGG Table 4: UL vs UL+AGG", ["ul", "ul+agg"], PPL3 + ["ppl", "uniq_groups.rare", "uniq", "isotropy", "gen_rep4"]),
     ("AGG Tables 7-8: I(W) per frequency group", ["mle", "agg", "ul", "ul+agg"], ISO3 + ["isotropy"]),
     ("AGG Table 9: ablation of the gates", ["mle", "agg", "agg-no-g1", "agg-no-g2"], RARE),
     ("AGG Table 10: static vs dynamic grouping", ["mle", "agg", "agg-static"], RARE),

@@ -8,9 +8,9 @@ The protocol (this project's choices):
   modded-nanogpt's speedrun unties at 2/3), a separate lr for the vocabulary matrices (--embedding-lr x0.3 / x3 /
   x10, then x30 and x100: x30 added after AGG's seed-0 sweep put its best at x10, the grid's edge, x100 when AGG's
   x30 runs were still improving at step 2,000 of 2,400; nanochat trains its embedding far faster than its head),
-  logit soft-capping (--logit-softcap 15 / 30 / 60:
-  Gemma 2's 30, nanochat's 15); each with MLE and with AGG, AGG's share fixed at the preset's 0.2 (the headline's;
-  studies.rivals' validation selects 0.05 for AGG alone); MLE, and AGG over its share 0.05 / 0.2 / 0.4, without them;
+  logit soft-capping (--logit-softcap 15 / 30 / 60: Gemma 2's 30, nanochat's 15); each with MLE and with AGG, AGG's
+  share fixed at the preset's 0.2 (the headline's; studies.rivals' validation selects 0.05 for AGG alone); MLE, and
+  AGG over its share 0.05 / 0.2 / 0.4, without them;
 - each rival: its lr (2e-3, 4e-3, 8e-3) x its knob at seed 0 on the full data; the 2 settings with the lowest valid
   PPL at the last step get seeds 1 and 2, the lowest mean valid PPL over seeds 0-2 is selected;
 - the selection on seeds 0-4, paired with MLE by seed; the other knob values at the selected lr on seeds 0-2, each
@@ -18,7 +18,7 @@ The protocol (this project's choices):
   AGG with a knob paired with MLE with the same knob too (does AGG add anything to the knob?);
 - a pair never spans two hosts (config.json's `versions.kernels`; MLE replicas as in studies.rivals); every run
   evaluated by eval.py as in studies.rivals; selections read validation only; the lr sensitivity of every rival at
-  its selected knob from the seed-0 sweep (studies.rivals.lr_sensitivity).
+  its selected knob from the seed-0 sweep (studies.rivals.lr_sensitivity), pictured beside studies.rivals' rivals.
 """
 from studies import rivals, scale
 
@@ -33,7 +33,7 @@ PRACTICE = {"mle": rivals.RIVALS["mle"], "agg": rivals.RIVALS["agg"], **{name: r
 class Practice(rivals.Rivals):
     label, name, title = "out/practice", "practice", "AGG and today's practice"
     table, seeds, knob_seeds = PRACTICE, {rival: 5 for rival in PRACTICE}, {("agg", "share0.2"): 5}
-    pairs = [(knob, "agg+" + knob) for knob in KNOBS]
+    pairs, lr_also = [(knob, "agg+" + knob) for knob in KNOBS], f"{scale.ROOT}/results/lm_rivals.json"
 
 
 if __name__ == "__main__":

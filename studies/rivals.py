@@ -61,7 +61,7 @@ def run_name(rival, lr, knob, seed):
 class Rivals(scale.Study):
     eval_args = ["--n-samples", "5"]  # greedy and sampled continuations for seq-rep-4 and distinct-n
     label, name, title = "out/rivals", "rivals", "AGG and its rivals"
-    table, seeds, knob_seeds, pairs = RIVALS, SEEDS, KNOB_SEEDS, [("untied-mle", "untied-agg")]
+    table, seeds, knob_seeds, pairs, lr_also = RIVALS, SEEDS, KNOB_SEEDS, [("untied-mle", "untied-agg")], None
 
     def flags(self, rival, lr, knob, seed):  # train_lm.py's
         method, flags, knobs = self.table[rival]
@@ -149,8 +149,9 @@ class Rivals(scale.Study):
             runs=runs, diverged=diverged, compare=comparisons, compare_knobs=knob_pairs))
         if runs:
             plot_pareto(self, runs, selections, os.path.splitext(path)[0] + ".png")
-        if sensitivity:
-            plot_lr_sensitivity(sensitivity, self.title, os.path.splitext(path)[0] + "_lr.png")
+        if sensitivity:  # beside the rivals of another study's results file (lr_also), where there is one
+            also = os.path.exists(self.lr_also or "") and compare.read_results(self.lr_also, "")["lr_sensitivity"]
+            plot_lr_sensitivity({**(also or {}), **sensitivity}, self.title, os.path.splitext(path)[0] + "_lr.png")
         print(f"wrote {path}: {len(runs)} runs, {len(comparisons)} comparisons with MLE")
 
 

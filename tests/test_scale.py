@@ -329,6 +329,24 @@ def test_a_results_file_keeps_a_finished_run_its_plan_no_longer_names(tmp_path):
     assert json.loads(path.read_text())["runs"] == {name: record}
 
 
+def test_the_practice_lr_figure_shows_the_later_fixes_rivals_beside_its_own(tmp_path, monkeypatch):
+    shown = {}
+    monkeypatch.setattr(rivals, "plot_lr_sensitivity", lambda sensitivity, title, path: shown.update(sensitivity))
+    ppl = {(2e-3, 0): 300.0, (4e-3, 0): 290.0, (8e-3, 0): 310.0, (2e-3, 1): 301.0, (2e-3, 2): 302.0, (4e-3, 1): 291.0,
+           (4e-3, 2): 292.0}  # MLE's sweep and its two finalists' seeds
+    runs = {rivals.run_name("mle", lr, "", seed): dict(rival="mle", method="mle", lr=lr, knob="", seed=seed,
+                                                       valid_ppl=v, kernels="a1" * 8, isotropy_groups=dict(rare=0.03),
+                                                       isoscore=0.1) for (lr, seed), v in ppl.items()}
+    (path := tmp_path / "lm_practice.json").write_text(json.dumps(dict(command="python -m studies.practice", runs=runs)))
+    later = dict(sensitivity=0.02, valid_ppl={"0.002": 290.0, "0.004": 280.0, "0.008": 285.0})
+    (other := tmp_path / "lm_rivals.json").write_text(json.dumps(dict(command="python -m studies.rivals", runs={},
+                                                                      lr_sensitivity=dict(zloss=later, mle=later))))
+    study = practice.Practice(str(tmp_path / "out"), prior=[str(path)])
+    study.lr_also = str(other)
+    study.write_results(str(path), [])
+    assert shown["zloss"] == later and shown["mle"]["valid_ppl"] == {"0.002": 300.0, "0.004": 290.0, "0.008": 310.0}
+
+
 def test_a_study_refuses_a_results_file_that_is_not_its_own(tmp_path):
     """A results file of another study or of studies.compare is never taken in (and so never rewritten)."""
     path = tmp_path / "lm_headline.json"
