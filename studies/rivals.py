@@ -237,14 +237,14 @@ def lr_sensitivity(sweep, selections, vocab_size):
 
 def plot_lr_sensitivity(sensitivity, title, path):
     """Valid PPL against the lr (seed 0) of each rival at its selected knob, its lr sensitivity in the legend."""
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for rival, s in sorted(sensitivity.items(), key=lambda kv: kv[1]["sensitivity"]):
-        ax.plot(LRS, list(s["valid_ppl"].values()), "o-", label=f"{rival}: {s['sensitivity']:.3f}")
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for i, (rival, s) in enumerate(sorted(sensitivity.items(), key=lambda kv: kv[1]["sensitivity"])):
+        ax.plot(LRS, list(s["valid_ppl"].values()), ("o-", "s--")[i // 10 % 2], label=f"{rival}: {s['sensitivity']:.3f}")
     ax.set(xscale="log", xlabel="lr (seed 0)", ylabel="valid PPL", xticks=LRS, xticklabels=[f"{lr:g}" for lr in LRS])
     ax.minorticks_off()
     ax.set_title(f"{title}: valid PPL over the lr grid at each selected knob (seed 0)\nlegend: lr sensitivity, the "
                  "mean over the grid of the valid loss above its best (nats)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     compare.save(fig, path)
 
 
