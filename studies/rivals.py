@@ -239,8 +239,7 @@ def plot_lr_sensitivity(sensitivity, title, path):
     """Valid PPL against the lr (seed 0) of each rival at its selected knob, its lr sensitivity in the legend."""
     fig, ax = plt.subplots(figsize=(10, 5))
     for i, (rival, s) in enumerate(sorted(sensitivity.items(), key=lambda kv: kv[1]["sensitivity"])):
-        style = ("o-", "s--")[i // 10 % 2]  # tab10's colours repeat past ten lines
-        ax.plot(LRS, list(s["valid_ppl"].values()), style, label=f"{rival}: {s['sensitivity']:.3f}")
+        ax.plot(LRS, list(s["valid_ppl"].values()), "o-" if i < 10 else "s--", label=f"{rival}: {s['sensitivity']:.3f}")
     ax.set(xscale="log", xlabel="lr (seed 0)", ylabel="valid PPL", xticks=LRS, xticklabels=[f"{lr:g}" for lr in LRS])
     ax.minorticks_off()
     ax.set_title(f"{title}: valid PPL over the lr grid at each selected knob (seed 0)\nlegend: lr sensitivity, the "
