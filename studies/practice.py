@@ -11,14 +11,12 @@ The protocol (this project's choices):
   logit soft-capping (--logit-softcap 15 / 30 / 60: Gemma 2's 30, nanochat's 15); each with MLE and with AGG, AGG's
   share fixed at the preset's 0.2 (the headline's; studies.rivals' validation selects 0.05 for AGG alone); MLE, and
   AGG over its share 0.05 / 0.2 / 0.4, without them;
-- each rival: its lr (2e-3, 4e-3, 8e-3) x its knob at seed 0 on the full data; the 2 settings with the lowest valid
-  PPL at the last step get seeds 1 and 2, the lowest mean valid PPL over seeds 0-2 is selected;
-- the selection on seeds 0-4, paired with MLE by seed; the other knob values at the selected lr on seeds 0-2, each
-  paired with MLE (AGG's share 0.2 on seeds 0-4: the headline's pair on this host, fixed before AGG's sweep ran);
-  AGG with a knob paired with MLE with the same knob too (does AGG add anything to the knob?);
-- a pair never spans two hosts (config.json's `versions.kernels`; MLE replicas as in studies.rivals); every run
-  evaluated by eval.py as in studies.rivals; selections read validation only; the lr sensitivity of every rival at
-  its selected knob from the seed-0 sweep (studies.rivals.lr_sensitivity), pictured beside studies.rivals' rivals.
+- each rival selected as in studies.rivals (its lr x its knob at seed 0, two finalists on seeds 0-2), on seeds 0-4;
+  every other knob value at the selected lr on seeds 0-2; each paired with MLE by seed (AGG's share 0.2 on seeds 0-4:
+  the headline's pair on this host, fixed before AGG's sweep ran); AGG with a knob paired with MLE with the same
+  knob too (does AGG add anything to the knob?), at their selections and at each knob value when both use one lr;
+- pairs on one host and every run evaluated by eval.py as in studies.rivals; selections read validation only; each
+  rival's lr sensitivity at its selected knob from the seed-0 sweep (rivals.lr_sensitivity), beside studies.rivals'.
 """
 from studies import rivals, scale
 

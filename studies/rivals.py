@@ -130,6 +130,11 @@ class Rivals(scale.Study):
         knob_pairs = [c for rival, best in selections.items() if best and rival != "mle"
                       for knob, rs in knob_curve(self, runs, rival, best, True).items() if knob != best[1]
                       if (c := paired({**rs, **mle}, "mle", rival, f"{rival} {knob}"))]
+        # and a pair's two rivals at each knob value of their curves, where both selected one lr (seeds 0-2)
+        curves = {rival: knob_curve(self, runs, rival, best) for rival, best in selections.items() if best}
+        same_knob = [c for base, rival in self.pairs if base in curves and rival in curves
+                     and selections[base][0] == selections[rival][0] for knob, rs in curves[rival].items()
+                     if (c := paired({**rs, **curves[base].get(knob, {})}, base, rival, f"{rival} {knob}"))]
         sweep = {rival: {f"lr{lr:g} {k}".strip(): self.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS
                          for k, _ in self.table[rival][2]} for rival in self.table}
         finalists = {rival: {f"lr{lr:g} {k}".strip(): [self.valid_ppl(run_name(rival, lr, k, s)) for s in (0, 1, 2)]
@@ -141,12 +146,11 @@ class Rivals(scale.Study):
         self.write(path, argv, dict(
             selection=dict(rule=f"valid PPL at the last step: seed 0 over the grid, then the {FINALISTS} best on the "
                                 "mean of seeds 0-2", selected=selections, sweep_valid_ppl=sweep,
-                           finalists_valid_ppl=finalists, knob_curve={rival: {k: curve(rs) for k, rs in knob_curve(
-                               self, runs, rival, best).items()} for rival, best in selections.items() if best}),
-            lr_sensitivity=sensitivity,
+                           finalists_valid_ppl=finalists,
+                           knob_curve={rival: {k: curve(rs) for k, rs in c.items()} for rival, c in curves.items()}),
             # the noise floor of one seed's valid loss: its SD over seeds 0-2, median over the finalists
-            valid_loss_seed_sd=float(np.median(sds)) if sds else None,
-            runs=runs, diverged=diverged, compare=comparisons, compare_knobs=knob_pairs))
+            valid_loss_seed_sd=float(np.median(sds)) if sds else None, lr_sensitivity=sensitivity,
+            runs=runs, diverged=diverged, compare=comparisons, compare_knobs=knob_pairs, compare_same_knob=same_knob))
         if runs:
             plot_pareto(self, runs, selections, os.path.splitext(path)[0] + ".png")
         if sensitivity:  # beside the rivals of another study's results file (lr_also), where there is one

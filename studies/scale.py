@@ -195,8 +195,7 @@ class Study:
 
     def replicas(self, runs, cells):
         """{NAME-kHOST: (flags, cost)}: both runs of a finished MLE / AGG pair of a cell ({method: names} of one size,
-        data size and seed) that ran on two hosts, trained again here (HOST: this machine's kernels) where they did
-        not run."""
+        data size and seed) that ran on two hosts, trained again here (HOST: this machine's kernels)."""
         out, made = {}, self.made()
         copies = lambda n: [n] + [r for r in made if r.startswith(n) and REPLICA.fullmatch(r[len(n):])
                                   and self.finished(r) and self.evaluated(r)]  # a replica stays until evaluated
@@ -387,8 +386,7 @@ SIZE_ROWS = [("n_params_non_embedding", "train_tokens", "non-embedding parameter
 
 
 def plot_cells(cells, path, suptitle, rows=SIZE_ROWS, panels=PANELS):
-    """Each paired quantity against each row's x key, a line per value of its line key (model size and data size by
-    default): mean over seeds and paired 95% t interval."""
+    """Each paired quantity against each row's x key, a line per value of its line key (seed mean, paired 95% t CI)."""
     fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7.5))
     for row, (x_key, line_key, x_label, line_label) in enumerate(rows):
         for ax, (key, title, f) in zip(axes[row], panels):

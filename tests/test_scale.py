@@ -347,6 +347,24 @@ def test_the_practice_lr_figure_shows_the_later_fixes_rivals_beside_its_own(tmp_
     assert shown["zloss"] == later and shown["mle"]["valid_ppl"] == {"0.002": 300.0, "0.004": 290.0, "0.008": 310.0}
 
 
+def test_practice_pairs_agg_with_the_knob_at_every_knob_value_both_curves_hold(tmp_path):
+    def record(rival, lr, cap, seed, host="a1" * 8):  # AGG: 2% above the knob alone at every cap, seed and lr
+        ppl = (290 + 10 * abs(math.log2(lr / 4e-3)) + cap / 10 + seed) * (1.02 if rival.startswith("agg") else 1)
+        return dict(rival=rival, method=rival[:3] if rival.startswith("agg") else "mle", lr=lr, knob=f"cap{cap}",
+                    seed=seed, valid_ppl=ppl, ppl=ppl, kernels=host, isotropy_groups=dict(rare=0.03), isoscore=0.1)
+    runs = {rivals.run_name(r, lr, f"cap{c}", s): record(r, lr, c, s, "b2" * 8 if (r, c, s) == ("softcap", 30, 1) else "a1" * 8)
+            for r in ("softcap", "agg+softcap") for lr in rivals.LRS for c in (15, 30, 60) for s in range(5)}
+    (path := tmp_path / "lm_practice.json").write_text(json.dumps(dict(command="python -m studies.practice", runs=runs)))
+    practice.Practice(str(tmp_path / "out"), prior=[str(path)]).write_results(str(path), [])
+    res = json.load(open(path))
+    assert res["selection"]["selected"]["softcap"] == res["selection"]["selected"]["agg+softcap"] == [4e-3, "cap15"]
+    same = {c["cand"]: c for c in res["compare_same_knob"]}
+    assert set(same) == {"agg+softcap cap15", "agg+softcap cap30", "agg+softcap cap60"}  # seeds 0-2 of each curve
+    assert {c["base"] for c in same.values()} == {"softcap"} and same["agg+softcap cap60"]["seeds"] == [0, 1, 2]
+    assert same["agg+softcap cap30"]["seeds"] == [0, 2]  # never across hosts
+    assert same["agg+softcap cap30"]["metrics"]["ppl"]["diffs"] == pytest.approx([math.log(1.02)] * 2)
+
+
 def test_a_study_refuses_a_results_file_that_is_not_its_own(tmp_path):
     """A results file of another study or of studies.compare is never taken in (and so never rewritten)."""
     path = tmp_path / "lm_headline.json"
