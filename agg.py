@@ -28,110 +28,196 @@ Utilization"), frequency-weighted I(W) (Yokoi et al. 2024, "Zipfian Whitening"),
 (Land & Bartolo 2024, "Fishing for Magikarp: Automatically Detecting Under-trained Tokens in Large Language Models").
 """
 import math
+import numbers
 from collections import deque
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 
 # ------------------------------ the loss head: softmax cross-entropy with a gated weight gradient, logits computed once
+class HeadOptions(NamedTuple):
+    """What GatedSoftmaxCE computes besides the plain mean NLL (python values: a compiled graph specialises on them)."""
+
+    smoothing: float = 0.0  # label smoothing eps
+    chunk_size: Optional[int] = None  # rows per chunk (None: every row at once)
+    z_coef: float = 0.0  # z-loss weight (PaLM Sec. 5)
+    softcap: Optional[float] = None  # C: logits C tanh(s / C)
+    center: bool = False  # agg-centered: gate only the push along the mean feature
+    reduction: str = "mean"  # "mean" over the valid rows, "sum", or "none" (one loss per row)
+    need_grad: bool = True
+
+
 class GatedSoftmaxCE(torch.autograd.Function):
-    """Mean softmax cross-entropy of logits = h @ weight.T (+ bias) whose gradient wrt `weight` is gated.
+    """Softmax cross-entropy of logits = h @ weight.T (+ bias) whose gradient wrt `weight` is gated.
     With G = softmax(logits) - onehot(y) (label-smoothed if asked), dL/dh = G @ W exactly as in MLE, and
     dL/dW = (G * gate)^T h with one gate per (row type, column):
         gate[i, k] = col_gate[k]     if row i is not a group row
                      group_gate[k]   if row i is a group row and k != y_i
-                     1               if row i is a group row and k == y_i   (the pull towards the target, never gated)
-    A gate of None means all ones; the gate scales G in place (no T x V gate tensor). The output bias (V,) gets the
-    plain gradient, z_coef adds the z-loss, softcap C caps the logits (one more chunk x V buffer). Gradients are
+                     1               if row i is a group row and k == y_i   (the pull to the target, never gated)
+    gates = (col_gate, group_rows, group_gate); None means all ones. Rows whose `valid` is False (ignored
+    targets) add nothing. The output bias (V,) gets the plain gradient. For "mean" and "sum" the gradients are
     computed during forward, `chunk_size` rows at a time (peak memory: one chunk x V buffer, not the ~3 T x V of
-    F.cross_entropy); backward only scales them."""
+    F.cross_entropy), and backward only scales them; for "none" backward computes them, each row weighted by its
+    incoming gradient. Returns (loss, stats): stats = means of (loss, nll, rare-set probability, (log Z)^2)."""
 
     @staticmethod
-    def forward(ctx, h, weight, y, col_gate, group_rows, group_gate, mass_cols, smoothing, chunk_size, need_grad,
-                center=False, bias=None, z_coef=0.0, softcap=None):
-        n, device = h.shape[0], h.device.type
-        # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
-        mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-        acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-        with torch.autocast(device, enabled=False):
-            h_mm, w_mm = h.to(mm_dtype), weight.to(mm_dtype)
-            grad_h = torch.empty_like(h) if need_grad else None
-            grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device) if need_grad else None
-            grad_b = None if bias is None or not need_grad else torch.zeros(len(bias), dtype=acc_dtype, device=h.device)
-            b_acc = None if bias is None else bias.detach().to(acc_dtype)
-            sums = torch.zeros(4, dtype=acc_dtype, device=h.device)  # loss, nll, rare-set probability, (log Z)^2
-            mean_h = h_mm.to(acc_dtype).mean(0) if center and n else None
-            step, cut = chunk_size or max(n, 1), lambda t, rows: None if t is None else t[rows]
-            for s in range(0, n, step):
-                rows = slice(s, s + step)
-                sums += _head_chunk(h_mm[rows], y[rows], w_mm, n, acc_dtype, smoothing, mass_cols, cut(grad_h, rows),
-                                    grad_w, col_gate, cut(group_rows, rows), group_gate, mean_h, b_acc, grad_b, z_coef,
-                                    softcap)
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                     None if grad_b is None else grad_b.to(bias.dtype))
-        loss, nll, rare_mass, log_z2 = (sums / max(n, 1)).unbind()
-        ctx.mark_non_differentiable(nll, rare_mass, log_z2)
-        return loss, nll, rare_mass, log_z2
+    def forward(ctx, h, weight, bias, y, valid, gates, mass_cols, opts):
+        n = valid.sum()
+        ctx.opts = opts
+        ctx.grads = None
+        if opts.reduction == "none":  # the gradients wait for backward's per-row weights
+            ctx.inputs = (h, weight, bias, y, valid, gates)
+            sums, row_loss, _ = _head(h, weight, bias, y, valid, gates, mass_cols, opts, n)
+            loss = row_loss
+        else:
+            divisor = n if opts.reduction == "mean" else torch.ones_like(n)
+            sums, _, ctx.grads = _head(h, weight, bias, y, valid, gates, mass_cols, opts, divisor)
+            loss = sums[0] / divisor.clamp(min=1)
+        stats = sums / n.clamp(min=1)
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_nll, _grad_mass, _grad_log_z2):
-        _check(ctx.grads is not None, "GatedSoftmaxCE: a second backward through the same loss. The head computes its "
-               "gradients in forward and frees them after the first backward; call method.loss() again for another "
-               "backward (retain_graph=True does not keep them)", RuntimeError)
-        (grad_h, grad_w, grad_b), ctx.grads = ctx.grads, None  # free the buffers
-        return (grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None, None, None, None,
-                None if grad_b is None else grad_b.mul_(grad_loss), None, None)
+    def backward(ctx, grad_loss, _grad_stats):
+        if ctx.opts.reduction == "none":
+            h, weight, bias, y, valid, gates = ctx.inputs
+            divisor = 1 / grad_loss  # row i of G times dL/dloss_i
+            with_grad = ctx.opts._replace(need_grad=True)
+            _, _, grads = _head(h, weight, bias, y, valid, gates, None, with_grad, divisor)
+        else:
+            _check(ctx.grads is not None, "GatedSoftmaxCE: a second backward through the same loss. The "
+                   "head computes its gradients in forward and frees them after the first backward; call "
+                   "method.loss() again for another backward (retain_graph=True does not keep them)",
+                   RuntimeError)
+            grads = [None if g is None else g.mul_(grad_loss) for g in ctx.grads]
+            ctx.grads = None  # free the buffers
+        grad_h, grad_w, grad_b = grads
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _head_chunk(hs, ys, w_mm, n, acc_dtype, smoothing, mass_cols, grad_h, grad_w, col_gate, group_rows, group_gate,
-                mean_h=None, bias=None, grad_b=None, z_coef=0.0, softcap=None):
-    """One chunk of GatedSoftmaxCE: the sums of (loss, nll, rare-set probability, (log Z)^2) over its rows; writes
-    its rows of grad_h, adds to grad_w. mean_h (d,): gate only the push along the mean feature (agg-centered): row i,
-    column k gives G_ik (h_i - mean_h) + gate_ik G_ik mean_h = G_ik h_i - (1 - gate_ik) G_ik mean_h."""
+def _head(h, weight, bias, y, valid, gates, mass_cols, opts, divisor):
+    """GatedSoftmaxCE's work: (sums of (loss, nll, rare-set probability, (log Z)^2), per-row losses for
+    "none", (dL/dh, dL/dW, dL/db) if opts.need_grad). Row i of G is divided by divisor (a count, or one per row)."""
+    n, device = h.shape[0], h.device.type
+    # Matmuls in the autocast dtype (bf16 on GPU), softmax and accumulations in float32 (float64 stays float64).
+    mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+    need_grad = opts.need_grad
+    col_gate, group_rows, group_gate = gates
+    with torch.autocast(device, enabled=False):
+        h_mm = h.to(mm_dtype)
+        w_mm = weight.to(mm_dtype)
+        b_acc = None if bias is None else bias.detach().to(acc_dtype)
+        grad_h, grad_w, grad_b = None, None, None
+        if need_grad:
+            grad_h = torch.empty_like(h)
+            grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=h.device)
+        if need_grad and bias is not None:
+            grad_b = torch.zeros(len(bias), dtype=acc_dtype, device=h.device)
+        # each row's divisor of G; inf on ignored rows, whose G is then 0
+        row_div = torch.where(valid[:, None], divisor.to(acc_dtype).reshape(-1, 1), math.inf)
+        mean_h = None
+        if opts.center:  # agg-centered: the mean feature of the valid rows
+            h_valid = h_mm.to(acc_dtype) * valid[:, None]
+            mean_h = h_valid.sum(0) / valid.sum().clamp(min=1)
+        row_loss = None
+        if opts.reduction == "none":
+            row_loss = torch.zeros(n, dtype=acc_dtype, device=h.device)
+        sums = torch.zeros(4, dtype=acc_dtype, device=h.device)
+        step = opts.chunk_size or max(n, 1)
+        for s in range(0, n, step):
+            rows = slice(s, s + step)
+            chunk_rows = None if group_rows is None else group_rows[rows]
+            chunk = _Chunk(h_mm[rows], y[rows], valid[rows], row_div[rows], chunk_rows)
+            chunk_grad_h = None if grad_h is None else grad_h[rows]
+            grads = (chunk_grad_h, grad_w, grad_b)
+            chunk_sums, chunk_loss = _head_chunk(chunk, w_mm, b_acc, gates, mass_cols, opts, mean_h, grads)
+            sums += chunk_sums
+            if row_loss is not None:
+                row_loss[rows] = chunk_loss
+    if not need_grad:
+        return sums, row_loss, None
+    grad_w = grad_w.to(weight.dtype)
+    if grad_b is not None:
+        grad_b = grad_b.to(bias.dtype)
+    return sums, row_loss, (grad_h, grad_w, grad_b)
+
+
+class _Chunk(NamedTuple):
+    """Rows of the head: features, targets, which are valid, each row's divisor of G, which are group rows."""
+
+    h: torch.Tensor
+    y: torch.Tensor
+    valid: torch.Tensor
+    div: torch.Tensor
+    group_rows: Optional[torch.Tensor]
+
+
+def _head_chunk(chunk, w_mm, bias, gates, mass_cols, opts, mean_h, grads):
+    """One chunk of the head: the sums of (loss, nll, rare-set probability, (log Z)^2) over its valid rows and its
+    rows' losses; writes its rows of dL/dh, adds to dL/dW and dL/db (grads). mean_h (d,): gate only the push
+    along the mean feature (agg-centered): row i, column k gives G_ik (h_i - mean_h) + gate_ik G_ik mean_h."""
+    hs, ys = chunk.h, chunk.y
+    acc_dtype = chunk.div.dtype
+    smoothing = opts.smoothing
     logits = (hs @ w_mm.T).to(acc_dtype)
     if bias is not None:
         logits += bias
-    if softcap:  # soft-capping: logits C tanh(s / C), whose derivative 1 - tanh^2 scales G below
-        logits = logits.div_(softcap).tanh_()
+    if opts.softcap:  # soft-capping: logits C tanh(s / C), whose derivative 1 - tanh^2 scales G below
+        logits = logits.div_(opts.softcap).tanh_()
         dcap = 1 - logits.square()
-        logits.mul_(softcap)
-    target_logit, row_max = logits.gather(1, ys[:, None]).squeeze(1), logits.amax(dim=1, keepdim=True)
+        logits.mul_(opts.softcap)
+    target_logit = logits.gather(1, ys[:, None]).squeeze(1)
+    row_max = logits.amax(dim=1, keepdim=True)
     mean_logit = logits.mean(dim=1) if smoothing else None
     exp = logits.sub_(row_max).exp_()  # in place: the one chunk x V buffer (logsumexp would add another)
     sum_exp = exp.sum(dim=1)
     lse = row_max.squeeze(1) + sum_exp.log()
-    nll, log_z2 = lse - target_logit, lse.square()
-    loss = (1 - smoothing) * nll + smoothing * (lse - mean_logit) if smoothing else nll  # = F.cross_entropy's value
-    if z_coef:
-        loss = loss + z_coef * log_z2  # z-loss (PaLM Sec. 5): z_coef (log Z)^2 per position
-    sums = [loss.sum(), nll.sum(), torch.zeros((), dtype=acc_dtype, device=hs.device), log_z2.sum()]
-    if grad_h is None:  # a no-grad call (the only kind given mass_cols): the rare set's predicted probability
-        if mass_cols is not None:
-            sums[2] = (exp.div_(sum_exp[:, None] * n) @ mass_cols).sum() * n
-        return torch.stack(sums)
-    grad = exp.div_(sum_exp[:, None] * n)  # softmax / n: the mean reduction folded in
-    if z_coef:  # d(z_coef (log Z)^2)/dlogits = 2 z_coef log Z softmax: scales each row's p / n
-        grad.mul_((1 + 2 * z_coef * lse)[:, None])
-    # G = (p - q) / n with q = (1 - eps) onehot(y) + eps / V
-    grad.scatter_add_(1, ys[:, None], grad.new_full((len(ys), 1), (smoothing - 1.0) / n))
+    nll = lse - target_logit
+    log_z2 = lse.square()
+    loss = nll
+    if smoothing:  # = F.cross_entropy's value with label_smoothing
+        loss = (1 - smoothing) * nll + smoothing * (lse - mean_logit)
+    if opts.z_coef:
+        loss = loss + opts.z_coef * log_z2  # z-loss (PaLM Sec. 5): z_coef (log Z)^2 per position
+    valid = chunk.valid
+    loss = torch.where(valid, loss, 0.0)  # ignored rows add nothing
+    nll = torch.where(valid, nll, 0.0)
+    log_z2 = torch.where(valid, log_z2, 0.0)
+    p = exp.div_(sum_exp[:, None] * chunk.div)  # softmax / divisor, 0 on ignored rows
+    mass = torch.zeros((), dtype=acc_dtype, device=hs.device)
+    grad_h, grad_w, grad_b = grads
+    if grad_h is None and mass_cols is not None:  # no-grad calls: the rare set's predicted probability
+        mass = ((p @ mass_cols) * chunk.div.squeeze(1)).sum()
+    sums = torch.stack([loss.sum(), nll.sum(), mass, log_z2.sum()])
+    if grad_h is None:
+        return sums, loss
+    grad = p
+    if opts.z_coef:  # d(z_coef (log Z)^2)/dlogits = 2 z_coef log Z softmax: scales each row's p
+        grad.mul_((1 + 2 * opts.z_coef * lse)[:, None])
+    # G = (p - q) / divisor, q = (1 - eps) onehot(y) + eps / V; the quotients in float64, then rounded
+    div64 = chunk.div.double()
+    grad.scatter_add_(1, ys[:, None], ((smoothing - 1.0) / div64).to(acc_dtype))
     if smoothing:
-        grad.sub_(smoothing / (w_mm.shape[0] * n))
-    if softcap:
+        grad.sub_((smoothing / (w_mm.shape[0] * div64)).to(acc_dtype))
+    if opts.softcap:
         grad.mul_(dcap)  # chain rule through C tanh(s / C)
     grad_h.copy_(grad.to(w_mm.dtype) @ w_mm)  # dL/dh = G W: MLE's, never gated
     if grad_b is not None:
         grad_b += grad.sum(0)  # dL/db = sum_i G_i: never gated
+    col_gate, _, group_gate = gates
     if mean_h is None:
-        _gate_(grad, ys, col_gate, group_rows, group_gate)
+        _gate_(grad, ys, col_gate, chunk.group_rows, group_gate)
         _add_grad_w(grad_w, grad, hs, w_mm.dtype)  # dL/dW = (G * gate)^T h
     else:  # ungated G^T h, minus the gated-away part of the push along mean_h
         ungated_colsum = grad.sum(0)
         _add_grad_w(grad_w, grad, hs, w_mm.dtype)
-        _gate_(grad, ys, col_gate, group_rows, group_gate)
+        _gate_(grad, ys, col_gate, chunk.group_rows, group_gate)
         grad_w.sub_(torch.outer(ungated_colsum - grad.sum(0), mean_h))
-    return torch.stack(sums)
+    return sums, loss
 
 
 def _add_grad_w(grad_w, grad, hs, mm_dtype):
@@ -143,25 +229,37 @@ def _add_grad_w(grad_w, grad, hs, mm_dtype):
         grad_w += g.T @ hs
 
 
+GATE_ROWS = 1024  # rows of the (rows, V) gate built at a time
+
+
 def _gate_(grad, ys, col_gate, group_rows, group_gate):
     """Scale grad (rows x V) in place by the per-(row type, column) gate of GatedSoftmaxCE."""
-    idx = ys[:0] if group_rows is None else group_rows.nonzero().squeeze(1)  # the group rows (maybe none)
-    tgt = ys[idx]
-    tgt_grad = grad[idx, tgt]  # (p - 1) h_i: the pull to the target, part (a) of AGG Eq. 4
-    group = grad[idx] * group_gate if group_gate is not None else grad[idx]
-    if col_gate is not None:
-        grad.mul_(col_gate)
-    grad[idx] = group
-    grad[idx, tgt] = tgt_grad
+    if group_rows is None:
+        if col_gate is not None:
+            grad.mul_(col_gate)
+        return
+    ones = torch.ones(grad.shape[1], dtype=grad.dtype, device=grad.device)
+    col = ones if col_gate is None else col_gate
+    group = ones if group_gate is None else group_gate
+    pull = grad.gather(1, ys[:, None])  # (p - 1) h_i: the pull to the target, part (a) of AGG Eq. 4
+    for s in range(0, len(grad), GATE_ROWS):
+        rows = slice(s, s + GATE_ROWS)
+        gate = torch.where(group_rows[rows, None], group, col)
+        grad[rows].mul_(gate)
+    gated_pull = grad.gather(1, ys[:, None])
+    kept = torch.where(group_rows[:, None], pull, gated_pull)  # group rows keep their pull whole
+    grad.scatter_(1, ys[:, None], kept)
 
 
 def gate_matrix(y, vocab_size, col_gate, group_rows, group_gate, dtype=torch.float64):
     """The dense (T, V) gate that GatedSoftmaxCE applies to G without building it (for analysis and the UL term)."""
     gate = torch.ones(len(y), vocab_size, dtype=dtype, device=y.device)
-    cast = lambda g: None if g is None else g.to(dtype)
-    _gate_(gate, y, cast(col_gate), group_rows, cast(group_gate))
-    gate[torch.arange(len(y), device=y.device), y] = 1.0  # and 1 at every row's target
+    col = None if col_gate is None else col_gate.to(dtype)
+    group = None if group_gate is None else group_gate.to(dtype)
+    _gate_(gate, y, col, group_rows, group)
+    gate.scatter_(1, y[:, None], 1.0)  # and 1 at every row's target
     return gate
+
 
 
 # --------------------------------------------------------- AGG's alpha and the static rare groups, from training counts
@@ -205,25 +303,57 @@ def least_frequent_mask(counts, fraction, special_ids=()):
 
 
 # -------------------------------------------------------------------------------------------------------------- methods
-# Each one: observe(targets) once per optimizer step, loss(hidden, weight, targets), stats, state_dict. Each declares
-# its hyper-parameters once: spec = {name: (default, type, meaning)}. From it come the class's `defaults` {name:
-# default} and the module's HPARAMS {name: (type, meaning)}, the training scripts' flags.
-_WHOLE = lambda v, lo: not isinstance(v, bool) and v >= lo and float(v).is_integer()  # window: K divides a_k (Eq. 5)
-_RANGES = {  # what each hyper-parameter must be (NaN fails every comparison), checked when a method is built
-    **dict.fromkeys(("alpha", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef", "disc_lr"),
-                    (lambda v: 0 <= v < math.inf, "a finite number >= 0")),
-    **dict.fromkeys(("rare_fraction", "popular_fraction"),
-                    (lambda v: 0 <= v <= 1, "a share of the vocabulary in [0, 1]")),
-    **dict.fromkeys(("mu1", "mu2"), (lambda v: 0 < v < math.inf, "a finite number > 0")),
-    **dict.fromkeys(("window", "static_after", "disc_steps"), (lambda v: _WHOLE(v, 1), "a whole number >= 1")),
-    **dict.fromkeys(("until", "rare_rank"), (lambda v: _WHOLE(v, 0), "a whole number >= 0")),
-    "parts": (lambda v: v in ("b", "c", "bc"), "'b', 'c' or 'bc'"),
-    "center_mode": (lambda v: v in ("step", "loss"), "'step' or 'loss'"),
-}
+# Each one: observe(targets) once per optimizer step (or attach(optimizer, weight)), loss(hidden, weight, targets),
+# after_step(weight), stats, state_dict. Each declares its hyper-parameters once: spec = {name: (default, type,
+# meaning)}. From it come the class's `defaults` {name: default} and the module's HPARAMS {name: (type, meaning)},
+# the training scripts' flags.
+NONNEGATIVE = ("alpha", "gamma", "lambda_", "alpha_ul", "z_coef", "mu_coef", "disc_lr")
+SHARES = ("rare_fraction", "popular_fraction")
+POSITIVE = ("mu1", "mu2")
+WHOLE_FROM_1 = ("window", "static_after", "disc_steps")  # window: K divides a_k (Eq. 5)
+WHOLE_FROM_0 = ("until", "rare_rank")
+CHOICES = {"parts": ("b", "c", "bc"), "center_mode": ("step", "loss")}
+
+
+def _hparam_rule(key, value):
+    """What hyper-parameter `key` must be, if `value` is not that; else None (NaN fails every comparison)."""
+    if key in CHOICES:
+        choices = CHOICES[key]
+        if value in choices:
+            return None
+        names = [repr(choice) for choice in choices]
+        return ", ".join(names[:-1]) + " or " + names[-1]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        number = False
+    else:
+        number = True
+    if key in NONNEGATIVE:
+        ok = number and 0 <= value < math.inf
+        return None if ok else "a finite number >= 0"
+    if key in SHARES:
+        ok = number and 0 <= value <= 1
+        return None if ok else "a share of the vocabulary in [0, 1]"
+    if key in POSITIVE:
+        ok = number and 0 < value < math.inf
+        return None if ok else "a finite number > 0"
+    lowest = 1 if key in WHOLE_FROM_1 else 0 if key in WHOLE_FROM_0 else None
+    if lowest is not None:
+        ok = number and value >= lowest and float(value).is_integer()
+        return None if ok else f"a whole number >= {lowest}"
+    return None
 
 
 class MLE:
-    """Plain maximum likelihood, softmax cross-entropy of hidden @ weight.T; the base of every method."""
+    """Plain maximum likelihood, softmax cross-entropy of hidden @ weight.T; the base of every method.
+
+    A step's targets reach the method in one of two ways:
+    - observe(targets) once per optimizer step, with all of that step's targets, before its first loss(), and
+      after_step(weight) after optimizer.step() (the paper's loop; the training scripts');
+    - attach(optimizer, weight) once: then observe() may be called per micro-batch, or not at all (each
+      grad-enabled loss() counts its own targets), and the optimizer's step ends the step and runs after_step.
+      AGG's gates are computed once per step, at its first loss(), from the window and the step's targets seen
+      so far: all of them if observed before, the first micro-batch's if counted by loss(); every target joins
+      the window once."""
     name = "mle"
     spec = defaults = {}
 
@@ -236,42 +366,107 @@ class MLE:
                f"valid: {sorted(self.defaults) or 'none'} (plus counts, special_ids)")
         self.hparams = {**self.defaults, **hparams}
         for key, value in self.hparams.items():
-            ok, what = _RANGES.get(key, (None, None))
-            try:
-                good = ok is None or value is None or bool(ok(value))
-            except TypeError:  # e.g. a string where a number belongs
-                good = False
-            _check(good, f"method {self.name!r}: {key} must be {what}, got {value!r}")
-        self.vocab_size, self.counts = vocab_size, None
+            kind = self.spec[key][1] if key in self.spec else None
+            if value is None:
+                continue
+            rule = "True or False" if kind is bool and not isinstance(value, bool) else None
+            rule = rule or _hparam_rule(key, value)
+            _check(rule is None, f"method {self.name!r}: {key} must be {rule}, got {value!r}")
+        _check(isinstance(vocab_size, numbers.Integral) and vocab_size > 0,
+               f"vocab_size must be a whole number > 0, got {vocab_size!r}")
+        self.vocab_size = int(vocab_size)
+        self.counts = None
         if counts is not None:  # a NaN or negative count would turn into a wrong rare group without an error
             c = torch.as_tensor(counts).reshape(-1)
             bad = ~torch.isfinite(c) | (c < 0) if c.is_floating_point() else c < 0
             if bool(bad.any()):
-                raise ValueError(f"counts must be finite numbers >= 0; entry {int(bad.nonzero()[0])} is "
-                                 f"{c[bad][0].item()}")
+                first = int(bad.nonzero()[0])
+                raise ValueError(f"counts must be finite numbers >= 0; entry {first} is {c[first].item()}")
             self.counts = c.long().cpu()
             _check(len(c) == vocab_size, f"counts has {len(c)} entries but vocab_size is {vocab_size}")
         self.special_ids = sorted({int(i) for i in special_ids})
         bad = [i for i in self.special_ids if not 0 <= i < vocab_size]  # -1 would silently mean the last token
         _check(not bad, f"special_ids {bad} are outside [0, vocab_size={vocab_size})")
-        self.steps, self._stats = 0, {}  # optimizer steps observed; the last loss() call's stats
+        self.steps = 0  # optimizer steps observed
+        self._stats = {}  # the last loss() call's stats
+        self._weight = None  # attach(): the weight after_step gets
+        self._step_open = False  # attach(): the step's first targets are in, later ones join it
+        self._counted_by = None  # attach(): "observe" or "loss", whichever counts this step's targets
+        self._ids_checked = False  # the first targets are checked on the host, later ones asynchronously
 
+    # ------------------------------------------------------------------ the steps' targets
     def observe(self, targets, ignore_index=-100):
-        """Call once per optimizer step with all target ids of that step (never with validation batches)."""
-        self._check_ids(targets, ignore_index)
+        """The targets of an optimizer step (never validation batches). Without attach(): once per optimizer step,
+        all of its targets, before its first loss(). With attach(): per micro-batch or once per step."""
+        ids = self._window_ids(targets, ignore_index)
+        if self._weight is None:
+            self._new_step(ids)
+            return
+        _check(self._counted_by != "loss", f"method {self.name!r}: observe() after loss() counted this step's "
+               "targets: with attach(), observe every micro-batch before its loss(), or never")
+        self._counted_by = "observe"
+        self._add_to_step(ids)
+
+    def attach(self, optimizer, weight):
+        """Let `optimizer` end each step: after every optimizer.step() the step's targets are in the window once
+        and after_step(weight) runs. Returns the hook's handle (handle.remove() detaches)."""
+        self._weight = weight
+        return optimizer.register_step_post_hook(self._end_step)
+
+    def _end_step(self, optimizer, args, kwargs):
+        self._step_open = False
+        self._counted_by = None
+        self.after_step(self._weight)
+
+    @torch.compiler.disable  # the window's bookkeeping runs eagerly, outside a compiled forward
+    def _add_to_step(self, ids):
+        if self._step_open:
+            self._join_step(ids)
+        else:
+            self._new_step(ids)
+            self._step_open = True
+
+    def _new_step(self, ids):
+        """A new optimizer step whose target ids are `ids` (ignored positions: vocab_size)."""
         self.steps += 1
 
-    def _check_ids(self, targets, ignore_index):
-        _check(not targets.is_floating_point() and targets.dtype != torch.bool,
-               f"method {self.name!r}: targets must be integer token ids, got {targets.dtype}")
-        t = targets[targets != ignore_index]
+    def _join_step(self, ids):
+        """More targets of the current step (a later micro-batch)."""
+
+    def _target_ids(self, targets, ignore_index):
+        """(ids as long, valid mask), flat. Any integer dtype. Checked on the host the first time (a clear error
+        naming the id), on the device after (no synchronisation; an id outside [0, V) stops the run)."""
+        _check(torch.is_tensor(targets), f"method {self.name!r}: targets must be a tensor of token ids, "
+               f"got {type(targets).__name__}")
+        is_int = not (targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool)
+        _check(is_int, f"method {self.name!r}: targets must be integer token ids, got {targets.dtype}")
+        ids = targets.reshape(-1).long()
+        valid = ids != ignore_index
+        if not self._ids_checked:
+            self._check_ids(ids, ignore_index)
+            self._ids_checked = True
+        else:
+            in_vocab = (ids >= 0) & (ids < self.vocab_size)
+            message = f"method {self.name!r}: a target id is outside [0, vocab_size={self.vocab_size})"
+            torch._assert_async((in_vocab | ~valid).all(), message)
+        return ids, valid
+
+    def _window_ids(self, targets, ignore_index):
+        ids, valid = self._target_ids(targets, ignore_index)
+        return torch.where(valid, ids, self.vocab_size)
+
+    @torch.compiler.disable  # reads values: once, outside a compiled graph
+    def _check_ids(self, ids, ignore_index):
+        t = ids[ids != ignore_index]
         if len(t) and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
             raise ValueError(f"method {self.name!r}: target id {bad} is outside [0, vocab_size={self.vocab_size}) "
                              f"and is not ignore_index={ignore_index}")
 
+    # ------------------------------------------------------------------ hooks of the methods
     def after_step(self, weight):
-        """Call after each optimizer.step(): freeze-rare restores its frozen rows, center subtracts the mean row."""
+        """Call after each optimizer.step() (attach() does): freeze-rare restores its frozen rows, center subtracts
+        the mean row."""
 
     def to(self, device):
         """Move the state the method keeps updating (counters, a discriminator) to `device`; returns self."""
@@ -280,76 +475,93 @@ class MLE:
     def rare_mask(self):
         """Bool (V,) of the current rare group, or None for methods without one."""
 
+    def step_rare(self):
+        """The rare group the current step's gates use (AGG: as computed once a step)."""
+        return self.rare_mask()
+
     def gates(self, y):
-        """(col_gate, group_rows, group_gate) for GatedSoftmaxCE given the valid targets y; None = ungated."""
+        """(col_gate, group_rows, group_gate) for GatedSoftmaxCE given the targets y; None = ungated."""
         return None, None, None
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
         """Extra loss term added to the NLL (a scalar tensor), or None."""
 
+    # ------------------------------------------------------------------ the loss
     def loss(self, hidden, weight, targets, ignore_index=-100, label_smoothing=0.0, chunk_size=None, bias=None,
-             softcap=None):
-        """Mean (label-smoothed) NLL over non-ignored positions + the method's regulariser. hidden (..., d): the input
-        of the tied softmax layer; weight (V, d): the tied embedding; targets (...) long; logits = hidden @ weight.T +
-        bias, bias (V,) optional (a learned unigram prior; plain gradient, the gates act on the weight); softcap C:
-        logits C tanh(logits / C) (Gemma 2). chunk_size: rows per chunk of the head (peak memory ~ chunk_size x V,
-        same gradients). All targets ignored gives 0.0 with zero gradients (F.cross_entropy: nan)."""
+             softcap=None, reduction="mean"):
+        """Softmax cross-entropy of hidden @ weight.T (+ bias) with the method's gated weight gradient, plus its
+        regulariser; F.linear_cross_entropy's argument order. hidden (..., d): the input of the tied output layer
+        (not the logits); weight (V, d): the tied embedding; targets (...) integer ids. reduction "mean" (over the
+        non-ignored positions), "sum" (the regulariser counted once per position), or "none" (the loss of each
+        position, 0 where ignored; methods without a regulariser). bias (V,) optional: a learned unigram prior with
+        the plain gradient; softcap C: logits C tanh(logits / C) (Gemma 2). chunk_size: rows per chunk of the head
+        (peak memory ~ chunk_size x V, same gradients). All targets ignored gives 0.0 with zero gradients."""
         d = hidden.shape[-1]
+        logits_given = d == self.vocab_size and weight.shape[-1] != d
+        _check(not logits_given, f"hidden has vocab_size={d} features and weight is {tuple(weight.shape)}: are "
+               "these logits? loss() takes the features the output layer multiplies (its input), not its output")
         _check(weight.shape == (self.vocab_size, d),
                f"weight must be (vocab_size={self.vocab_size}, d={d}), got {tuple(weight.shape)}")
         _check(targets.shape == hidden.shape[:-1],
                f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without its last dim")
-        _check(chunk_size is None or isinstance(chunk_size, int) and chunk_size > 0,
-               f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
+        chunk_ok = chunk_size is None or isinstance(chunk_size, int) and chunk_size > 0
+        _check(chunk_ok, f"chunk_size must be a positive number of rows (or None), got {chunk_size!r}")
         _check(0 <= label_smoothing < 1, f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        _check(softcap is None or isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-               and 0 < softcap < math.inf, f"softcap must be a number > 0 and finite (or None), got {softcap!r}")
+        cap_ok = softcap is None or isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+        cap_ok = cap_ok and (softcap is None or 0 < softcap < math.inf)
+        _check(cap_ok, f"softcap must be a number > 0 and finite (or None), got {softcap!r}")
+        _check(reduction in ("mean", "sum", "none"), f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
         if bias is not None and tuple(bias.shape) != (self.vocab_size,):
             raise ValueError(f"bias must be (vocab_size={self.vocab_size},), got {tuple(bias.shape)}")
-        ts = [t for t in (hidden, weight, targets, bias) if t is not None]
-        _check(all(t.is_floating_point() != (t is targets) for t in ts) and targets.dtype != torch.bool,
-               f"hidden, weight (and bias) must be floating point, targets integer ids; got {[t.dtype for t in ts]}")
-        _check(len({t.device for t in ts}) == 1 and hidden.device.type != "meta",
-               f"hidden, weight, targets (and bias) must be on one device, with data; got {[t.device for t in ts]}")
-        h, y = hidden.reshape(-1, d), targets.reshape(-1)
-        valid = y != ignore_index
-        # one device sync for both checks: an id outside [0, V) would index another token's row or fail deep inside
-        all_valid, bad = torch.stack([valid.all(), (valid & ((y < 0) | (y >= self.vocab_size))).any()]).tolist()
-        if bad:
-            self._check_ids(y, ignore_index)
-        if not all_valid:
-            h, y = h[valid], y[valid]
+        floats = [t for t in (hidden, weight, bias) if t is not None]
+        _check(all(t.is_floating_point() for t in floats),
+               f"hidden, weight (and bias) must be floating point; got {[t.dtype for t in floats]}")
+        devices = {t.device for t in floats + [targets]}
+        _check(len(devices) == 1 and hidden.device.type != "meta",
+               f"hidden, weight, targets (and bias) must be on one device, with data; got {sorted(map(str, devices))}")
+        y, valid = self._target_ids(targets, ignore_index)
+        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in floats)
+        if self._weight is not None and need_grad and self._counted_by != "observe":
+            self._counted_by = "loss"  # attach(): the step's targets counted here
+            self._add_to_step(torch.where(valid, y, self.vocab_size))
+        y = torch.where(valid, y, 0)  # an ignored position's row adds nothing: any id will do
         col_gate, group_rows, group_gate = self.gates(y)
-        rare = self.rare_mask()
-        acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-        # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls only
-        mass_cols = None if rare is None or need_grad else rare.to(h.device, acc_dtype)
-        cast = lambda g: None if g is None else g.to(h.device, acc_dtype)
+        rare = self.step_rare()
+        acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls
+        mass_cols = None if rare is None or need_grad else rare.to(hidden.device, acc_dtype)
         z_coef = float(self.hparams.get("z_coef", 0.0))
-        loss, nll, rare_mass, log_z2 = GatedSoftmaxCE.apply(
-            h, weight, y, cast(col_gate), group_rows, cast(group_gate), mass_cols, float(label_smoothing), chunk_size,
-            need_grad, bool(self.hparams.get("center_gate")) and group_rows is not None, bias, z_coef, softcap)
-        self._stats = {"nll": nll.detach()}
+        center = bool(self.hparams.get("center_gate")) and group_rows is not None
+        opts = HeadOptions(float(label_smoothing), chunk_size, z_coef, softcap, center, reduction, need_grad)
+        gates = (_as(col_gate, acc_dtype, y), group_rows, _as(group_gate, acc_dtype, y))
+        h = hidden.reshape(-1, d)
+        loss, stats = GatedSoftmaxCE.apply(h, weight, bias, y, valid, gates, mass_cols, opts)
+        self._stats = {"nll": stats[1]}
         if "z_coef" in self.hparams:
-            self._stats["zloss"] = z_coef * log_z2  # the z-loss term inside `loss`
+            self._stats["zloss"] = z_coef * stats[3]  # the z-loss term inside `loss`
         if rare is not None:
             rare = rare.to(y.device)
+            n = valid.sum().clamp(min=1)
+            rare_targets = (rare[y] & valid).sum()
             self._stats.update(rare_count=rare.sum(), rare_fraction=rare.float().mean(),
-                               rare_mass_true=rare[y].float().mean() if len(y) else torch.zeros(()))
+                               rare_mass_true=rare_targets / n)
             if mass_cols is not None:
-                self._stats["rare_mass_pred"] = rare_mass  # mean predicted probability of the rare set
+                self._stats["rare_mass_pred"] = stats[2]  # mean predicted probability of the rare set
+        if reduction == "none":
+            loss = loss.reshape(targets.shape)
         reg = self.regulariser(hidden, weight, targets, ignore_index, bias, softcap)
         if reg is not None:
+            _check(reduction != "none", f"method {self.name!r} adds a regulariser to the whole batch's loss: "
+                   "use reduction 'mean' or 'sum'")
             self._stats["regulariser"] = reg.detach()
-            loss = loss + reg
+            loss = loss + (reg if reduction == "mean" else reg * valid.sum())
         return loss
 
     @property
     def stats(self):
         """Floats from the last loss() call: nll; with a rare group rare_count, rare_fraction (of the vocabulary),
-        rare_mass_true (share of rare targets) and, on no-grad calls, rare_mass_pred (mean predicted probability of the
-        rare set); regulariser; zloss. Converted lazily: reading them syncs the GPU, computing them does not."""
+        rare_mass_true (share of rare targets) and, on no-grad calls, rare_mass_pred (mean predicted probability of
+        the rare set); regulariser; zloss. Converted lazily: reading them syncs the GPU, computing them does not."""
         return {k: float(v) for k, v in self._stats.items()}
 
     def state_dict(self):
@@ -366,17 +578,36 @@ class MLE:
         self.steps = state["steps"]
 
 
+def _as(gate, dtype, like):
+    """A (V,) gate in the head's accumulation dtype on `like`'s device, or None."""
+    return None if gate is None else gate.to(like.device, dtype)
+
+
+def _gather_ranks(ids):
+    """Every rank's ids, in rank order, under torch.distributed (all ranks pass the same shape); else ids."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return ids
+    world = torch.distributed.get_world_size()
+    parts = [torch.empty_like(ids) for _ in range(world)]
+    torch.distributed.all_gather(parts, ids)
+    return torch.cat(parts)
+
+
 class AGG(MLE):
-    """Adaptive Gradient Gating (AGG Sec. 4): dynamic rare group (Eq. 5), gates g1/g2 (Eq. 7-8) on the weight gradient,
-    equal to the three-logit construction of Eq. 9-10 (gradient wrt hidden: MLE's; wrt weight: Eq. 23) with one logit
-    matrix. Beyond the paper: agg-continuous (no jump in a token's push at the threshold), agg-centered (the cone is
-    along the mean feature) and agg-prefill (the K - t steps not yet seen count at the training split's rates,
-    `counts` scaled to the first step's targets, so early steps do not mark most of the vocabulary rare)."""
+    """Adaptive Gradient Gating (AGG Sec. 4): dynamic rare group (Eq. 5), gates g1/g2 (Eq. 7-8) on the weight
+    gradient, equal to the three-logit construction of Eq. 9-10 (gradient wrt hidden: MLE's; wrt weight: Eq. 23)
+    with one logit matrix. The window is a ring of the last K steps' target ids (under torch.distributed, every
+    rank's, gathered: all ranks pass targets of one shape, padded with ignore_index), so every rank gates with the
+    same rare group and a checkpoint of any rank resumes exactly. Beyond the paper: agg-continuous (no jump in a
+    token's push at the threshold), agg-centered (the cone is along the mean feature) and agg-prefill (the K - t
+    steps not yet seen count at the training split's rates, `counts` scaled to the first step's targets, so early
+    steps do not mark most of the vocabulary rare)."""
     name = "agg"
     spec = dict(
         alpha=(0.03, float, "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT 0.08)"),
-        window=(1000, int, "AGG counter memory K in optimizer steps (default: steps per epoch, as in the paper)"),
-        use_g1=(True, bool, "AGG: apply gate g1 (Eq. 7)"), use_g2=(True, bool, "AGG: apply gate g2 (Eq. 8)"),
+        window=(None, int, "AGG counter memory K in optimizer steps (the paper: steps per epoch)"),
+        use_g1=(True, bool, "AGG: apply gate g1 (Eq. 7)"),
+        use_g2=(True, bool, "AGG: apply gate g2 (Eq. 8)"),
         static_after=(None, int, "freeze AGG's rare group after N steps (agg-static default: one epoch, AGG App. D)"),
         continuous_g1=(False, bool, "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold"),
         center_gate=(False, bool, "agg-centered: gate only the push along the batch's mean feature"),
@@ -384,36 +615,48 @@ class AGG(MLE):
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
-        self.history = deque()  # token counter memories m_t of the last `window` steps, stored sparse: (ids, counts)
+        _check(self.hparams["window"] is not None, f"method {self.name!r}: window (K, the paper's steps per epoch) "
+               "is missing: give window=, or build_method(..., steps_per_epoch=), or counts= and tokens_per_step=")
+        self.history = deque()  # the target ids of the last `window` steps (ignored: vocab_size), int32
         self.appearances = torch.zeros(vocab_size, dtype=torch.long)  # a = sum_t m_t (Eq. 5)
         self.static_rare = None  # rare group frozen after `static_after` steps ("static AGG", AGG Table 10)
         self.prefill_rate = None  # expected appearances per step of each token (prefill), set by the first observe()
+        self._gates = None  # (col_gate, rare, group_gate) of the current step: computed once a step
         _check(not self.hparams["prefill"] or self.counts is not None,
                f"method {self.name!r}: prefill needs counts (the training split's token counts)")
 
-    def observe(self, targets, ignore_index=-100):
-        t = targets.reshape(-1)
-        t = t[t != ignore_index]
-        self._check_ids(t, ignore_index)
-        step_counts = torch.bincount(t, minlength=self.vocab_size)[:self.vocab_size].long()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(step_counts)  # summed over ranks: every rank sees the same counts
-        self.appearances = self.appearances.to(step_counts.device) + step_counts
+    def _count(self, ids):
+        """(V + 1,) long: how often each id occurs in ids (the last entry counts ignored positions)."""
+        counts = torch.zeros(self.vocab_size + 1, dtype=torch.long, device=ids.device)
+        ones = torch.ones(len(ids), dtype=torch.long, device=ids.device)
+        return counts.index_add_(0, ids, ones)
+
+    def _new_step(self, ids):
+        super()._new_step(ids)
+        ids = _gather_ranks(ids.int())
+        step_counts = self._count(ids)
+        self.appearances = self.appearances.to(ids.device) + step_counts[:self.vocab_size]
         if self.hparams["prefill"] and self.prefill_rate is None:
-            self.prefill_rate = self.counts.double() / self.counts.sum().clamp(min=1) * step_counts.sum().item()
-        ids = step_counts.nonzero().squeeze(1)
-        self.history.append((ids, step_counts[ids]))
-        if len(self.history) > self.hparams["window"]:
-            old_ids, old_counts = (t.to(step_counts.device) for t in self.history.popleft())
-            self.appearances.index_add_(0, old_ids, -old_counts)
-        self.steps += 1
+            step_targets = step_counts[:self.vocab_size].sum()
+            self.prefill_rate = self.counts.double().to(ids.device) / self.counts.sum().clamp(min=1) * step_targets
+        self.history.append(ids)
+        if len(self.history) > self.hparams["window"]:  # the oldest step leaves the window
+            old_counts = self._count(self.history.popleft().to(ids.device))
+            self.appearances -= old_counts[:self.vocab_size]
         if self.hparams["static_after"] is not None and self.steps == self.hparams["static_after"]:
             self.static_rare = self.rare_mask()
+        self._gates = self._compute_gates()  # once a step, outside loss(): a compiled loss only reads them
+
+    def _join_step(self, ids):
+        ids = _gather_ranks(ids.int())
+        self.history[-1] = torch.cat([self.history[-1], ids])
+        self.appearances += self._count(ids)[:self.vocab_size]  # this step's gates stay as computed
 
     def to(self, device):
         self.appearances = self.appearances.to(device)
-        self.history = deque((i.to(device), c.to(device)) for i, c in self.history)
+        self.history = deque(ids.to(device) for ids in self.history)
         self.prefill_rate = None if self.prefill_rate is None else self.prefill_rate.to(device)
+        self._gates = None
         return self
 
     def window_appearances(self):
@@ -425,8 +668,8 @@ class AGG(MLE):
 
     def mean_counts(self):
         """a_k / K: appearances per step over the window (K = min(steps seen, window); with prefill K = window)."""
-        _check(self.steps > 0, f"method {self.name!r}: call observe(targets) once per optimizer step before loss()",
-               RuntimeError)
+        _check(self.steps > 0, f"method {self.name!r}: call observe(targets) once per optimizer step before loss(), "
+               "or attach(optimizer, weight)", RuntimeError)
         k = self.hparams["window"] if self.prefill_rate is not None else min(self.steps, self.hparams["window"])
         return self.window_appearances() / k
 
@@ -437,31 +680,53 @@ class AGG(MLE):
         rare[self.special_ids] = False
         return rare
 
-    def gates(self, y):
-        rare = self.rare_mask().to(y.device)
-        if not bool(rare.any()):
-            return None, None, None
-        a = self.window_appearances().to(y.device)
-        g1 = self.mean_counts().to(y.device)  # AGG Eq. 7: a_k / K (g in [0, 1])
+    def step_gates(self):
+        """(col_gate, rare, group_gate), each (V,), of the current step: computed once a step."""
+        if self._gates is None:  # after to() or load_state_dict()
+            self._gates = self._compute_gates()
+        return self._gates
+
+    def step_rare(self):
+        return self.step_gates()[1]
+
+    def _compute_gates(self):
+        rare = self.rare_mask()
+        a = self.window_appearances().to(rare.device)
+        g1 = self.mean_counts().to(rare.device)  # AGG Eq. 7: a_k / K (g in [0, 1])
         if self.hparams["continuous_g1"] and self.hparams["alpha"] > 0:
             g1 = g1 / self.hparams["alpha"]  # agg-continuous: a_k / (alpha K), 1 at the rarity threshold
         g1 = g1.clamp(max=1.0)
-        g2 = (a / a[rare].mean().clamp(min=1e-12)).clamp(max=1.0)  # AGG Eq. 8: min(a_k / mean_rare(a), 1)
-        col_gate = torch.where(rare, g1, 1.0) if self.hparams["use_g1"] else None  # rows whose target is not rare
-        group_gate = torch.where(rare, g2, 1.0) if self.hparams["use_g2"] else None  # rows whose target is rare
-        return col_gate, rare[y], group_gate
+        rare_mean = (a * rare).sum() / rare.sum().clamp(min=1)  # the rare group's mean appearances
+        g2 = (a / rare_mean.clamp(min=1e-12)).clamp(max=1.0)  # AGG Eq. 8: min(a_k / mean_rare(a), 1)
+        col_gate = torch.where(rare, g1, 1.0)  # rows whose target is not rare
+        group_gate = torch.where(rare, g2, 1.0)  # rows whose target is rare
+        return col_gate, rare, group_gate
+
+    def gates(self, y):
+        col_gate, rare, group_gate = self.step_gates()
+        col_gate = col_gate if self.hparams["use_g1"] else None
+        group_gate = group_gate if self.hparams["use_g2"] else None
+        return col_gate, rare.to(y.device)[y], group_gate
 
     def state_dict(self):
-        return {**super().state_dict(), "appearances": self.appearances.cpu(),
-                "history": [(i.cpu(), c.cpu()) for i, c in self.history],
+        history = []
+        for ids in self.history:  # each step's (ids, counts), sparse
+            counts = self._count(ids.long())[:self.vocab_size].cpu()
+            seen = counts.nonzero().squeeze(1)
+            history.append((seen, counts[seen]))
+        return {**super().state_dict(), "appearances": self.appearances.cpu(), "history": history,
                 "static_rare": None if self.static_rare is None else self.static_rare.cpu(),
                 "prefill_rate": None if self.prefill_rate is None else self.prefill_rate.cpu()}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self.appearances = state["appearances"].clone()
-        self.history = deque((i.clone(), c.clone()) for i, c in state["history"])
-        self.static_rare, self.prefill_rate = state["static_rare"], state.get("prefill_rate")
+        steps = [ids.repeat_interleave(counts).int() for ids, counts in state["history"]]
+        self.history = deque(steps)
+        self.static_rare = state["static_rare"]
+        self.prefill_rate = state.get("prefill_rate")
+        self._gates = None
+
 
 
 def _variant(base, name, **overrides):
@@ -480,6 +745,12 @@ class StaticGroupMethod(MLE):
         _check(self.counts is not None, f"method {self.name!r} needs counts=<token counts of the training split, "
                "shape (V,)> to define its static rare group")
         self.rare = least_frequent_mask(self.counts, self.hparams["rare_fraction"], self.special_ids)
+
+    @property
+    def any_rare(self):  # known on the host: the group is fixed
+        if getattr(self, "_any_rare", None) is None:
+            self._any_rare = bool(self.rare.any())
+        return self._any_rare
 
     def rare_mask(self):
         return self.rare
@@ -509,9 +780,9 @@ class AGPS(StaticGroupMethod):
         self.f1, self.f2 = c_clip / mu1, (c_clip / mu2).clamp(max=1.0)
 
     def gates(self, y):
-        rare = self.rare.to(y.device)
-        if not bool(rare.any()):
+        if not self.any_rare:
             return None, None, None
+        rare = self.rare.to(y.device)
         full = ~rare  # M_word (lines 4-6): non-rare words and words of this batch get the full gradient
         full[y] = True
         col_gate = torch.where(full, 1.0, self.f1.to(y.device))  # line 8: (M_word + f1).clip(max=1)
@@ -559,9 +830,9 @@ class FreezeParts(StaticGroupMethod):
     spec = dict(StaticGroupMethod.spec, parts=("bc", str, "freeze-*: the parts of AGG Eq. 4 to drop (b, c, bc)"))
 
     def gates(self, y):
-        rare = self.rare.to(y.device)
-        if not bool(rare.any()):
+        if not self.any_rare:
             return None, None, None
+        rare = self.rare.to(y.device)
         zero_on_rare, parts = (~rare).double(), self.hparams["parts"]
         return zero_on_rare if "b" in parts else None, rare[y], zero_on_rare if "c" in parts else None
 
@@ -623,8 +894,8 @@ class FRAGE(MLE):
         pop, rare = self.popular.to(weight.device), self.rare.to(weight.device)
         return 0.5 * float((score[pop] > 0).float().mean() + (score[rare] < 0).float().mean())
 
-    def observe(self, targets, ignore_index=-100):
-        super().observe(targets, ignore_index)
+    def _new_step(self, ids):
+        super()._new_step(ids)
         self._disc_pending = True  # one discriminator step per optimizer step
 
     def regulariser(self, hidden, weight, targets, ignore_index, bias=None, softcap=None):
@@ -797,25 +1068,71 @@ def agg_family(name):
 
 
 def build_method(name, vocab_size, steps_per_epoch=None, tokens_per_step=None, rare_share=None, **hparams):
-    """Make the method `name` (a key of METHODS) for `vocab_size` tokens (hyper-parameters in force: method.hparams).
-    Common keywords: counts (training-split token counts), special_ids (never rare). Where not given, steps_per_epoch
-    sets AGG's window K and agg-static's static_after (AGG Sec. 4.1, Appendix D: one epoch), and rare_share (with
-    counts and tokens_per_step) alpha = alpha_for_rare_share(...)."""
+    """Make the method `name` for `vocab_size` tokens; method.hparams holds what is in force.
+
+    Common keywords: counts (the training split's token counts, (V,)), special_ids (never rare).
+    tokens_per_step: target tokens per optimizer step, over all ranks (sequences x length, not a batch size).
+    Where not given, AGG's window K and agg-static's static_after are one epoch (AGG Sec. 4.1, Appendix D):
+    steps_per_epoch, or else counts.sum() / tokens_per_step; rare_share sets AGG's alpha to the rarity threshold
+    whose rare group is that share of the vocabulary (alpha_for_rare_share; needs counts and tokens_per_step).
+    A method without alpha ignores rare_share and says so in hparams["ignored"]."""
     _check(name in METHODS, f"unknown method {name!r}; valid: {', '.join(METHODS)}")
     accepted = METHODS[name].defaults
+    counts = hparams.get("counts")
+    if steps_per_epoch is None and counts is not None and tokens_per_step:
+        steps_per_epoch = float(torch.as_tensor(counts).double().sum()) / tokens_per_step
     if steps_per_epoch is not None:
         epoch = max(1, int(round(steps_per_epoch)))
-        for key in ("window", "static_after"):
-            if key in accepted and hparams.get(key) is None and (key == "window" or accepted[key] is not None):
-                hparams[key] = epoch
-    if rare_share is not None:
-        _check(agg_family(name), f"rare_share sets AGG's alpha; method {name!r} has none")
+        if "window" in accepted and hparams.get("window") is None:
+            hparams["window"] = epoch
+        if accepted.get("static_after") is not None and hparams.get("static_after") is None:
+            hparams["static_after"] = epoch
+    ignored = {}
+    if rare_share is not None and "alpha" not in accepted:
+        ignored["rare_share"] = rare_share
+    elif rare_share is not None:
         _check(hparams.get("alpha") is None, "give alpha or rare_share, not both: each sets AGG's rarity threshold")
-        _check(hparams.get("counts") is not None and tokens_per_step is not None,
+        _check(counts is not None and tokens_per_step is not None,
                "rare_share needs counts (training-split token counts) and tokens_per_step")
-        hparams["alpha"] = alpha_for_rare_share(hparams["counts"], rare_share, tokens_per_step,
-                                                hparams.get("special_ids", ()))
-    return METHODS[name](vocab_size, **hparams)
+        special_ids = hparams.get("special_ids", ())
+        hparams["alpha"] = alpha_for_rare_share(counts, rare_share, tokens_per_step, special_ids)
+    method = METHODS[name](vocab_size, **hparams)
+    if ignored:
+        method.hparams["ignored"] = ignored
+    return method
+
+
+def _methods_help():
+    """One line a method: its name and hyper-parameters with their defaults."""
+    lines = []
+    for name, cls in METHODS.items():
+        params = ", ".join(f"{key}={value!r}" for key, value in cls.defaults.items())
+        lines.append(f"    {name}: {params or 'no hyper-parameters'}")
+    return "\n".join(lines)
+
+
+build_method.__doc__ += "\n\n    Methods and their hyper-parameters (defaults):\n" + _methods_help()
+
+
+def method_flag(key):
+    """The command-line flag of hyper-parameter `key`: lambda_ -> --lambda, alpha_ul -> --alpha-ul."""
+    return "--" + key.rstrip("_").replace("_", "-")
+
+
+def true_or_false(text):
+    """argparse type of the boolean hyper-parameters: 1/0, true/false, yes/no."""
+    words = ("0", "false", "no", "1", "true", "yes")
+    return words.index(text.lower()) > 2  # another word: argparse's one line "invalid true_or_false value"
+
+
+def add_method_flags(group, skip=()):
+    """One flag per hyper-parameter of the methods (argparse), dest named as method.hparams names it."""
+    for key, (kind, meaning) in HPARAMS.items():
+        if key in skip:
+            continue
+        users = [name for name, cls in METHODS.items() if key in cls.defaults]
+        parse = true_or_false if kind is bool else kind
+        group.add_argument(method_flag(key), dest=key, type=parse, help=f"{meaning} [{', '.join(users[:3])}]")
 
 
 # ------------------------------------------------------------------------------------------------------------ optimizer

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import agg
-import runlib
 
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:green", "rare": "tab:red"}
 
@@ -54,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=5, help="steps between geometry snapshots for training.png")
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0: torch's default (1 on a busy machine)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (metrics.json and the table only)")
-    runlib.add_method_flags(p.add_argument_group("the other method hyper-parameters (as train_lm.py's flags)"),
+    agg.add_method_flags(p.add_argument_group("the other method hyper-parameters (as train_lm.py's flags)"),
                             skip=("alpha",))
     args = p.parse_args(argv)
     # check the inputs argparse cannot: method names, the sweep's alphas, the method flags' methods, the counts
@@ -70,10 +69,11 @@ def parse_args(argv=None):
         p.error(f"--alpha-sweep must be comma-separated numbers > 0, got {args.alpha_sweep!r}")
     args.overrides = {k: getattr(args, k) for k in agg.HPARAMS if k != "alpha" and getattr(args, k) is not None}
     for key in [k for k in args.overrides if not any(k in agg.METHODS[m].defaults for m in args.method_list)]:
-        p.error(f"{runlib.method_flag(key)} applies to none of --methods {','.join(args.method_list)}")
+        p.error(f"{agg.method_flag(key)} applies to none of --methods {','.join(args.method_list)}")
     for m in args.method_list:  # agg.py checks each method's hyper-parameters, before any training
         try:
-            agg.build_method(m, args.vocab, counts=torch.ones(args.vocab), **method_hparams(m, args))
+            counts = torch.ones(args.vocab)
+            agg.build_method(m, args.vocab, counts=counts, steps_per_epoch=1, **method_hparams(m, args))
         except ValueError as e:
             p.error(str(e))
     for flag in ("steps", "epoch_steps", "vocab", "dim", "seq_len", "batch_seqs", "log_every", "val_tokens"):

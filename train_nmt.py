@@ -498,7 +498,11 @@ def train_step(fwd, model, method, opt, micro, label_smoothing, autocast, scaler
             hidden = fwd(s, ti)
         share = int((to != PAD).sum()) / n_all
         # smoothed NLL + regulariser; the method gates the gradient wrt the tied embedding (AGG Eq. 7-8)
-        loss = method.loss(hidden.float(), model.out_weight, to, ignore_index=PAD, label_smoothing=label_smoothing)
+        if "alpha_ul" in method.hparams:  # unlikelihood's candidates: each sequence's earlier targets
+            loss = method.loss(hidden.float(), model.out_weight, to, PAD, label_smoothing)
+        else:  # the head sees the target positions only
+            keep = to != PAD
+            loss = method.loss(hidden.float()[keep], model.out_weight, to[keep], PAD, label_smoothing)
         scaler.scale(loss * share).backward()
         loss_sum += loss.item() * share
         nll_sum += method.stats["nll"] * share

@@ -162,9 +162,10 @@ def static_kw():
 
 
 @pytest.mark.parametrize("name,kw", [
-    ("agg", dict(alpha=0.0)), ("agg-no-g1", dict(alpha=0.0)), ("agg-no-g2", dict(alpha=0.0)),
-    ("agg-continuous", dict(alpha=0.0)), ("agg-centered", dict(alpha=0.0)),
-    ("agg-static", dict(alpha=0.0, static_after=2)), ("ul+agg", dict(alpha=0.0, alpha_ul=0.0)),
+    ("agg", dict(alpha=0.0, window=WINDOW)), ("agg-no-g1", dict(alpha=0.0, window=WINDOW)),
+    ("agg-no-g2", dict(alpha=0.0, window=WINDOW)), ("agg-continuous", dict(alpha=0.0, window=WINDOW)),
+    ("agg-centered", dict(alpha=0.0, window=WINDOW)), ("agg-static", dict(alpha=0.0, static_after=2, window=WINDOW)),
+    ("ul+agg", dict(alpha=0.0, alpha_ul=0.0, window=WINDOW)),
     ("agps", dict(rare_fraction=0.0)), ("freeze-rare", dict(rare_fraction=0.0)), ("freeze-b", dict(rare_fraction=0.0)),
     ("freeze-c", dict(rare_fraction=0.0)), ("freeze-bc", dict(rare_fraction=0.0)),
 ])
@@ -198,7 +199,7 @@ def test_sliding_window_special_ids_and_ignore_index():
 
 
 def test_loss_before_observe_is_a_clear_error():
-    method = agg.build_method("agg", V)
+    method = agg.build_method("agg", V, window=WINDOW)
     h, w, y = inputs()
     with pytest.raises(RuntimeError, match="observe"):
         method.loss(h, w, y)
@@ -249,7 +250,7 @@ def test_state_dict_round_trip_continues_identically(name):
 
 def test_state_dict_refuses_another_method():
     with pytest.raises(ValueError, match="agps"):
-        agg.build_method("agg", V).load_state_dict(agg.build_method("agps", V, counts=torch.ones(V)).state_dict())
+        agg.build_method("agg", V, window=2).load_state_dict(agg.build_method("agps", V, counts=torch.ones(V)).state_dict())
 
 
 def test_build_method_errors_list_valid_choices():
@@ -482,7 +483,7 @@ def test_agg_prefill_starts_with_the_expected_rare_group_and_becomes_agg():
     for a, b in zip(grads(plain, h, w, y), grads(filled, h, w, y)):  # past the window: exactly AGG
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="prefill needs counts"):
-        agg.build_method("agg-prefill", V, alpha=alpha)
+        agg.build_method("agg-prefill", V, alpha=alpha, window=8)
 
 
 def test_spectrum_and_frequency_groups():
@@ -584,7 +585,7 @@ def test_load_state_dict_refuses_another_vocabulary_or_hyper_parameters():
 
 def test_observe_rejects_ids_outside_the_vocabulary_and_build_rejects_bad_hparams():
     for name in ("mle", "agg"):
-        method = agg.build_method(name, V)
+        method = agg.build_method(name, V, **(dict(window=2) if name == "agg" else {}))
         with pytest.raises(ValueError, match=f"target id {V} is outside"):
             method.observe(torch.tensor([0, V]))
         with pytest.raises(ValueError, match="target id -3"):
@@ -601,11 +602,11 @@ def test_tensors_of_the_wrong_kind_are_a_value_error_naming_them():
     m = agg.build_method("agg", V, alpha=ALPHA, window=WINDOW)
     h, w, y = inputs(seed=16)
     m.observe(y)
-    for kw, match in ((dict(targets=y.float()), "targets integer ids; got .*torch.float32\\]"),
-                      (dict(targets=y > 3), "targets integer ids; got .*torch.bool"),
+    for kw, match in ((dict(targets=y.float()), "targets must be integer token ids, got torch.float32"),
+                      (dict(targets=y > 3), "targets must be integer token ids, got torch.bool"),
                       (dict(hidden=h.long()), "hidden, weight .* must be floating point"),  # ran on, a wrong number
                       (dict(bias=torch.zeros(V, dtype=torch.long)), "must be floating point"),
-                      (dict(hidden=h.to("meta")), "on one device, with data; got \\[device\\(type='meta'\\)")):
+                      (dict(hidden=h.to("meta")), "on one device, with data; got .*'meta'")):
         with pytest.raises(ValueError, match=match):
             m.loss(**dict(dict(hidden=h, weight=w, targets=y), **kw))
     with pytest.raises(ValueError, match="method 'agg': targets must be integer token ids, got torch.float32"):
@@ -815,11 +816,15 @@ def test_build_method_applies_the_papers_defaults():
     assert m.hparams["window"] == 12 and m.hparams["static_after"] == 12
     assert m.hparams["alpha"] == agg.alpha_for_rare_share(counts, 0.25, 64)
     assert agg.build_method("agg", V, steps_per_epoch=12, window=5).hparams["window"] == 5  # given wins
+    inferred = agg.build_method("agg", V, counts=counts, tokens_per_step=64, rare_share=0.25)
+    assert inferred.hparams["window"] == round(float(counts.sum()) / 64)  # one epoch, from the counts
+    with pytest.raises(ValueError, match="window .* is missing"):
+        agg.build_method("agg", V, alpha=0.1)  # never a silent default
     assert agg.build_method("agg", V, steps_per_epoch=12).hparams["static_after"] is None  # plain AGG stays dynamic
     assert "window" not in agg.build_method("cosreg", V, steps_per_epoch=12).hparams
     assert [n for n in agg.METHODS if agg.agg_family(n)] == ["agg", "agg-no-g1", "agg-no-g2", "agg-static", "agg-continuous", "agg-centered", "agg-prefill", "ul+agg", "ul+agg-features", "agg+center"]
-    with pytest.raises(ValueError, match="has none"):
-        agg.build_method("mle", V, counts=counts, tokens_per_step=64, rare_share=0.2)
+    ignored = agg.build_method("mle", V, counts=counts, tokens_per_step=64, rare_share=0.2)
+    assert ignored.hparams["ignored"] == {"rare_share": 0.2}  # a method flag switches methods without a branch
     with pytest.raises(ValueError, match="not both"):
         agg.build_method("agg", V, counts=counts, tokens_per_step=64, rare_share=0.2, alpha=0.1)
     with pytest.raises(ValueError, match="needs counts"):
@@ -865,12 +870,15 @@ def test_values_that_would_give_wrong_numbers_are_refused_with_the_value_and_ran
     assert agg.build_method("agg", V, window=4.0).hparams["window"] == 4.0  # a whole number given as a float is K
     h, w, y = inputs(seed=3, ignore=(0, 1))
     for name in ("mle", "agg", "cosreg"):
-        m = agg.build_method(name, V)
-        m.observe(y)
         for bad in (V, -5):
             yb = y.clone()
             yb[7] = bad
+            m = agg.build_method(name, V, **(dict(window=2) if name == "agg" else {}))
             with pytest.raises(ValueError, match=f"target id {bad} is outside \\[0, vocab_size={V}\\)"):
+                m.observe(yb)  # the first targets are checked on the host: the id named
+            m.observe(y)
+            # later ones on the device, without a synchronisation (CUDA: a device-side assert)
+            with pytest.raises(RuntimeError, match=f"a target id is outside \\[0, vocab_size={V}\\)"):
                 m.loss(h, w, yb)
         m.loss(h, w, y)  # ignore_index (-100) is fine
 
