@@ -479,6 +479,10 @@ class MLE:
         """The rare group the current step's gates use (AGG: as computed once a step)."""
         return self.rare_mask()
 
+    def ready(self):
+        """Whether gates() can be computed (AGG: once a step's targets were seen)."""
+        return True
+
     def gates(self, y):
         """(col_gate, group_rows, group_gate) for GatedSoftmaxCE given the targets y; None = ungated."""
         return None, None, None
@@ -525,8 +529,10 @@ class MLE:
             self._counted_by = "loss"  # attach(): the step's targets counted here
             self._add_to_step(torch.where(valid, y, self.vocab_size))
         y = torch.where(valid, y, 0)  # an ignored position's row adds nothing: any id will do
-        col_gate, group_rows, group_gate = self.gates(y)
-        rare = self.step_rare()
+        col_gate, group_rows, group_gate, rare = None, None, None, None
+        if need_grad or self.ready():  # an evaluation before the first step: no gates to apply
+            col_gate, group_rows, group_gate = self.gates(y)
+            rare = self.step_rare()
         acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         # the rare set's predicted probability mass costs a pass over T x V: measured on no-grad (validation) calls
         mass_cols = None if rare is None or need_grad else rare.to(hidden.device, acc_dtype)
@@ -688,6 +694,9 @@ class AGG(MLE):
 
     def step_rare(self):
         return self.step_gates()[1]
+
+    def ready(self):
+        return self.steps > 0
 
     def _compute_gates(self):
         rare = self.rare_mask()

@@ -56,19 +56,8 @@ def add_run_flags(p, task):
     g.add_argument("--embedding-lr", type=float, metavar="MULT", help="the vocabulary matrices' lr, times --lr (1)")
 
 
-def add_method_flags(g, skip=()):  # one flag per hyper-parameter of agg.py's methods, named as config.json names it
-    for key, (typ, text) in [(k, v) for k, v in agg.HPARAMS.items() if k not in skip]:
-        users = [name for name, cls in agg.METHODS.items() if key in cls.defaults]
-        g.add_argument(method_flag(key), dest=key, type=true_or_false if typ is bool else typ,
-                       help=f"{text} [{', '.join(users[:3])}]")
-
-
-def true_or_false(text):  # argparse's one line for another word names it: "invalid true_or_false value: 'x'"
-    return ("0", "false", "no", "1", "true", "yes").index(text.lower()) > 2
-
-
-def method_flag(key):
-    return "--" + key.rstrip("_").replace("_", "-")  # lambda_ -> --lambda
+add_method_flags = agg.add_method_flags  # the method flags live with the methods
+method_flag = agg.method_flag
 
 
 def explicit_flags(parser, argv):  # the config keys given on the command line (every default suppressed)
@@ -176,7 +165,30 @@ def autocast(cfg):  # a context factory: autocast to --dtype bfloat16 / float16 
     return contextlib.nullcontext
 
 
-def save_checkpoint(path, state):
+def digest(obj, h=None):
+    """sha256 of a checkpoint's content, in order: tensors by dtype, shape and bytes, the rest by
+    repr."""
+    h = h or hashlib.sha256()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{t.dtype}{tuple(obj.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy())
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            h.update(repr(key).encode())
+            digest(value, h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{type(obj).__name__}{len(obj)}".encode())
+        for value in obj:
+            digest(value, h)
+    else:
+        h.update(repr(obj).encode())
+    return h.hexdigest()
+
+
+def save_checkpoint(path, state):  # with the sha256 of its content, checked by load_checkpoint
+    content = {k: v for k, v in state.items() if k != "sha256"}  # a loaded one saved again
+    state = dict(content, sha256=digest(content))
     write_file(path, lambda tmp: torch.save(state, tmp), "the previous checkpoint is intact; free space, then --resume")
 
 
@@ -198,6 +210,10 @@ def load_checkpoint(path, task=None):
                          f"again with --overwrite")
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path} is not a checkpoint of train_lm.py / train_nmt.py")
+    saved = ck.pop("sha256", None)  # a checkpoint saved before the checksum has none
+    if saved is not None and saved != digest(ck):
+        raise SystemExit(f"{path}: its content does not match its checksum (damaged: a flipped "
+                         f"bit, a bad copy); restore a good copy, or train again with --overwrite")
     ck["task"] = ck.get("task") or ck["config"].get("task")
     if task is not None and ck["task"] != task:
         raise SystemExit(f"{path} is a checkpoint of task {ck['task']!r}, not {task!r}: use that task's script")
@@ -272,6 +288,18 @@ def kernel_fingerprint(threads=None):
     return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in (loss, x.grad, w.grad))).hexdigest()[:16]
 
 
+def log_step(path, number, line):
+    """The step of line `number` of a log.jsonl; a damaged line ends in one line naming it."""
+    try:
+        step = json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):  # not JSON, or not a record
+        step = None
+    if type(step) is not int:
+        raise SystemExit(f"{path} line {number} is damaged ({line.strip()[:40]!r}): delete or "
+                         f"repair that line (or restore the file), then --resume")
+    return step
+
+
 class Run:
     """One run folder's life. SIGTERM, SIGHUP or SIGINT sets a flag (stopping): the loop checkpoints at the next step
     and the run exits with status 1; a second Ctrl-C stops at once."""
@@ -279,7 +307,8 @@ class Run:
     def __init__(self, cfg, explicit, argv, run_control):
         self.cfg, self.ck, self.argv, self.task, self.out = cfg, None, argv, cfg["task"], cfg["out"]
         self.ckpt_path, self.log_path = os.path.join(self.out, "ckpt.pt"), os.path.join(self.out, "log.jsonl")
-        if run_config(self.out) is False:  # a run would replace it
+        ours = cfg["resume"] and os.path.exists(self.ckpt_path)  # resume: the ckpt's config
+        if run_config(self.out) is False and not ours:  # a run would replace it
             raise SystemExit(f"--out {self.out}: its config.json is not a run's (an HF export?): choose another --out")
         if cfg["resume"]:  # the checkpoint's config with the flags given now; those that change the run must agree
             self.ck = load_checkpoint(self.ckpt_path, self.task)
@@ -370,8 +399,10 @@ class Run:
         lines = open(self.log_path).readlines() if resumed and os.path.exists(self.log_path) else []
         if lines and not lines[-1].endswith("\n"):
             print(f"warning: the last line of {self.log_path} is not complete (a torn write): dropped")
-        write_text(self.log_path, "".join(line for line in lines if line.endswith("\n") and line.strip()
-                                          and json.loads(line).get("step", 0) <= self.step))
+            lines.pop()
+        numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+        kept = [line for n, line in numbered if log_step(self.log_path, n, line) <= self.step]
+        write_text(self.log_path, "".join(kept))
         if self.cfg.get("wandb"):  # one wandb run per folder
             try:
                 import wandb
@@ -421,8 +452,11 @@ class Run:
                                 f"{record['ppl']:.4g}")
 
     def diverged(self, what):
-        return SystemExit(f"{what} (diverged); {self.ckpt_path} keeps the last good checkpoint. Lower --lr or check "
-                          f"the method's hyper-parameters")
+        kept = "was never written"
+        if os.path.exists(self.ckpt_path):
+            kept = "keeps the last good checkpoint"
+        return SystemExit(f"{what} (diverged); {self.ckpt_path} {kept}. Lower --lr or check the "
+                          f"method's hyper-parameters")
 
     def checkpoint(self, step, model, opt, sched, method, scaler, **extra):
         """ckpt.pt: all an exact resume needs (+ `extra`: the data position), never non-finite weights."""

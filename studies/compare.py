@@ -196,6 +196,14 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
                           for k, m in EQUIVALENCE_MARGINS.items() if k in out["metrics"]}
     if all(b.get("article_stats") and c.get("article_stats") for b, c in pairs):
         out["rare_articles"] = article_bootstrap(pairs, n_boot, seed)
+        nll = [np.array([p[side]["article_stats"]["nll"] for p in pairs]) for side in (0, 1)]
+        count = np.array(pairs[0][0]["article_stats"]["count"])  # the same targets in every run
+        parts = {"ppl": [0, 1, 2], **{f"ppl_groups.{g}": [i] for i, g in enumerate(G)}}
+        for key in [k for k in parts if k in out["metrics"]]:  # beside the seed intervals
+            base, cand = (x[..., parts[key]].sum(2) for x in nll)
+            targets = count[:, parts[key]].sum(1)
+            interval = seed_article_boot95(base, cand, targets, n_boot, seed)
+            out["metrics"][key]["seed_article_boot95"] = interval
     return out
 
 
@@ -215,6 +223,24 @@ def ratio_boot95(gap, count, n_boot, seed):
     rng = np.random.default_rng(seed)
     return np.percentile([math.exp(-gap[i].sum() / max(count[i].sum(), 1)) for i in (
         rng.integers(0, len(gap), len(gap)) for _ in range(n_boot))], [2.5, 97.5]).tolist()
+
+
+def seed_article_boot95(base, cand, count, n_boot=10000, seed=0):
+    """The 95% two-way bootstrap interval of the paired mean log PPL ratio cand / base: the seeds
+    and, independently, the held-out articles resampled. base, cand: NLL sums (seed x article);
+    count: each article's targets. Per draw: the mean over the drawn seeds of the log ratio over
+    the drawn articles (one article: paired_interval's seed bootstrap; identical seeds: the
+    article bootstrap)."""
+    diff = np.asarray(cand, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    count = np.asarray(count, dtype=np.float64)
+    n_seeds, n_articles = diff.shape
+    rng = np.random.default_rng(seed)
+    seed_draws = rng.integers(0, n_seeds, (n_boot, n_seeds))
+    article_draws = rng.integers(0, n_articles, (n_boot, n_articles))
+    seed_means = diff[seed_draws].mean(1)  # (draw, article): the drawn seeds' mean NLL difference
+    drawn_gap = np.take_along_axis(seed_means, article_draws, 1).sum(1)
+    drawn_count = np.maximum(count[article_draws].sum(1), 1)
+    return np.percentile(drawn_gap / drawn_count, [2.5, 97.5]).tolist()
 
 
 # Equivalence margins (this project's): "equal" or "matches" in the docs means the 90% interval of the paired mean
@@ -308,7 +334,44 @@ def run_record(m, cfg, **extra):
                           for seg in cfg.get("segments") or []], command=run_command(cfg, f"train_{task}.py"), **extra)
 
 
-def write_results(path, metrics, configs, folders, comparisons, argv):
+COMPARE_KINDS = ("compare", "eval")  # this script's results files (eval.py wrote the older ones)
+RUN_FILE = r"config\.json|log\.jsonl|tokenizer\.json|ckpt.*\.pt"  # a run folder's files
+
+
+def results_target(path, kinds, runs=None, overwrite=False):
+    """The results file `path` a command of `kinds` (its modules) may write, as read ({} if none).
+    Refused: a run folder's file, another command's file, and (runs: the names to write) one that
+    would lose runs."""
+    in_run = os.path.exists(os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"))
+    if in_run or re.fullmatch(RUN_FILE, os.path.basename(path)):
+        raise SystemExit(f"--results {path}: a run folder's file; write results outside runs")
+    if not os.path.exists(path):
+        return {}
+    saved = read_results(path, "--results", records=False)  # a study's records: its own keys
+    command = saved.get("command")
+    listed = isinstance(command, list) and command  # a reanalysis: its commands
+    first = str(command[0] if listed else command)
+    kind = "|".join(kinds)
+    ours = rf"(\S+=\S* )*python3? (-m studies\.|\S*/)?({kind})\b"  # python -m studies.K, K.py
+    if not re.match(ours, first):
+        raise SystemExit(f"--results {path}: written by another command ({first[:60]}); give "
+                         f"this one its own file")
+    held = saved.get("runs") if isinstance(saved.get("runs"), dict) else {}
+    lost = sorted(set(held) - set(runs if runs is not None else held))
+    if lost and not overwrite:
+        some = ", ".join(lost[:3])
+        raise SystemExit(f"--results {path}: holds {len(lost)} runs this would drop ({some}); give "
+                         f"another file, or add --overwrite to replace it")
+    return saved
+
+
+def write_evidence(path, result, kinds, overwrite=False):
+    """Write a results file (result: its dict, with runs) where results_target allows it."""
+    results_target(path, kinds, result["runs"], overwrite)
+    runlib.write_json(path, result)
+
+
+def write_results(path, metrics, configs, folders, comparisons, argv, overwrite=False):
     """A results file: run_record per run (+ gradient parts, NMT's BLEU over training), the command, comparisons."""
     runs = {label: run_record(m, configs[folders[label]]) for label, m in metrics.items()}
     for label, m in metrics.items():
@@ -320,8 +383,9 @@ def write_results(path, metrics, configs, folders, comparisons, argv):
             runs[label]["valid_bleu"] = {r["step"]: r["bleu"] for r in valid if "bleu" in r}
             runs[label]["training_test_bleu"] = {r["split"]: r["bleu"] for split in ("test", "test_averaged")
                                                  for r in ev.log_records(folders[label], split)[-1:]}
-    runlib.write_json(path, dict(command=shlex.join(["python", "-m", "studies.compare", *repo_relative(argv)]),
-                                 runs=runs, compare=comparisons))
+    command = shlex.join(["python", "-m", "studies.compare", *repo_relative(argv)])
+    result = dict(command=command, runs=runs, compare=comparisons)
+    write_evidence(path, result, COMPARE_KINDS, overwrite)
 
 
 def record_config(record):
@@ -334,6 +398,38 @@ def record_config(record):
                 versions=dict(threads=threads, kernels=record.get("kernels")))
 
 
+# what a results record is besides its name: its data and split (one a file), then its settings
+DATA_KEYS = ("task", "data_fingerprint", "vocab_size_actual", "dataset", "split_seed", "split",
+             "tokens", "rows")
+RUN_IDENTITY = DATA_KEYS + ("method", "seed", "lr", "warmup", "max_steps", "preset",
+                            "tokens_per_step", "method_hparams", "optimizer", "untie",
+                            "weight_decay", "embedding_weight_decay", "train_fraction",
+                            "method_rare_share")
+
+
+def record_difference(a, b, keys):
+    """The first of `keys` two results records hold with other values ("key (x vs y)"), or None;
+    a value one lacks is not compared; task: else the command's."""
+    for key in keys:
+        x, y = (record_config(r)["task"] if key == "task" else r.get(key) for r in (a, b))
+        if x is None or y is None or x == y:
+            continue
+        moved = runlib.same_data(str(x), str(y)) or runlib.same_data(str(y), str(x))
+        if not (key == "data_fingerprint" and moved):
+            return f"{key} ({x} vs {y})"
+    return None
+
+
+def held_run(runs, name, record, variant):
+    """The run of `runs` an added record stands for: the one of its name, else of its variant and
+    seed, or None."""
+    if name in runs:
+        return name
+    wanted = (variant, record["seed"])
+    same = [k for k, r in runs.items() if (r.get("variant", r["method"]), r["seed"]) == wanted]
+    return same[0] if same else None
+
+
 def variant_of(record, variants):
     """The variant of a results file an added run belongs to: its own, else the only one its settings match."""
     own, hparams = record.get("variant", record["method"]), record.get("method_hparams") or {}
@@ -343,14 +439,14 @@ def variant_of(record, variants):
     return own if own in variants or len(fits) != 1 else fits[0]
 
 
-def read_results(path, flag):
-    """A results file of runs, or one line saying why not."""
+def read_results(path, flag, records=True):
+    """A results file of runs (records: each with its method and seed), or one line why not."""
     try:
         with open(path) as f:
             res = json.load(f)
     except (OSError, ValueError) as e:
         raise SystemExit(f"{flag} {path}: cannot read it as JSON ({getattr(e, 'strerror', None) or e})")
-    if not isinstance(res, dict) or isinstance(res.get("runs"), dict) and not all(
+    if not isinstance(res, dict) or records and isinstance(res.get("runs"), dict) and not all(
             isinstance(r, dict) and "seed" in r and "method" in r for r in res["runs"].values()):
         raise SystemExit(f"{flag} {path}: not a results file of runs (records with their method and seed)")
     return res
@@ -368,16 +464,20 @@ def reanalyse(path, add=()):
     commands = [res["command"]] if isinstance(res["command"], str) else list(res["command"])
     for other in add:
         more = read_results(other, "--add")
-        first = dict(record_config(next(iter(runs.values()))), versions={})  # one task and one corpus a file
-        for k, r in more["runs"].items():
-            if problem := pair_difference(first, dict(record_config(r), versions={})):
-                raise SystemExit(f"--add {other}: its run {k} and the runs of {path} differ in {problem}: a results "
-                                 f"file holds one task and one corpus")
         known = {variant(r) for r in runs.values()}
-        more["runs"] = {k: dict(r, variant=variant(runs[k]) if k in runs else variant_of(r, known))  # a rerun keeps its
-                        for k, r in more["runs"].items()}
-        replaced |= {(r["variant"], r["seed"]) for k, r in more["runs"].items() if k in runs and runs[k] != r}
-        runs.update(more["runs"])
+        for k, r in more["runs"].items():
+            held = held_run(runs, k, r, variant_of(r, known))
+            keys = RUN_IDENTITY if held else DATA_KEYS  # a rerun is its run; a new one: the data
+            problem = record_difference(runs[held] if held else next(iter(runs.values())), r, keys)
+            if problem:
+                its = f"the run {held} of {path}" if held else f"the runs of {path}"
+                raise SystemExit(f"--add {other}: its run {k} and {its} differ in {problem}: a "
+                                 f"results file holds one task, corpus and split, and a rerun "
+                                 f"replaces only its own run")
+            old = runs.pop(held) if held else None
+            runs[k] = dict(r, variant=variant(old) if held else variant_of(r, known))
+            if held and old != runs[k]:
+                replaced.add((runs[k]["variant"], r["seed"]))
         commands.append(more["command"])
         boots = {(e["base"], e["cand"]): e.get("bleu_paired_bootstrap") or [] for e in more.get("compare") or []}
         for entry in res.get("compare") or []:
@@ -425,13 +525,21 @@ def scatter_groups(ax, x, y, gid, title):  # AGG Fig. 1's colours; gid -1: not d
     ax.set_title(title)
 
 
+def snapshot_weight(path):  # a snapshot's embedding (train_lm.py --snapshot-steps), loaded as data
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)["weight"]
+    except Exception as e:
+        why = runlib.load_error(e)
+        raise SystemExit(f"{path}: not a snapshot of this project ({why}); remove it, then rerun")
+
+
 def plot_svd(rows, path, title):
     """AGG Fig. 1/3: W on its top two right singular vectors (uncentred). rows: {row: [(title, W or file, gid)]}."""
     n_col = max(len(panels) for panels in rows.values())
     fig, axes = plt.subplots(len(rows), n_col, figsize=(4 * n_col, 4 * len(rows)), squeeze=False)
     for row, panels in zip(axes, rows.values()):
         for ax, (name, W, gid) in zip(row, panels):
-            W = torch.load(W, map_location="cpu", weights_only=True)["weight"] if isinstance(W, str) else W
+            W = snapshot_weight(W) if isinstance(W, str) else W
             W = W.detach().double().cpu()
             P = (W @ torch.linalg.svd(W, full_matrices=False)[2][:2].T).numpy()
             scatter_groups(ax, P[:, 0], P[:, 1], gid.numpy(), name)
@@ -571,10 +679,11 @@ def write_report(path, metrics, args, argv, summary, comparisons, plots):
             f = (lambda x: f"x{math.exp(x):.3f}") if r["log_ratio"] else (lambda x: f"{x:+.4g}")
             iv = lambda name: f"[{f(r[name][0])}, {f(r[name][1])}]" if name in r else "-"
             rows.append([key, ev.fmt(float(np.mean(r["base"])), 3), ev.fmt(float(np.mean(r["cand"])), 3),
-                         f(r["mean"]), iv("t95"), iv("boot95"), f(r["median"]), ev.fmt(r.get("p", float("nan")), 3)])
+                         f(r["mean"]), iv("t95"), iv("boot95"), iv("seed_article_boot95"),
+                         f(r["median"]), ev.fmt(r.get("p", float("nan")), 3)])
         L += [f"## Paired comparison: {c['cand']} against {c['base']} (seeds {', '.join(map(str, c['seeds']))})", "",
-              *table(["metric", "base (mean)", "cand (mean)", "change", "95% t interval", "95% bootstrap", "median",
-                      "p (paired t)"], rows)]
+              *table(["metric", "base (mean)", "cand (mean)", "change", "95% t interval",
+                      "95% bootstrap", "95% seeds x articles", "median", "p (paired t)"], rows)]
         if t := c.get("rare_types"):
             L += [f"Rare PPL ratio x{t['ratio']:.3f}, type bootstrap [x{t['ratio_type_boot95'][0]:.3f}, "
                   f"x{t['ratio_type_boot95'][1]:.3f}], {t['targets']} targets of {t['types']} types; gap share of the "
@@ -602,6 +711,8 @@ def main(argv=None):
                    help="paired comparison of two variants (as in summary.json) over their common seeds -> "
                         "compare.json (repeatable; default for two variants: the two, mle as the base)")
     p.add_argument("--results", metavar="FILE", help="also write FILE: every run's record and the comparisons")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --results replace a file holding other runs")
     p.add_argument("--reanalyse", metavar="FILE", help="recompute a results file's comparisons from its run records")
     p.add_argument("--add", nargs="+", default=[], metavar="FILE",
                    help="with --reanalyse: results files whose runs join FILE's (a rerun replaces the run of its name)")
@@ -617,7 +728,9 @@ def main(argv=None):
         raise SystemExit(f"{d}: this run folder is given twice (under two paths): each run once")
     for base, cand in [pair for pair in args.compare if pair[0] == pair[1]][:1]:
         raise SystemExit(f"--compare {base} {cand}: compare two different variants")
-    configs = ev.read_configs(args)  # a bad folder or flag fails before any long work
+    if args.results:  # a file it may not write fails before any long work, as a bad folder or flag
+        results_target(args.results, COMPARE_KINDS, ev.labels_for(args.out_dirs), args.overwrite)
+    configs = ev.read_configs(args)
     variants = variant_names(configs)
     names = list(dict.fromkeys(variants[d] for d in args.out_dirs))  # in the order given
     seeds = [{configs[d].get("seed") for d in args.out_dirs if variants[d] == v} for v in names]
@@ -639,7 +752,7 @@ def main(argv=None):
         if data:  # compare.json only with comparisons
             runlib.write_json(out(f"{name}.json"), data)
     if args.results:
-        write_results(args.results, metrics, configs, folders, comparisons, argv)
+        write_results(args.results, metrics, configs, folders, comparisons, argv, args.overwrite)
     gid = {k: ev.group_index(r["counts"])[0] for k, r in results.items()}
     snapshots = {k: [(f"{k} step {s}", f, gid[k]) for s in configs[d].get("snapshot_steps") or []  # train_lm.py's
                      if os.path.exists(f := os.path.join(d, "snapshots", f"emb_{s}.pt"))] for k, d in folders.items()}

@@ -27,7 +27,8 @@ def run(next_job, jobs, after=None, result=lambda name: None):
         slot, visible = slots.pop(), [g for g in gpus.split(",") if g]
         gpu_env = dict(env, CUDA_VISIBLE_DEVICES=visible[slot % len(visible)]) if visible else env
         try:
-            with open(log, "a") if log else contextlib.nullcontext() as out:  # the child holds its own handle
+            opened = log_file(log, "a") if log else contextlib.nullcontext()
+            with opened as out:  # the child holds its own handle
                 procs[name] = subprocess.Popen(argv, env=gpu_env, stdout=out, stderr=out and subprocess.STDOUT)
             return procs[name].wait()
         finally:
@@ -70,6 +71,20 @@ def run(next_job, jobs, after=None, result=lambda name: None):
             signal.signal(s, handler)
 
 
+def log_file(path, mode):
+    """A job's log (a study's runs/NAME.log) opened, never through a link (writes would land
+    elsewhere)."""
+    try:
+        return open(path, mode, opener=nofollow)
+    except OSError as e:
+        raise SystemExit(f"cannot open {path} ({e.strerror}): a study's logs are plain files; "
+                         f"remove it if a link")
+
+
+def nofollow(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
 def finished(folder):  # by its checkpoint, or (a run brought back from another machine without it) by its report
     if os.path.exists(path := os.path.join(folder, "ckpt.pt")):
         return (ck := runlib.load_checkpoint(path))["step"] >= ck["config"]["max_steps"]
@@ -85,7 +100,13 @@ def check_flags(folder, flags):
     if not saved and os.path.exists(ckpt):  # no config.json, or a damaged one: the checkpoint's copy of the provenance
         saved = {"segments": runlib.load_checkpoint(ckpt).get("provenance")}
     was = saved and (saved.get("segments") or [saved])[0].get("argv")
-    a, b = (vars(train_lm.build_parser().parse_args(argv)) for argv in (was, flags)) if was else ({}, {})
+    parser = train_lm.build_parser()
+
+    def refuse(message):  # argparse's error: a flag or value train_lm.py no longer takes
+        raise SystemExit(f"{folder} was trained with flags train_lm.py no longer takes "
+                         f"({message}): delete the run to redo it, or give the study another --out")
+    parser.error = refuse
+    a, b = (vars(parser.parse_args(argv)) for argv in (was, flags)) if was else ({}, {})
     if diff := sorted(k for k in a if k not in train_lm.RUN_CONTROL and a[k] != b[k]):
         raise SystemExit(f"{folder} was trained with " + ", ".join(f"{k}={a[k]!r} (now {b[k]!r})" for k in diff)
                          + ": give another --out for other flags, or delete the run to redo it")

@@ -81,16 +81,13 @@ class Study:
     eval_args = ["--n-samples", "0"]  # eval.py flags of every run's evaluation
     label, name = "out/scale", "scale"  # the default --out, as the results' commands say; the study's module
     host = None  # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count), set by main
+    overwrite = False  # --overwrite: a results file may lose runs
 
     def __init__(self, out, prior=()):
         self.runs, self.done, self.prior, self.checked, self.failed = os.path.join(out, "runs"), set(), {}, set(), {}
-        for path in [p for p in prior if p and os.path.exists(p)]:
-            with open(path) as f:
-                saved = json.load(f)
-            if not re.search(rf"\b{self.name}\.py\b|studies\.{self.name}\b", saved.get("command", self.name + ".py")):
-                raise SystemExit(f"{path} is not a results file of studies.{self.name} (its command: "
-                                 f"{saved['command'][:80]}): give the study its own --results file")
-            self.prior.update(saved["runs"])
+        for path in [p for p in prior if p]:
+            saved = compare.results_target(path, (self.name,))
+            self.prior.update(saved.get("runs", {}))
             self.failed.update(saved.get("diverged", {}))
 
     def folder(self, name):
@@ -99,34 +96,39 @@ class Study:
     def made(self):  # the runs of the results files and the run folders here (os.walk's first dirnames, or none)
         return set(self.prior) | set(next(os.walk(self.runs), ((), [], ()))[1])
 
-    def write(self, path, argv, result, elsewhere=()):
+    def write(self, path, argv, result):
         result = dict(command=shlex.join(["python", "-m", f"studies.{self.name}", *portable(argv)]),
                       protocol=sys.modules[type(self).__module__].__doc__.split("The protocol")[1].strip(), **result)
-        if lost := sorted(set(self.prior) - set(result["runs"]) - set(elsewhere)):
-            print(f"note: {path} no longer holds {len(lost)} runs of its previous version: {', '.join(lost[:5])}"
-                  + (", ..." if len(lost) > 5 else ""))
-        runlib.write_json(path, result)
+        compare.write_evidence(path, result, (self.name,), self.overwrite)
         return result
 
     def records(self, names, record):
         """The records of the finished, evaluated runs of names (record(n), else the prior file's) and the diverged."""
+        self.checked_plan()
         runs = {n: record(n) if os.path.exists(os.path.join(self.folder(n), "report")) else self.prior[n]
                 for n in names if self.finished(n) and self.evaluated(n) and not self.diverged(n)}
         return runs, {n: self.failed[n] for n in names if self.diverged(n)}
 
     def check(self, name, flags):  # a run folder made with other flags than its name stands for is refused
-        if name not in self.checked and os.path.exists(os.path.join(self.folder(name), "ckpt.pt")):
+        if name not in self.checked and os.path.isdir(self.folder(name)):  # config.json or ckpt
             pool.check_flags(self.folder(name), flags)
         self.checked.add(name)
 
+    def checked_plan(self):  # the plan, each of its runs here checked against its flags
+        plan = self.plan()
+        for name, flags, _cost in plan:
+            self.check(name, flags)
+        return plan
+
     def diverged(self, name):
         """The line a run that stopped on a non-finite loss or weights ended with (a result: NaN), else None."""
-        if name not in self.failed and os.path.exists(log := self.folder(name) + ".log"):
-            with open(log, "rb") as f:
-                f.seek(max(0, os.path.getsize(log) - 4000))
+        folder = self.folder(name)  # its log counts while the folder is here (deleted: redone)
+        if name not in self.failed and os.path.isdir(folder) and os.path.lexists(folder + ".log"):
+            with pool.log_file(folder + ".log", "rb") as f:
+                f.seek(max(0, os.path.getsize(folder + ".log") - 4000))
                 tail = f.read().decode(errors="replace")
             found = re.findall(r"[^\r\n]*(?:\(diverged\)|: loss is (?:nan|inf))[^\r\n]*", tail)
-            if found and not pool.finished(self.folder(name)):  # a run redone since has its own result
+            if found and not pool.finished(folder):  # a run redone since has its own result
                 self.failed[name] = found[-1].strip()
         return self.failed.get(name)
 
@@ -237,7 +239,7 @@ class Study:
                            share_valid_ppl=ppl(self.share()[1]), lr=sel["lr"], lr_valid_ppl=lr_runs),
             runs=runs, diverged=diverged, compare=cells,  # one cell per (AGG share, size, data size)
             fits=fits, pooled_by_data={f"{sh:g}": pooled_by_data(of[sh]) for sh in shares if of[sh]},
-            prediction=prediction(fits)), elsewhere=corpus if corpus_path else ())
+            prediction=prediction(fits)))
         for share in [share for share in shares if of[share]]:  # the selected share's figure, one per other share
             suffix = "" if share == sel["share"] else f"_share{share:g}"
             plot_cells(of[share], os.path.splitext(path)[0] + suffix + ".png", f"AGG (rare share {share:g}) against "
@@ -247,16 +249,16 @@ class Study:
             lrs = sel["lr"][SECOND_CORPUS["size"]]
             pairs = [dict(agg_share=share, **cell) for share in shares
                      if (cell := paired_cell(at(corpus.values(), lrs, share))) is not None]
-            runlib.write_json(corpus_path, dict(command=result["command"], corpus=SECOND_CORPUS,
-                                                selection=dict(share=sel["share"], lr=lrs), runs=corpus, compare=pairs))
+            second = dict(command=result["command"], corpus=SECOND_CORPUS,
+                          selection=dict(share=sel["share"], lr=lrs), runs=corpus, compare=pairs)
+            compare.write_evidence(corpus_path, second, (self.name,), self.overwrite)
             print(f"wrote {corpus_path}: {len(corpus)} runs")
 
 
 def next_job(study, busy):
     """The next job for studies.pool (name, command, log), or None: evaluations first, then the cheapest run."""
-    plan = [(name, flags, study.folder(name)) for name, flags, _cost in study.plan() if name not in busy]
-    for name, flags, folder in plan:
-        study.check(name, flags)
+    plan = [(name, flags, study.folder(name)) for name, flags, _cost in study.checked_plan()
+            if name not in busy]
     for name, _flags, folder in plan:
         if study.finished(name) and not study.evaluated(name):
             return name, [sys.executable, os.path.join(ROOT, "eval.py"), folder, "--out",
@@ -264,6 +266,8 @@ def next_job(study, busy):
     for name, flags, folder in plan:
         if not study.finished(name):
             resume = ["--resume"] if os.path.exists(os.path.join(folder, "ckpt.pt")) else []
+            if not os.path.isdir(folder) and os.path.isfile(folder + ".log"):  # a deleted run's
+                os.replace(folder + ".log", folder + ".log.old")
             return name, [sys.executable, os.path.join(ROOT, "train_lm.py"), *flags, "--out", folder, *resume], \
                 folder + ".log"
 
@@ -430,6 +434,8 @@ def main(argv=None, study_class=Study):
     p.add_argument("--jobs", type=int, default=1, help="runs at once (2 on a 2-core CPU: one thread each)")
     p.add_argument("--no-train", action="store_true", help="train nothing: write the results of the finished runs")
     p.add_argument("--results", default=None, metavar="FILE", help="write the study's JSON here (and its figures)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --results replace a file holding other runs")
     p.set_defaults(corpus_results=None)
     if study_class is Study:
         p.add_argument("--corpus-results", default=None, metavar="FILE", help="write the second corpus's pair here")
@@ -437,6 +443,7 @@ def main(argv=None, study_class=Study):
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give 1 or more")
     study = study_class(args.out, prior=[args.results, args.corpus_results])
+    study.overwrite = args.overwrite
     study.host = runlib.kernel_fingerprint(max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None)
     results = (lambda *_: study.write_results(args.results, argv, args.corpus_results)) if args.results else None
     if not args.no_train:  # keep jobs runs and evaluations going until nothing is runnable, writing as each ends

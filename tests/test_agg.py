@@ -201,8 +201,10 @@ def test_sliding_window_special_ids_and_ignore_index():
 def test_loss_before_observe_is_a_clear_error():
     method = agg.build_method("agg", V, window=WINDOW)
     h, w, y = inputs()
+    mle = agg.build_method("mle", V).loss(h, w, y)
+    assert torch.equal(method.loss(h, w, y), mle)  # an evaluation before the first step (nanoGPT's at iter 0)
     with pytest.raises(RuntimeError, match="observe"):
-        method.loss(h, w, y)
+        method.loss(h, w.requires_grad_(), y)  # a training call: its gates need the step's targets
 
 
 def test_static_agg_freezes_the_group():

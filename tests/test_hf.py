@@ -103,9 +103,10 @@ def tiny(name, **kw):
 
 
 def trainer_loss(model, ids, labels, tmp_path):
+    """The training loss of AGGTrainer with mle (train mode: evaluation is the stock Trainer's)."""
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     trainer = hf_agg.AGGTrainer(model=model, args=args, method=agg.build_method("mle", V))
-    return trainer.compute_loss(model, {"input_ids": ids, "labels": labels})
+    return trainer.compute_loss(model.train(), {"input_ids": ids, "labels": labels})
 
 
 @pytest.mark.parametrize("name, kw", [("Llama", {}), ("Cohere", dict(logit_scale=0.25)),
@@ -154,6 +155,39 @@ def test_after_step_runs_after_each_optimizer_step(tmp_path):
 
 
 def test_the_recipe_needs_agg_py_only():
-    """AGGTrainer and its helpers use agg.py and transformers only (the project's other modules are the demo's)."""
-    code = "".join(inspect.getsource(f) for f in (hf_agg.AGGTrainer, hf_agg.AfterStep, hf_agg.last_complete_checkpoint))
+    """hf_agg uses agg.py and transformers only (the project's other modules are tools/hf_demo.py's)."""
+    code = inspect.getsource(hf_agg)
     assert "train_lm" not in code and "prepare_lm" not in code and "runlib" not in code
+
+
+def test_a_patched_stock_trainer_trains_like_aggtrainer_and_evaluates_as_the_stock_one(tmp_path):
+    """patch_trainer: the method named, its window the Trainer's steps per epoch; evaluate() before training and
+    compute_metrics see the stock Trainer's loss and logits."""
+    counts = torch.bincount(torch.stack([r["labels"] for r in dataset(8)]).clamp(min=0).reshape(-1), minlength=V)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "p"), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=0.1, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
+        save_steps=100, report_to="none", use_cpu=True, seed=0, data_seed=0, eval_strategy="steps", eval_steps=1,
+        eval_on_start=True, per_device_eval_batch_size=4)
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions.shape)
+        return {"seen": 1.0}
+
+    model = tiny_gpt2()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(8), eval_dataset=dataset(4),
+                                   compute_metrics=metrics)
+    assert hf_agg.patch_trainer(trainer, "agg", counts=counts, rare_share=0.3) is trainer
+    before = trainer.evaluate()  # before any step (AGG has seen no targets): the stock Trainer's evaluation
+    stock = transformers.Trainer(model=tiny_gpt2(), args=args, eval_dataset=dataset(4), compute_metrics=metrics)
+    assert before["eval_loss"] == stock.evaluate()["eval_loss"]
+    trainer.train()
+    assert trainer.method.hparams["window"] == 2  # 8 rows / (2 per micro-batch x 2 micro-batches): 2 steps an epoch
+    assert trainer.method.steps == 2
+    assert seen and all(shape == (4, T, V) for shape in seen)  # the logits compute_metrics always gets
+    reference, m_ref, _ = train(tmp_path / "r", "agg", batch=2, accum=2, steps=2, lr=0.1,
+                                alpha=trainer.method.hparams["alpha"], window=2)
+    assert torch.equal(m_ref.appearances, trainer.method.appearances)
+    for (n, a), (_, b) in zip(reference.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)

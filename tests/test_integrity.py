@@ -5,9 +5,11 @@ import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 import torch
@@ -419,3 +421,55 @@ def test_a_results_write_to_a_full_disk_or_a_read_only_folder_is_one_line(tmp_pa
         pytest.skip("running as root")
     with pytest.raises(SystemExit, match="cannot write .*ro/m.json"):
         runlib.write_json(str(ro / "m.json"), {})
+
+
+def flip_a_bit(path):  # one bit in the middle of the largest record of the checkpoint's zip (tensor bytes)
+    with zipfile.ZipFile(path) as z:
+        record = max(z.infolist(), key=lambda info: info.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)
+        name, extra = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name + extra + record.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 4]))
+
+
+def test_a_checkpoint_with_a_flipped_bit_is_refused_and_an_old_one_still_loads(corpus, tmp_path):
+    out = tmp_path / "flip"
+    train_lm.main(lm_argv(corpus, out, steps=4) + ["--stop-at", "2"])
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ck["sha256"] == runlib.digest({k: v for k, v in ck.items() if k != "sha256"})
+    flip_a_bit(out / "ckpt.pt")
+    damaged = rf"{out / 'ckpt.pt'}: its content does not match its checksum .*restore a good copy"
+    with pytest.raises(SystemExit, match=damaged):
+        train_lm.main(["--out", str(out), "--resume"])
+    with pytest.raises(SystemExit, match=damaged):
+        ev.main([str(out), "--out", str(tmp_path / "report")])
+    del ck["sha256"]  # a checkpoint saved before the checksum: loaded as it is
+    torch.save(ck, out / "ckpt.pt")
+    assert runlib.load_checkpoint(str(out / "ckpt.pt"))["step"] == 2
+
+
+def test_a_damaged_log_line_is_named_on_resume_and_a_damaged_config_is_rebuilt(corpus, tmp_path):
+    good, out = tmp_path / "good", tmp_path / "run"
+    train_lm.main(lm_argv(corpus, good, steps=4) + ["--stop-at", "2"])
+    n = len(open(good / "log.jsonl").readlines()) + 1
+    for line in ("garbage\n", "[1, 2]\n", '{"step": "2", "split": "train"}\n'):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(good, out)
+        with open(out / "log.jsonl", "a") as f:
+            f.write(line)
+        with pytest.raises(SystemExit, match=rf"{out / 'log.jsonl'} line {n} is damaged .*delete or repair"):
+            train_lm.main(["--out", str(out), "--resume"])
+    shutil.rmtree(out)
+    shutil.copytree(good, out)
+    (out / "config.json").write_text("{}")  # the checkpoint's config is the run's
+    train_lm.main(["--out", str(out), "--resume"])
+    assert json.loads((out / "config.json").read_text())["max_steps"] == 4
+
+
+def test_a_run_that_diverges_before_its_first_checkpoint_says_there_is_none(corpus, tmp_path):
+    with pytest.raises(SystemExit, match=r"loss is nan \(diverged\); .*ckpt.pt was never written\. Lower --lr"):
+        train_lm.main(lm_argv(corpus, tmp_path / "nan", "--lr", "1e9", steps=4))
+    assert not os.path.exists(tmp_path / "nan" / "ckpt.pt")

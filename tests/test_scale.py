@@ -96,7 +96,7 @@ def test_a_results_file_continues_the_study_without_its_run_folders(tmp_path, mo
     runs = {run_name("S", 1.0, "agg", 4e-3, s, sh): dict(valid_ppl=100 + abs(i - 1))
             for i, sh in enumerate(scale.SHARES) for s in scale.SELECTION_SEEDS}
     path = tmp_path / "lm_scale.json"
-    path.write_text(json.dumps(dict(runs=runs)))
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs=runs)))
     study = scale.Study(str(tmp_path / "elsewhere"), prior=[str(path)])
     assert study.share()[0] == scale.SHARES[1]  # selected from the recorded valid PPL
     study.plan()
@@ -160,7 +160,7 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
             record(run_name("M", 1.0, "mle", x, s), "mle", 1.0, None, s, 100 + abs(i - 1) + s / 3, x)
             record(run_name("M", 1.0, "agg", x, s, sel_share), "agg", 1.0, sel_share, s, 101 + abs(i - 1) + s, x)
     path = tmp_path / "lm_scale.json"
-    path.write_text(json.dumps(dict(runs=runs)))
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs=runs)))
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
     assert study.selections() == dict(share=sel_share, lr={"M": dict(mle=lr, agg=lr)})
     names = {n for n, _f, _c in study.plan()}
@@ -171,7 +171,7 @@ def test_agg_runs_at_the_selected_and_the_headline_share_and_each_pairs_with_mle
         record(run_name("M", 0.5, "mle", lr, s), "mle", 0.5, None, s, 150)
         for sh in (sel_share, scale.HEADLINE_SHARE):
             record(run_name("M", 0.5, "agg", lr, s, sh), "agg", 0.5, sh, s, 150 * (1.01 if sh == sel_share else 1.03))
-    path.write_text(json.dumps(dict(runs=runs)))
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs=runs)))
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
     study.host = "d4" * 8  # a pair on one host exists now: no machine trains the cell's runs again
     assert not any(scale.REPLICA.search(n) for n, _f, _c in study.plan())
@@ -206,7 +206,7 @@ def test_a_cell_pairs_runs_on_one_host_and_a_mixed_pair_is_trained_again_here(tm
         for sh in (share, scale.HEADLINE_SHARE):
             record(run_name("M", 0.5, "agg", lr, s, sh), "agg", 0.5, sh, s, 153, kernels=b2 if s == 1 else a1)
     path = tmp_path / "lm_scale.json"
-    path.write_text(json.dumps(dict(runs=runs)))
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs=runs)))
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
     study.host = c3  # this machine: the mixed pair's runs, both, are planned here
     replicas = {n for n, _f, _c in study.plan() if scale.REPLICA.search(n)}
@@ -225,7 +225,7 @@ def test_a_cell_pairs_runs_on_one_host_and_a_mixed_pair_is_trained_again_here(tm
         method = "mle" if "-mle-" in name else "agg"
         sh = None if method == "mle" else float(name.split("-r")[1].split("-")[0])
         record(name, method, 0.5, sh, 1, 150 if method == "mle" else 156, kernels=c3)
-    path.write_text(json.dumps(dict(runs=runs)))
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs=runs)))
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
     study.host = "d4" * 8  # a pair on one host exists now: no machine trains the cell's runs again
     assert not any(scale.REPLICA.search(n) for n, _f, _c in study.plan())
@@ -372,7 +372,7 @@ def test_a_study_refuses_a_results_file_that_is_not_its_own(tmp_path):
                                     runs={"mle-s0": dict(valid_ppl=1.0)})))
     before = path.read_text()
     for study in (scale.Study, rivals.Rivals):
-        with pytest.raises(SystemExit, match=r"lm_headline.json is not a results file of studies\.(scale|rivals)"):
+        with pytest.raises(SystemExit, match=r"lm_headline.json: written by another command \(python eval.py"):
             study(str(tmp_path / "out"), prior=[str(path)])
     assert path.read_text() == before
     bible = json.load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
@@ -385,7 +385,7 @@ def test_a_diverged_run_never_wins_a_selection(tmp_path):
     path = tmp_path / "lm_scale.json"
     runs = {"a-s0": dict(valid_ppl=float("nan")), "a-s1": dict(valid_ppl=90.0), "b-s0": dict(valid_ppl=120.0),
             "b-s1": dict(valid_ppl=121.0)}
-    path.write_text(json.dumps(dict(runs=runs)))
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs=runs)))
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
     best, _ = study.select({"a": [("a-s0", []), ("a-s1", [])], "b": [("b-s0", []), ("b-s1", [])]})
     assert best == "b"  # a's mean is NaN: a diverged seed, not the lowest PPL
@@ -403,6 +403,33 @@ def test_a_run_folder_made_with_other_flags_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"was trained with lr=0.05 \(now 0.004\)"):
         study.select({4e-3: [(name, flags)]})
     study.check(name, wrong)  # the flags it was made with: no refusal
+    os.remove(study.folder(name) + "/ckpt.pt")  # brought back without it: config.json says what it is
+    with pytest.raises(SystemExit, match=r"was trained with lr=0.05 \(now 0.004\)"):
+        scale.Study(str(tmp_path)).check(name, flags)
+    with open(os.path.join(study.folder(name), "config.json"), "w") as f:  # a flag removed since
+        json.dump(dict(task="lm", max_steps=2400, segments=[dict(argv=flags + ["--old-flag", "3"])]), f)
+    with pytest.raises(SystemExit, match=rf"{name} was trained with flags train_lm.py no longer takes "
+                                         r"\(unrecognized arguments: --old-flag 3\)"):
+        scale.Study(str(tmp_path)).check(name, flags)
+
+
+def test_a_deleted_diverged_run_is_redone_and_a_linked_log_is_refused(tmp_path, monkeypatch):
+    study = scale.Study(str(tmp_path / "out"))
+    name, flags = scale.run_spec("M", 1.0, "mle", 4e-3, 0)
+    os.makedirs(study.folder(name))
+    with open(study.folder(name) + ".log", "w") as f:
+        f.write("step 5: the valid loss is nan (diverged); lower --lr\n")
+    assert study.diverged(name)
+    shutil.rmtree(study.folder(name))  # deleted to redo it
+    again = scale.Study(str(tmp_path / "out"))
+    assert not again.diverged(name) and not again.finished(name)
+    monkeypatch.setattr(scale.Study, "plan", lambda self: [(name, flags, 1.0)])
+    job = scale.next_job(scale.Study(str(tmp_path / "out")), set())
+    assert job[0] == name and "--resume" not in job[1] and os.path.exists(study.folder(name) + ".log.old")
+    os.makedirs(study.folder(name))
+    os.symlink(tmp_path / "elsewhere.log", study.folder(name) + ".log")
+    with pytest.raises(SystemExit, match=rf"cannot open .*{name}.log .*remove it if a link"):
+        scale.Study(str(tmp_path / "out")).diverged(name)
 
 
 def test_practice_sweeps_each_knob_with_mle_and_agg_on_real_flags_and_refuses_the_rivals_file(tmp_path):
@@ -419,7 +446,7 @@ def test_practice_sweeps_each_knob_with_mle_and_agg_on_real_flags_and_refuses_th
     for f in flags.values():  # every run's flags are train_lm.py's
         parser.parse_args(f)
     assert ("softcap", "agg+softcap") in study.pairs  # does AGG add to the knob?
-    with pytest.raises(SystemExit, match="not a results file of studies.practice"):
+    with pytest.raises(SystemExit, match=r"lm_rivals.json: written by another command \(python -m studies.rivals"):
         practice.Practice(str(tmp_path), prior=[os.path.join(ROOT, "results", "lm_rivals.json")])
 
 
@@ -503,21 +530,25 @@ def test_the_fits_count_cells_not_seeds_test_their_lack_of_fit_and_predict():
     assert set(pooled) == {"0.25", "0.5", "1"} and pooled["0.5"]["ppl_log_ratio"]["n"] == 9
 
 
-def test_a_study_says_which_runs_of_its_previous_file_it_no_longer_writes(tmp_path, capsys):
+def test_a_study_never_drops_runs_of_its_results_file_without_overwrite(tmp_path):
     path = tmp_path / "lm_scale.json"
-    path.write_text(json.dumps(dict(command="python -m studies.scale", runs={"a-s0": {}, "b-s0": {}, "c-s0": {}})))
+    path.write_text(json.dumps(dict(command="python -m studies.scale", runs={"a-s0": {}, "b-s0": {}})))
+    before = path.read_text()
     study = scale.Study(str(tmp_path / "out"), prior=[str(path)])
-    study.write(str(path), [], dict(runs={"a-s0": {}}), elsewhere={"c-s0": {}})
-    assert "no longer holds 1 runs of its previous version: b-s0" in capsys.readouterr().out
-    study.write(str(path), [], dict(runs={"a-s0": {}, "b-s0": {}, "c-s0": {}}))
-    assert "no longer holds" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"lm_scale.json: holds 1 runs this would drop \(b-s0\).*--overwrite"):
+        study.write(str(path), [], dict(runs={"a-s0": {}}))
+    assert path.read_text() == before
+    study.write(str(path), [], dict(runs={"a-s0": {}, "b-s0": {}, "c-s0": {}}))  # more runs: written
+    study.overwrite = True
+    study.write(str(path), [], dict(runs={"a-s0": {}}))
+    assert list(json.loads(path.read_text())["runs"]) == ["a-s0"]
 
 
 def test_a_diverged_run_is_a_result_and_the_pool_goes_on_past_it(tmp_path):
     """A run that stopped on a non-finite loss (its log says so) is finished at NaN, never a failure that halts a long
     study; any other failure still stops the pool."""
     study = scale.Study(str(tmp_path / "out"))
-    os.makedirs(study.runs)
+    os.makedirs(study.folder("x-s0"))
     with open(study.folder("x-s0") + ".log", "w") as f:
         f.write("step 3: valid ppl 500.1\r 10%|#   | 4/40 [loss=9]\rstep 5: loss is nan; lower --lr or check the method\n")
     assert study.diverged("x-s0").startswith("step 5: loss is nan") and study.finished("x-s0")
