@@ -1,6 +1,8 @@
-"""agg.py as a practitioner adopts it (README, "agg.py in your training loop"): AGG called inside a nanoGPT-shaped
-model's forward under DDP (gloo, 2 processes) and torch.compile against one eager process; a step's targets fed per
-micro-batch or whole; no host synchronisation in a steady-state step; F.linear_cross_entropy's arguments."""
+"""agg.py as a practitioner adopts it (README, "agg.py in your training loop"): AGG called inside a
+nanoGPT-shaped model's forward under DDP (gloo, 2 processes) and torch.compile against one eager
+process; a step's targets fed per micro-batch or whole; no host synchronisation in a steady-state
+step; F.linear_cross_entropy's arguments."""
+
 import os
 import shutil
 import subprocess
@@ -21,7 +23,8 @@ V, D, T = 48, 16, 12
 
 
 class TinyGPT(nn.Module):
-    """nanoGPT's shape: wte tied to lm_head, a block, ln_f, forward(idx, targets) -> (logits, loss)."""
+    """nanoGPT's shape: wte tied to lm_head, a block, ln_f, forward(idx, targets) -> (logits,
+    loss)."""
 
     def __init__(self):
         super().__init__()
@@ -51,12 +54,15 @@ def zipf_batches(steps, accum, seqs):
 
 
 def train_tiny(data, rank=0, world=1, compile_model=False, accum=2):
-    """nanoGPT's loop on `data`, this rank's share of each micro-batch; returns (losses, lm_head weight)."""
+    """nanoGPT's loop on `data`, this rank's share of each micro-batch; returns (losses, lm_head
+    weight)."""
     torch.manual_seed(0)
     model = TinyGPT()
     counts = torch.bincount(data[..., 1:].reshape(-1), minlength=V)
     tokens_per_step = data.shape[1] * T * accum  # over all ranks
-    model.method = agg.build_method("agg", V, counts=counts, tokens_per_step=tokens_per_step, rare_share=0.3)
+    model.method = agg.build_method(
+        "agg", V, counts=counts, tokens_per_step=tokens_per_step, rare_share=0.3
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.method.attach(opt, model.lm_head.weight)  # ends each step: the window, after_step
     forward = model
@@ -67,10 +73,11 @@ def train_tiny(data, rank=0, world=1, compile_model=False, accum=2):
     share = data.shape[1] // world
     losses = []
     for micro in range(len(data)):
-        batch = data[micro, rank * share:(rank + 1) * share]
+        batch = data[micro, rank * share : (rank + 1) * share]
         last = micro % accum == accum - 1
         if world > 1:
-            forward.require_backward_grad_sync = last  # DDP syncs the gradient on the last micro-batch
+            # DDP syncs the gradient on the last micro-batch
+            forward.require_backward_grad_sync = last
         _, loss = forward(batch[:, :-1], batch[:, 1:])
         (loss / accum).backward()
         losses.append(loss.detach())
@@ -89,15 +96,17 @@ def _ddp_worker(rank, world, init_file, out):
     dist.destroy_process_group()
 
 
-def test_nanogpt_shaped_model_with_agg_in_forward_under_ddp_and_compile_equals_one_process(tmp_path):
+def test_nanogpt_shaped_model_with_agg_in_forward_under_ddp_and_compile_equals_one_process(
+    tmp_path,
+):
     data = zipf_batches(4, 2, 4)
     losses, weight, method = train_tiny(data)
     assert bool(method.step_rare().any()), "the test needs a rare group"
     out = tmp_path / "rank0.pt"
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2)
     ddp = torch.load(out, weights_only=True)
-    # rank 0's losses are its half's means; their average over ranks is not logged, so compare the weights,
-    # which every rank shares, and the window both ranks gathered
+    # rank 0's losses are its half's means; their average over ranks is not logged, so compare the
+    # weights, which every rank shares, and the window both ranks gathered
     assert torch.equal(ddp["appearances"], method.appearances)
     torch.testing.assert_close(ddp["weight"], weight, rtol=1e-5, atol=1e-6)
     compiled_losses, compiled_weight, _ = train_tiny(data, compile_model=True)
@@ -112,9 +121,10 @@ def micro_batches(step, n=3):
 
 @pytest.mark.parametrize("feed", ["observe whole", "observe first", "observe each", "loss counts"])
 def test_a_steps_targets_enter_the_window_once_however_they_arrive(feed):
-    """With attach(), the window counts optimizer steps, not micro-batches (observe per micro-batch made the rare
-    group 46-94% of the vocabulary instead of 20%); gates from a step's targets observed before its first loss
-    equal the paper's loop bit for bit; loss() counting its own targets keeps the window exact."""
+    """With attach(), the window counts optimizer steps, not micro-batches (observe per micro-batch
+    made the rare group 46-94% of the vocabulary instead of 20%); gates from a step's targets
+    observed before its first loss equal the paper's loop bit for bit; loss() counting its own
+    targets keeps the window exact."""
     torch.manual_seed(1)
     h, w = torch.randn(2, 5, D), torch.randn(V, D)
     paper = agg.build_method("agg", V, alpha=0.5, window=3)
@@ -158,15 +168,25 @@ def test_attach_runs_after_step_once_per_optimizer_step():
     method.loss(torch.randn(4, D), weight, torch.randint(0, V, (4,))).backward()
     opt.step()
     assert method.steps == 1
-    torch.testing.assert_close(weight.detach().mean(0), torch.zeros(D), atol=1e-5, rtol=0)  # mu-centering ran
+    # mu-centering ran
+    torch.testing.assert_close(weight.detach().mean(0), torch.zeros(D), atol=1e-5, rtol=0)
 
 
 class CountSyncs(TorchDispatchMode):
-    """Counts the calls that make the host wait for the device: a value read (.item(), .tolist(), int()), nonzero,
-    boolean indexing, and the ops whose output size depends on the data."""
+    """Counts the calls that make the host wait for the device: a value read (.item(), .tolist(),
+    int()), nonzero, boolean indexing, and the ops whose output size depends on the data."""
 
-    SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique",
-               "aten::_unique2", "aten::bincount", "aten::repeat_interleave", "aten::is_nonzero", "aten::equal")
+    SYNCING = (
+        "aten::_local_scalar_dense",
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::unique",
+        "aten::_unique2",
+        "aten::bincount",
+        "aten::repeat_interleave",
+        "aten::is_nonzero",
+        "aten::equal",
+    )
 
     def __init__(self):
         super().__init__()
@@ -175,13 +195,16 @@ class CountSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         is_bool_index = name == "aten::index" and any(
-            t is not None and t.dtype == torch.bool for t in args[1])
+            t is not None and t.dtype == torch.bool for t in args[1]
+        )
         if name in self.SYNCING or is_bool_index:
             self.calls.append(name)
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", ["mle", "agg", "agg-static", "agg-continuous", "agg-prefill", "ul+agg", "agps"])
+@pytest.mark.parametrize(
+    "name", ["mle", "agg", "agg-static", "agg-continuous", "agg-prefill", "ul+agg", "agps"]
+)
 @pytest.mark.parametrize("attached", [False, True])
 def test_no_host_synchronisation_in_a_steady_state_step(name, attached):
     hp = dict(alpha=0.5, window=3) if agg.agg_family(name) else {}
@@ -272,10 +295,13 @@ def test_help_lists_every_method_and_its_hyper_parameters():
 
 
 def test_hf_agg_imports_with_agg_alone(tmp_path):
-    """A practitioner copies agg.py and hf_agg.py into their project: nothing else is needed to import them."""
+    """A practitioner copies agg.py and hf_agg.py into their project: nothing else is needed to
+    import them."""
     for name in ("agg.py", os.path.join("tools", "hf_agg.py")):
         shutil.copy(os.path.join(ROOT, name), tmp_path)
     code = "import hf_agg, agg; print(hf_agg.AGGTrainer.__name__, hf_agg.patch_trainer.__name__)"
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["AGGTrainer", "patch_trainer"]
