@@ -1,20 +1,23 @@
 #!/usr/bin/env python
-"""Evaluate trained runs on their test split: the task metrics and the geometry of the tied embedding matrix.
+"""Evaluate trained runs on their test split: the task metrics and the geometry of the tied
+embedding matrix.
 
     python eval.py out/lm-mle-s0 out/lm-agg-s0 --out out/report      # -> out/report/metrics.json
 
 Each run folder holds ckpt.pt; its config's "task" picks the evaluation:
-  lm  (train_lm.py): test PPL total and per frequency group, Uniq (distinct argmax next-token predictions) total and
-      per group with the human reference (distinct targets), greedy and sampled continuations of test prefixes (AGG
-      Table 14), word similarity (Spearman of cosine vs human scores; AGG Table 5), and two free calibrations
-      fitted on valid (one bias on the rare group's logits, one temperature on all logits);
+  lm  (train_lm.py): test PPL total and per frequency group, Uniq (distinct argmax next-token
+      predictions) total and per group with the human reference (distinct targets), greedy and
+      sampled continuations of test prefixes (AGG Table 14), word similarity (Spearman of cosine
+      vs human scores; AGG Table 5), and two free calibrations fitted on valid (one bias on the
+      rare group's logits, one temperature on all logits);
   nmt (train_nmt.py): BLEU with its sacrebleu signature (train_nmt.validate on the test split).
-Both: I(W) total and per group (AGG Eq. 3), mean cosine S(w) (AGPS Eq. 9), the metrics that favour no method,
-normalised singular values, top-5 cosine neighbours of rare tokens (AGG Tables 12-13).
-Frequency groups: 30% frequent / 50% medium / 20% rare of the vocabulary by training counts (AGG Sec. 3.1).
-Writes REPORT/metrics.json ({run label: metrics}). Summaries over seeds, paired comparisons, reports and plots of
-many runs: python -m studies.compare.
+Both: I(W) total and per group (AGG Eq. 3), mean cosine S(w) (AGPS Eq. 9), the metrics that favour
+no method, normalised singular values, top-5 cosine neighbours of rare tokens (AGG Tables 12-13).
+Frequency groups: 30% frequent / 50% medium / 20% rare of the vocabulary by training counts (AGG
+Sec. 3.1). Writes REPORT/metrics.json ({run label: metrics}). Summaries over seeds, paired
+comparisons, reports and plots of many runs: python -m studies.compare.
 """
+
 import argparse
 import json
 import math
@@ -24,6 +27,7 @@ import sys
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy import stats
 from tqdm import tqdm
 
@@ -36,19 +40,21 @@ from data import gensim_test_data, prepare_lm, prepare_nmt
 WORDSIM = {"ws353": "wordsim353.tsv", "simlex999": "simlex999.txt"}  # shipped in the gensim wheel
 
 
-# ------------------------------------------------------------------------------------------------- word similarity
+# ---------------------------------------------------------------------------------- word similarity
 def load_word_pairs(path):
-    """(word1, word2, score) triples of WordSim353 / SimLex-999 / MEN / RG65 / RW style files ('#': comments; MEN's
-    lemma suffixes -n, -v, -j dropped)."""
+    """(word1, word2, score) triples of WordSim353 / SimLex-999 / MEN / RG65 / RW style files ('#':
+    comments; MEN's lemma suffixes -n, -v, -j dropped)."""
     if not os.path.exists(path):
         raise SystemExit(f"word-similarity file {path} not found: check the path")
     pairs = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             fields = [x for x in re.split(r"[\t;]|\s+", line.strip()) if x]
+            # MEN's lemma suffixes dropped
+            words = [re.sub(r"-[nvja]$", "", w) for w in fields[:2]]
             try:
                 if not line.lstrip().startswith("#"):
-                    pairs.append((*(re.sub(r"-[nvja]$", "", w) for w in fields[:2]), float(fields[2])))
+                    pairs.append((*words, float(fields[2])))
             except (IndexError, ValueError):  # a blank, short or header line
                 continue
     if not pairs:
@@ -57,25 +63,38 @@ def load_word_pairs(path):
 
 
 def word_similarity(weight, tokenizer, kind, datasets):
-    """{name: (spearman, pairs used, pairs total)} of cosine similarity vs human scores. A word's vector is the mean
-    of its subword embeddings (BPE: the word after a space, as in running text), None out of vocabulary."""
+    """{name: (spearman, pairs used, pairs total)} of cosine similarity vs human scores. A word's
+    vector is the mean of its subword embeddings (BPE: the word after a space, as in running text),
+    None out of vocabulary."""
+
     def vector(word):
-        ids = (tokenizer.encode(" " + word).ids if kind == "bpe" else  # word level: word, else Word
-               [i for i in map(tokenizer.token_to_id, (word, word.capitalize())) if i is not None][:1])
-        return weight[ids].mean(0) if ids else None
+        if kind == "bpe":
+            ids = tokenizer.encode(" " + word).ids
+        else:  # word level: word, else Word
+            ids = map(tokenizer.token_to_id, (word, word.capitalize()))
+            ids = [i for i in ids if i is not None][:1]
+        if ids:
+            return weight[ids].mean(0)
 
     out = {}
     for name, path in datasets.items():
         pairs = load_word_pairs(path)
-        vecs = [(score, vector(w1), vector(w2)) for w1, w2, score in pairs]
-        used = [(score, float(torch.nn.functional.cosine_similarity(a, b, dim=0))) for score, a, b in vecs
-                if a is not None and b is not None]  # both words in the vocabulary
-        rho = float(stats.spearmanr(*zip(*used)).statistic) if len(used) > 2 else float("nan")
-        out[name] = (rho, len(used), len(pairs))
+        human = []
+        cosine = []
+        for w1, w2, score in pairs:
+            a = vector(w1)
+            b = vector(w2)
+            if a is not None and b is not None:  # both words in the vocabulary
+                human.append(score)
+                cosine.append(float(F.cosine_similarity(a, b, dim=0)))
+        rho = float("nan")
+        if len(human) > 2:
+            rho = float(stats.spearmanr(human, cosine).statistic)
+        out[name] = (rho, len(human), len(pairs))
     return out
 
 
-# ------------------------------------------------------------------------------------------------------- geometry
+# ----------------------------------------------------------------------------------------- geometry
 def group_index(counts):
     """Tensor (V,) of group ids 0/1/2 (freq/med/rare) and the three index tensors (AGG Sec. 3.1)."""
     groups = agg.frequency_groups(counts)
@@ -83,83 +102,112 @@ def group_index(counts):
 
 
 def geometry(weight, counts, include_unseen=False):
-    """agg.geometry per frequency group (seen tokens unless include_unseen) and the metrics that favour no method:
-    IsoScore (Rudman et al. 2022), I(W) with rows weighted by train frequency (Yokoi et al. 2024), I(W) after removing
-    the (weighted) mean row, and the under-trained rows of Land & Bartolo 2024."""
-    groups, counts = agg.frequency_groups(counts), torch.as_tensor(counts)
+    """agg.geometry per frequency group (seen tokens unless include_unseen) and the metrics that
+    favour no method: IsoScore (Rudman et al. 2022), I(W) with rows weighted by train frequency
+    (Yokoi et al. 2024), I(W) after removing the (weighted) mean row, and the under-trained rows of
+    Land & Bartolo 2024."""
+    groups = agg.frequency_groups(counts)
+    counts = torch.as_tensor(counts)
     seen = None if include_unseen else counts > 0
-    geo, W = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen), weight.detach().double().cpu()
+    geo = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen)
+    W = weight.detach().double().cpu()
     rows = W if seen is None else W[seen]
-    seen_rows, w = W[counts > 0], counts[counts > 0].double()  # weighted by train frequency
-    geo.update(geometry_rows_rule="all" if include_unseen else "seen in training", isoscore=agg.isoscore(rows),
-               isotropy_centered=agg.isotropy(rows, center=True), isotropy_weighted=agg.isotropy(seen_rows, weights=w),
-               isotropy_weighted_centered=agg.isotropy(seen_rows, weights=w, center=True),
-               undertrained=undertrained_count(W, counts))
+    geo["geometry_rows_rule"] = "all" if include_unseen else "seen in training"
+    geo["isoscore"] = agg.isoscore(rows)
+    geo["isotropy_centered"] = agg.isotropy(rows, center=True)
+    # rows weighted by train frequency
+    seen_rows = W[counts > 0]
+    w = counts[counts > 0].double()
+    geo["isotropy_weighted"] = agg.isotropy(seen_rows, weights=w)
+    geo["isotropy_weighted_centered"] = agg.isotropy(seen_rows, weights=w, center=True)
+    geo["undertrained"] = undertrained_count(W, counts)
     return geo
 
 
 def undertrained_count(W, counts):
     """How many seen rows look as untrained as a never-seen one: Land & Bartolo 2024's indicator
     (agg.undertrained_rows) at least the never-seen rows' median. None when every token was seen."""
-    unused, seen = (counts == 0).nonzero().squeeze(1), counts > 0
+    unused = (counts == 0).nonzero().squeeze(1)
+    seen = counts > 0
     if len(unused) < 2:
         return dict(unused_rows=len(unused), count=None, share_of_seen=None)
     ind = agg.undertrained_rows(W, unused)
     threshold = float(ind[unused].median())
     count = int((ind[seen] >= threshold).sum())
-    return dict(unused_rows=len(unused), threshold=threshold, count=count, share_of_seen=count / int(seen.sum()),
-                rule="seen rows whose indicator >= the median indicator of the never-seen rows")
+    return dict(
+        unused_rows=len(unused),
+        threshold=threshold,
+        count=count,
+        share_of_seen=count / int(seen.sum()),
+        rule="seen rows whose indicator >= the median indicator of the never-seen rows",
+    )
 
 
 def pick_rare_tokens(counts, tokens, n, src_counts=None):
-    """A few word-like rare-group tokens to show neighbours of: the most frequent ones (AGG Table 12), or for NMT
-    those most frequent on the source side (AGG Table 13)."""
+    """A few word-like rare-group tokens to show neighbours of: the most frequent ones (AGG Table
+    12), or for NMT those most frequent on the source side (AGG Table 13)."""
     gid, _ = group_index(counts)
     key = counts if src_counts is None else torch.as_tensor(src_counts)
-    cands = [i for i in torch.argsort(key.double(), descending=True, stable=True).tolist()
-             if gid[i] == 2 and key[i] > 0 and re.fullmatch(r"[^\W\d_]{4,}", tokens[i].strip())]
-    words = [i for i in cands if tokens[i].startswith(" ")]  # byte-level BPE: word-initial tokens are whole words
+    by_count = torch.argsort(key.double(), descending=True, stable=True).tolist()
+    rare = [i for i in by_count if gid[i] == 2 and key[i] > 0]
+    cands = [i for i in rare if re.fullmatch(r"[^\W\d_]{4,}", tokens[i].strip())]
+    # byte-level BPE: word-initial tokens are whole words
+    words = [i for i in cands if tokens[i].startswith(" ")]
     return (words if len(words) >= n else cands)[:n]
 
 
 def neighbours(weight, ids, k=5):
-    W = torch.nn.functional.normalize(weight.detach().float().cpu(), dim=1)
+    W = F.normalize(weight.detach().float().cpu(), dim=1)
     sims = W[ids] @ W.T
     sims[torch.arange(len(ids)), ids] = -2  # not itself
     return sims.topk(k, dim=1).indices.tolist()
 
 
 def output_bias_stats(bias, counts):
-    """How a learned output bias (--output-bias) encodes frequency over the seen tokens: correlations with log train
-    counts, the least-squares slope and the mean bias per group."""
-    b, c, gid = bias.double(), torch.as_tensor(counts).double(), group_index(counts)[0]
+    """How a learned output bias (--output-bias) encodes frequency over the seen tokens:
+    correlations with log train counts, the least-squares slope and the mean bias per group."""
+    b = bias.double()
+    c = torch.as_tensor(counts).double()
+    gid = group_index(counts)[0]
     seen = c > 0
-    x, y = c[seen].log().numpy(), b[seen].numpy()
-    return dict(pearson_log_count=float(stats.pearsonr(x, y)[0]), spearman_log_count=float(stats.spearmanr(x, y)[0]),
-                slope_per_log_count=float(np.polyfit(x, y, 1)[0]),
-                mean_groups={g: float(b[seen & (gid == k)].mean()) for k, g in enumerate(agg.GROUPS)})
+    x = c[seen].log().numpy()
+    y = b[seen].numpy()
+    out = dict(pearson_log_count=float(stats.pearsonr(x, y)[0]))
+    out["spearman_log_count"] = float(stats.spearmanr(x, y)[0])
+    out["slope_per_log_count"] = float(np.polyfit(x, y, 1)[0])
+    out["mean_groups"] = {g: float(b[seen & (gid == k)].mean()) for k, g in enumerate(agg.GROUPS)}
+    return out
 
 
-# ------------------------------------------------------------------------------------------------------------- LM
+# ----------------------------------------------------------------------------------------------- LM
 def rare_logit_stats(logits, y, rare):
-    """Per scored position, all that a scalar bias b on the rare group's logits changes: the target, its logit and
-    whether it is rare, and the log-sum-exp and argmax (value, id) over the rare group and over the other tokens."""
-    z, y = logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
-    zr, zo = z.masked_fill(~rare, -math.inf), z.masked_fill(rare, -math.inf)
-    (max_rare, arg_rare), (max_other, arg_other) = zr.max(-1), zo.max(-1)
-    return dict(target=y, z_y=z.gather(1, y[:, None]).squeeze(1), y_rare=rare[y], lse_rare=torch.logsumexp(zr, -1),
-                lse_other=torch.logsumexp(zo, -1), max_rare=max_rare, arg_rare=arg_rare, max_other=max_other,
-                arg_other=arg_other)
+    """Per scored position, all that a scalar bias b on the rare group's logits changes: the target,
+    its logit and whether it is rare, and the log-sum-exp and argmax (value, id) over the rare group
+    and over the other tokens."""
+    z = logits.float().reshape(-1, logits.shape[-1])
+    y = y.reshape(-1)
+    zr = z.masked_fill(~rare, -math.inf)
+    zo = z.masked_fill(rare, -math.inf)
+    st = dict(target=y, z_y=z.gather(1, y[:, None]).squeeze(1), y_rare=rare[y])
+    st["lse_rare"] = torch.logsumexp(zr, -1)
+    st["lse_other"] = torch.logsumexp(zo, -1)
+    st["max_rare"], st["arg_rare"] = zr.max(-1)
+    st["max_other"], st["arg_other"] = zo.max(-1)
+    return st
 
 
 def fit_rare_bias(st):
-    """The scalar b on the rare group's logits that minimises the mean NLL of the positions `st` (rare_logit_stats).
-    The NLL is convex in b and its derivative is (mean predicted rare mass) - (share of rare targets), so the fitted
-    b also calibrates the rare group's predicted mass. Newton's method, steps clipped to +-4."""
-    b, y_share = 0.0, st["y_rare"].double().mean()
+    """The scalar b on the rare group's logits that minimises the mean NLL of the positions `st`
+    (rare_logit_stats). The NLL is convex in b and its derivative is (mean predicted rare mass) -
+    (share of rare targets), so the fitted b also calibrates the rare group's predicted mass.
+    Newton's method, steps clipped to +-4."""
+    b = 0.0
+    y_share = st["y_rare"].double().mean()
     for _ in range(100):
         p = torch.sigmoid(st["lse_rare"].double() + b - st["lse_other"].double())
-        step = float(((p.mean() - y_share) / (p * (1 - p)).mean().clamp(min=1e-12)).clamp(-4, 4))
+        slope = p.mean() - y_share
+        curvature = (p * (1 - p)).mean().clamp(min=1e-12)
+        step = float((slope / curvature).clamp(-4, 4))
         b -= step
         if abs(step) < 1e-9:
             break
@@ -167,9 +215,10 @@ def fit_rare_bias(st):
 
 
 def fit_temperature(batches, tol=1e-6):
-    """The inverse temperature beta that minimises the mean NLL of softmax(beta * logits) over the positions that
-    batches() yields as (logits, targets), a fresh pass per call. The NLL is convex in beta, with derivative
-    E_p[z] - z_y and second derivative Var_p[z] per position: Newton's method from beta = 1, one pass per step."""
+    """The inverse temperature beta that minimises the mean NLL of softmax(beta * logits) over the
+    positions that batches() yields as (logits, targets), a fresh pass per call. The NLL is convex
+    in beta, with derivative E_p[z] - z_y and second derivative Var_p[z] per position: Newton's
+    method from beta = 1, one pass per step."""
     beta = 1.0
     for _ in range(30):
         grad = curv = 0.0
@@ -177,8 +226,10 @@ def fit_temperature(batches, tol=1e-6):
             z = logits.float().reshape(-1, logits.shape[-1])
             p = torch.softmax(beta * z, -1)
             mean = (p * z).sum(-1, keepdim=True)
-            grad += float((mean.squeeze(1) - z.gather(1, y.reshape(-1, 1)).squeeze(1)).double().sum())
-            curv += float((p * (z - mean) ** 2).sum(-1).double().sum())
+            z_y = z.gather(1, y.reshape(-1, 1)).squeeze(1)
+            grad += float((mean.squeeze(1) - z_y).double().sum())
+            variance = (p * (z - mean) ** 2).sum(-1)
+            curv += float(variance.double().sum())
         step = max(-0.5, min(0.5, grad / max(curv, 1e-12)))
         beta -= step
         if abs(step) < tol:
@@ -187,57 +238,92 @@ def fit_temperature(batches, tol=1e-6):
 
 
 def rare_bias_metrics(st, b, gid):
-    """PPL, rare mass, Uniq and rare argmax precision / recall of positions st with b on the rare logits."""
+    """PPL, rare mass, Uniq and rare argmax precision / recall of positions st with b on the rare
+    logits."""
     lse_rare = st["lse_rare"].double() + b
-    nll = torch.logaddexp(st["lse_other"].double(), lse_rare) - (st["z_y"].double() + b * st["y_rare"].double())
-    pred = torch.where(st["max_rare"] + b > st["max_other"], st["arg_rare"], st["arg_other"])
-    g, pred_rare, hit = gid[st["target"]], gid[pred] == 2, pred == st["target"]
-    up, acc = pred.unique(), agg.GroupNLL()
+    lse_other = st["lse_other"].double()
+    z_y = st["z_y"].double() + b * st["y_rare"].double()
+    nll = torch.logaddexp(lse_other, lse_rare) - z_y
+    rare_wins = st["max_rare"] + b > st["max_other"]
+    pred = torch.where(rare_wins, st["arg_rare"], st["arg_other"])
+    g = gid[st["target"]]
+    pred_rare = gid[pred] == 2
+    hit = pred == st["target"]
+    up = pred.unique()
+    acc = agg.GroupNLL()
     acc.add(nll, g)
-    return dict(bias=b, ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
-                rare_mass_pred=float(torch.sigmoid(lse_rare - st["lse_other"].double()).mean()),
-                rare_mass_true=float(st["y_rare"].double().mean()),
-                uniq=int(len(up)), uniq_groups={name: int((gid[up] == k).sum()) for k, name in enumerate(agg.GROUPS)},
-                rare_argmax_precision=float(hit[pred_rare].double().mean()) if pred_rare.any() else float("nan"),
-                rare_argmax_recall=float(hit[g == 2].double().mean()) if (g == 2).any() else float("nan"),
-                rare_argmax_count=int(pred_rare.sum()))
+    out = dict(bias=b, ppl=acc.ppl(), ppl_groups=acc.ppl_groups())
+    out["rare_mass_pred"] = float(torch.sigmoid(lse_rare - lse_other).mean())
+    out["rare_mass_true"] = float(st["y_rare"].double().mean())
+    out["uniq"] = int(len(up))
+    out["uniq_groups"] = per_group(gid, up)
+    out["rare_argmax_precision"] = float(hit[pred_rare].double().mean())  # nan: none predicted
+    out["rare_argmax_recall"] = float(hit[g == 2].double().mean())
+    out["rare_argmax_count"] = int(pred_rare.sum())
+    return out
+
+
+def per_group(gid, ids):
+    """{group: how many of `ids` are in it} (gid: group_index's ids)."""
+    return {name: int((gid[ids] == k).sum()) for k, name in enumerate(agg.GROUPS)}
 
 
 def repeated_4grams(tokens):
-    """seq-rep-4 of Welleck et al. 2020: the share of a continuation's 4-grams that are repeats, 1 - unique / all."""
+    """seq-rep-4 of Welleck et al. 2020: the share of a continuation's 4-grams that are repeats, 1 -
+    unique / all."""
     return 1 - distinct_n([tokens], 4) if len(tokens) > 3 else 0.0
 
 
 def distinct_n(continuations, n):
-    """distinct-n (Li et al. 2016): distinct n-grams over all n-grams of the continuations, pooled."""
-    grams = [tuple(c[i:i + n]) for c in continuations for i in range(len(c) - n + 1)]
+    """distinct-n (Li et al. 2016): distinct n-grams over all n-grams of the continuations,
+    pooled."""
+    grams = []
+    for c in continuations:
+        grams += [tuple(c[i : i + n]) for i in range(len(c) - n + 1)]
     return len(set(grams)) / len(grams) if grams else float("nan")
 
 
 def run_data(cfg, data_dir, task, V):
-    """The run's data as it trained: --data-dir reads its corpus from a new folder, a gone folder says so, and a corpus
-    or tokenizer changed since training (another data fingerprint or vocabulary size V) is refused."""
+    """The run's data as it trained: --data-dir reads its corpus from a new folder, a gone folder
+    says so, and a corpus or tokenizer changed since training (another data fingerprint or
+    vocabulary size V) is refused."""
     if data_dir:
         if cfg.get("dataset") != "dir":
-            raise SystemExit(f"--data-dir {data_dir}: {cfg['out']} was trained on --dataset {cfg.get('dataset')}, "
-                             f"not on a --data-dir; leave --data-dir out")
+            raise SystemExit(
+                f"--data-dir {data_dir}: {cfg['out']} was trained on --dataset "
+                f"{cfg.get('dataset')}, not on a --data-dir; leave --data-dir out"
+            )
         cfg["data_dir"] = os.path.abspath(data_dir)
     elif cfg.get("dataset") == "dir" and not os.path.isdir(cfg["data_dir"]):
-        raise SystemExit(f"{cfg['out']}: its data folder {cfg['data_dir']} is not there (moved?): give eval.py "
-                         f"--data-dir with the folder's new place")
-    data = (prepare_lm if task == "lm" else prepare_nmt)(cfg, log=lambda *a: None)
-    now, size = ((os.path.basename(data["dir"]), data["vocab_size"]) if task == "lm"
-                 else (data.cache.name, data.vocab_size))
+        raise SystemExit(
+            f"{cfg['out']}: its data folder {cfg['data_dir']} is not there (moved?): give eval.py "
+            f"--data-dir with the folder's new place"
+        )
+    if task == "lm":
+        data = prepare_lm(cfg, log=quiet)
+        now = os.path.basename(data["dir"])
+        size = data["vocab_size"]
+    else:
+        data = prepare_nmt(cfg, log=quiet)
+        now = data.cache.name
+        size = data.vocab_size
     if not runlib.same_data(cfg.get("data_fingerprint"), now) or size != V:
-        raise SystemExit(f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
-                         f"{cfg.get('data_fingerprint')}, V={V}; now {now}, V={size}): restore the original files to "
-                         f"evaluate it")
+        raise SystemExit(
+            f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
+            f"{cfg.get('data_fingerprint')}, V={V}; now {now}, V={size}): restore the original "
+            "files to evaluate it"
+        )
     return data
 
 
+def quiet(*args):
+    """A log function that prints nothing (data.py's progress messages)."""
+
+
 def document_of(ids, eos_id, documents):
-    """(article index of every position of `ids` as a LongTensor, lines per article) when the split's articles are
-    known (data.py's meta.json "documents": lines per article; every line ends with EOS), else None."""
+    """(article index of every position of `ids` as a LongTensor, lines per article) when the
+    split's articles are known (data.py's meta.json "documents": lines per article; every line ends
+    with EOS), else None."""
     if not documents:
         return None
     eos = torch.from_numpy(np.asarray(ids) == eos_id)
@@ -246,31 +332,65 @@ def document_of(ids, eos_id, documents):
     return torch.searchsorted(ends, line, right=True).clamp(max=len(documents) - 1), documents
 
 
+def nll_of(logits, y):
+    """-log softmax(logits)[y] at each position, in float64."""
+    logp = torch.log_softmax(logits, -1)
+    return -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
+
+
+def cat_stats(parts):
+    """The rare_logit_stats of many batches as one."""
+    out = {}
+    for k in parts[0]:
+        out[k] = torch.cat([p[k] for p in parts])
+    return out
+
+
 @torch.no_grad()
 def evaluate_lm(out_dir, model, ck, args, device):
-    """A train_lm.py run on its test split (or --split valid), the metrics of the module's docstring. Returns
-    (metrics, weight, train counts, None, tokens)."""
-    cfg = dict(ck["config"], device=str(device), out=out_dir, cache_dir=args.cache_dir or ck["config"]["cache_dir"])
+    """A train_lm.py run on its test split (or --split valid), the metrics of the module's
+    docstring. Returns (metrics, weight, train counts, None, tokens)."""
+    cache_dir = args.cache_dir or ck["config"]["cache_dir"]
+    cfg = dict(ck["config"], device=str(device), out=out_dir, cache_dir=cache_dir)
     data = run_data(cfg, args.data_dir, "lm", model.out_weight.shape[0])
-    V, tok, ids, autocast = data["vocab_size"], data["tokenizer"], data["ids"][args.split], runlib.autocast(cfg)
+    V = data["vocab_size"]
+    tok = data["tokenizer"]
+    ids = data["ids"][args.split]
+    autocast = runlib.autocast(cfg)
     gid = agg.group_of(agg.frequency_groups(data["counts"]), V)
-    gid_d, rare_d = gid.to(device), gid.to(device) == 2
+    gid_d = gid.to(device)
+    rare_d = gid_d == 2
     n = min(len(ids) - 1, args.max_tokens or len(ids))
-    valid = lambda: train_lm.score(model, data["ids"]["valid"], len(data["ids"]["valid"]) - 1, cfg, device, autocast,
-                                   args.context_window)
-    stats = lambda logits, y: {k: v.cpu() for k, v in rare_logit_stats(logits, y, rare_d).items()}
-    cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    nll_of = lambda logits, y: -torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
-    # The free calibration baselines, fitted on the valid split (minimum NLL): one temperature on all logits, and one
-    # bias on the rare group's logits (which also calibrates the group's predicted mass)
-    beta, bias = fit_temperature(valid), fit_rare_bias(cat([stats(logits, y) for logits, y, _ in valid()]))
-    acc, acc_t = agg.GroupNLL(), agg.GroupNLL()  # at temperature 1 and at the fitted one
-    type_nll = torch.zeros(V, dtype=torch.float64)  # NLL summed per target type: the per-type share of a PPL gap
-    preds, logit_stats = [], []
-    doc = document_of(ids, data["eos_id"], data["meta"].get("documents", {}).get(args.split))
-    articles = agg.GroupNLL(3 * len(doc[1])) if doc is not None else None  # NLL per (article, group)
-    for logits, y, pos in tqdm(train_lm.score(model, ids, n, cfg, device, autocast, args.context_window),
-                               desc=f"{os.path.basename(os.path.normpath(cfg['out']))} {args.split}", leave=False):
+    valid_ids = data["ids"]["valid"]
+    window = args.context_window
+
+    def valid():
+        return train_lm.score(model, valid_ids, len(valid_ids) - 1, cfg, device, autocast, window)
+
+    def stats(logits, y):
+        st = rare_logit_stats(logits, y, rare_d)
+        return {k: v.cpu() for k, v in st.items()}
+
+    # The free calibration baselines, fitted on the valid split (minimum NLL): one temperature on
+    # all logits, and one bias on the rare group's logits (which also calibrates the group's
+    # predicted mass)
+    beta = fit_temperature(valid)
+    valid_stats = [stats(logits, y) for logits, y, _ in valid()]
+    bias = fit_rare_bias(cat_stats(valid_stats))
+    acc = agg.GroupNLL()  # at temperature 1
+    acc_t = agg.GroupNLL()  # at the fitted temperature
+    # NLL summed per target type: the per-type share of a PPL gap
+    type_nll = torch.zeros(V, dtype=torch.float64)
+    preds = []
+    logit_stats = []
+    documents = data["meta"].get("documents", {}).get(args.split)
+    doc = document_of(ids, data["eos_id"], documents)
+    articles = None
+    if doc is not None:  # NLL per (article, group)
+        articles = agg.GroupNLL(3 * len(doc[1]))
+    name = os.path.basename(os.path.normpath(cfg["out"]))
+    batches = train_lm.score(model, ids, n, cfg, device, autocast, window)
+    for logits, y, pos in tqdm(batches, desc=f"{name} {args.split}", leave=False):
         nll = nll_of(logits.float(), y)
         acc.add(nll, gid_d[y])
         acc_t.add(nll_of(beta * logits.float(), y), gid_d[y])
@@ -279,217 +399,344 @@ def evaluate_lm(out_dir, model, ck, args, device):
         type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
         preds.append(logits.argmax(-1).flatten().cpu())
         logit_stats.append(stats(logits, y))
-    preds, logit_stats = torch.cat(preds), cat(logit_stats)
-    up, ut = preds.unique(), logit_stats["target"].unique()
-    per_group = lambda ids: {g: int((gid[ids] == k).sum()) for k, g in enumerate(agg.GROUPS)}
-    m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=cfg["out"], split=args.split,
-             context_window=args.context_window, tokens=acc.tokens(), ppl=acc.ppl(), ppl_groups=acc.ppl_groups(),
-             uniq=int(len(up)), uniq_groups=per_group(up), uniq_human=int(len(ut)), uniq_human_groups=per_group(ut),
-             rare_argmax=rare_bias_metrics(logit_stats, 0.0, gid), rare_bias=rare_bias_metrics(logit_stats, bias, gid),
-             temperature=dict(t=1 / beta, ppl=acc_t.ppl(), ppl_groups=acc_t.ppl_groups()),
-             type_stats=dict(nll=type_nll, count=torch.bincount(logit_stats["target"], minlength=V)),  # not saved
-             article_stats=None if articles is None else dict(  # per held-out article and group: the bootstrap units
-                 nll=articles.nll.view(-1, 3).tolist(), count=articles.count.view(-1, 3).tolist()))
-    # greedy continuations of evenly spaced prefixes of the split (AGG Table 14), and the same prefixes continued by
-    # sampling (temperature 1, seeded): diversity where greedy decoding hides it
-    gens, greedy, sampled, span = [], [], [], args.prefix_len + args.gen_len
+    up = torch.cat(preds).unique()
+    logit_stats = cat_stats(logit_stats)
+    ut = logit_stats["target"].unique()
+    m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=cfg["out"])
+    m.update(split=args.split, context_window=window, tokens=acc.tokens())
+    m.update(ppl=acc.ppl(), ppl_groups=acc.ppl_groups())
+    m.update(uniq=int(len(up)), uniq_groups=per_group(gid, up))
+    m.update(uniq_human=int(len(ut)), uniq_human_groups=per_group(gid, ut))
+    m["rare_argmax"] = rare_bias_metrics(logit_stats, 0.0, gid)
+    m["rare_bias"] = rare_bias_metrics(logit_stats, bias, gid)
+    m["temperature"] = dict(t=1 / beta, ppl=acc_t.ppl(), ppl_groups=acc_t.ppl_groups())
+    type_count = torch.bincount(logit_stats["target"], minlength=V)
+    m["type_stats"] = dict(nll=type_nll, count=type_count)  # not saved
+    m["article_stats"] = None
+    if articles is not None:  # per held-out article and group: the bootstrap units
+        article_nll = articles.nll.view(-1, 3).tolist()
+        article_count = articles.count.view(-1, 3).tolist()
+        m["article_stats"] = dict(nll=article_nll, count=article_count)
+    # greedy continuations of evenly spaced prefixes of the split (AGG Table 14), and the same
+    # prefixes continued by sampling (temperature 1, seeded): diversity where greedy decoding hides
+    # it
+    gens = []
+    greedy = []
+    sampled = []
+    span = args.prefix_len + args.gen_len
     torch.manual_seed(0)
     for j in range(args.n_samples if len(ids) > span else 0):
         s = j * (len(ids) - span) // args.n_samples
-        prefix = torch.from_numpy(np.asarray(ids[s:s + args.prefix_len], dtype=np.int64))[None].to(device)
-        cont = model.generate(prefix, args.gen_len, autocast=autocast)[0, args.prefix_len:].tolist()
+        prefix = np.asarray(ids[s : s + args.prefix_len], dtype=np.int64)
+        prefix = torch.from_numpy(prefix)[None].to(device)
+        cont = model.generate(prefix, args.gen_len, autocast=autocast)
+        cont = cont[0, args.prefix_len :].tolist()
         greedy.append(cont)
-        sampled.append(model.generate(prefix, args.gen_len, temperature=1.0)[0, args.prefix_len:].tolist())
-        human = np.asarray(ids[s + args.prefix_len:s + span]).tolist()
-        gens.append(dict(position=s, prefix=tok.decode(prefix[0].tolist()), continuation=tok.decode(cont),
-                         human=tok.decode(human), uniq=len(set(cont)), uniq_human=len(set(human)),
-                         rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human)))
+        sample = model.generate(prefix, args.gen_len, temperature=1.0)
+        sampled.append(sample[0, args.prefix_len :].tolist())
+        human = np.asarray(ids[s + args.prefix_len : s + span]).tolist()
+        gen = dict(position=s, prefix=tok.decode(prefix[0].tolist()))
+        gen.update(continuation=tok.decode(cont), human=tok.decode(human))
+        gen.update(uniq=len(set(cont)), uniq_human=len(set(human)))
+        gen.update(rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human))
+        gens.append(gen)
     m["generations"] = gens
     for key in ("uniq", "uniq_human", "rep4", "rep4_human"):
         m[f"gen_{key}"] = float(np.mean([g[key] for g in gens])) if gens else float("nan")
     if gens:
         m["gen_rep4_sampled"] = float(np.mean([repeated_4grams(c) for c in sampled]))
-        m["gen_distinct"] = {kind: {str(n): distinct_n(conts, n) for n in (1, 2, 3, 4)}
-                             for kind, conts in (("greedy", greedy), ("sampled", sampled))}
-    W = model.out_weight.detach().float().cpu()  # the softmax's matrix: the tied embedding, or lm_head with --untie
+        m["gen_distinct"] = {}
+        for kind, conts in (("greedy", greedy), ("sampled", sampled)):
+            m["gen_distinct"][kind] = {str(n): distinct_n(conts, n) for n in (1, 2, 3, 4)}
+    # the softmax's matrix: the tied embedding, or lm_head with --untie
+    W = model.out_weight.detach().float().cpu()
     sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
     sims.update({k: getattr(args, k) for k in ("men", "rg65", "rw") if getattr(args, k)})
     ws = word_similarity(W, tok, cfg["tokenizer"], sims)
     m["word_similarity"] = {k: v[0] for k, v in ws.items()}
     m["word_similarity_pairs"] = {k: [v[1], v[2]] for k, v in ws.items()}
-    tokens = [tok.decode([i]) if cfg["tokenizer"] == "bpe" else (tok.id_to_token(i) or "") for i in range(V)]
+    if cfg["tokenizer"] == "bpe":
+        tokens = [tok.decode([i]) for i in range(V)]
+    else:
+        tokens = [tok.id_to_token(i) or "" for i in range(V)]
     return m, W, data["counts"], None, tokens
 
 
-# ------------------------------------------------------------------------------------------------------------ NMT
+# ---------------------------------------------------------------------------------------------- NMT
 def average_checkpoints(out_dir, n):
-    """The mean of the model weights of the last n snapshots, as fairseq's scripts/average_checkpoints.py."""
+    """The mean of the model weights of the last n snapshots, as fairseq's
+    scripts/average_checkpoints.py."""
     if n < 1:  # [-n:] of a negative n would drop snapshots instead of taking the last ones
-        raise SystemExit(f"--average-last {n}: give the number of snapshots to average, >= 1 (0: the last checkpoint)")
+        raise SystemExit(
+            f"--average-last {n}: give the number of snapshots to average, >= 1 (0: the last "
+            "checkpoint)"
+        )
     paths = runlib.snapshots(out_dir)[-n:]
     if len(paths) < n:
-        raise SystemExit(f"{out_dir}: --average-last {n} needs {n} ckpt_STEP.pt snapshots, found {len(paths)}; "
-                         f"train with --keep-last {n} (or more)")
+        raise SystemExit(
+            f"{out_dir}: --average-last {n} needs {n} ckpt_STEP.pt snapshots, found {len(paths)}; "
+            f"train with --keep-last {n} (or more)"
+        )
+    names = [os.path.basename(p) for p in paths]
     avg = {}
     for p in paths:  # one snapshot in memory at a time
         model = runlib.load_checkpoint(p, "nmt")["model"]
         for k, v in model.items():
             avg[k] = avg[k] + v.double() if k in avg else v.double()
-    return {k: (v / n).to(model[k].dtype) for k, v in avg.items()}, [os.path.basename(p) for p in paths]
+    return {k: (v / n).to(model[k].dtype) for k, v in avg.items()}, names
 
 
 @torch.no_grad()
 def evaluate_nmt(out_dir, model, ck, args, device):
-    """A train_nmt.py run on its test split: BLEU, test PPL, the target side's metrics (train_nmt.validate), the first
-    test translations. Returns (metrics, weight, counts of both sides, source counts, tokens)."""
+    """A train_nmt.py run on its test split: BLEU, test PPL, the target side's metrics
+    (train_nmt.validate), the first test translations. Returns (metrics, weight, counts of both
+    sides, source counts, tokens)."""
     cfg = dict(ck["config"], device=str(device), beam=args.beam, out=out_dir)
     data = run_data(cfg, args.data_dir, "nmt", model.out_weight.shape[0])
-    if n := args.max_sentences:
-        data.ids.update({k: data.ids[k][:n] for k in ("test.src", "test.tgt")})
+    n = args.max_sentences
+    if n:
+        for k in ("test.src", "test.tgt"):
+            data.ids[k] = data.ids[k][:n]
         data.text["test"] = tuple(side[:n] for side in data.text["test"])
-    weights, averaged = average_checkpoints(cfg["out"], args.average_last) if args.average_last else (None, None)
-    if weights is not None:
+    averaged = None
+    if args.average_last:
+        weights, averaged = average_checkpoints(cfg["out"], args.average_last)
         model.load_state_dict(weights)
     res, hyps = train_nmt.validate(model, None, data, cfg, device, split="test", bleu_sents=0)
-    hyp_text, (src_text, ref_text) = [data.decode(h) for h in hyps], data.text["test"]
-    m = dict(task="nmt", out_dir=cfg["out"], bleu=res["bleu"], bleu_signature=res["bleu_signature"],
-             test_loss=res["loss"], test_ppl=res["ppl"], ppl_groups=res["ppl_groups"],
-             group_rare_mass_pred=res["group_rare_mass_pred"], group_rare_mass_true=res["group_rare_mass_true"],
-             decode_s=res["decode_s"], n_sentences=res["bleu_sents"], beam=args.beam, lenpen=cfg["lenpen"],
-             src=cfg["src"], tgt=cfg["tgt"], dataset=cfg["dataset"], method=cfg["method"], step=ck["step"],
-             norm=cfg.get("norm", "pre"), target=res["target"], rare_rule=train_nmt.rare_rule(cfg),
-             checkpoints_averaged=len(averaged) if averaged else 0, averaged_files=averaged,
-             **{k: res[k] for k in ("bleu_tok_compound", "bleu_tok_compound_protocol") if k in res},
-             translations=[dict(src=src_text[i], ref=ref_text[i], hyp=hyp_text[i]) for i in range(min(5, len(hyps)))],
-             texts=dict(hyps=hyp_text, refs=list(ref_text),  # for --compare's paired bootstrap, not saved
-                        bleu_tokenize=cfg["bleu_tokenize"] or train_nmt.BLEU_TOKENIZE.get(cfg["tgt"], "13a")))
+    hyp_text = [data.decode(h) for h in hyps]
+    src_text, ref_text = data.text["test"]
+    m = dict(task="nmt", out_dir=cfg["out"], bleu=res["bleu"], bleu_signature=res["bleu_signature"])
+    m.update(test_loss=res["loss"], test_ppl=res["ppl"])
+    for key in ("ppl_groups", "group_rare_mass_pred", "group_rare_mass_true", "decode_s"):
+        m[key] = res[key]
+    m.update(n_sentences=res["bleu_sents"], beam=args.beam, lenpen=cfg["lenpen"])
+    for key in ("src", "tgt", "dataset", "method"):
+        m[key] = cfg[key]
+    m.update(step=ck["step"], norm=cfg.get("norm", "pre"), target=res["target"])
+    m["rare_rule"] = train_nmt.rare_rule(cfg)
+    m["checkpoints_averaged"] = len(averaged) if averaged else 0
+    m["averaged_files"] = averaged
+    for key in ("bleu_tok_compound", "bleu_tok_compound_protocol"):
+        if key in res:
+            m[key] = res[key]
+    first = zip(src_text, ref_text, hyp_text[:5])
+    m["translations"] = [dict(src=src, ref=ref, hyp=hyp) for src, ref, hyp in first]
+    bleu_tokenize = cfg["bleu_tokenize"] or train_nmt.BLEU_TOKENIZE.get(cfg["tgt"], "13a")
+    # for --compare's paired bootstrap, not saved
+    m["texts"] = dict(hyps=hyp_text, refs=list(ref_text), bleu_tokenize=bleu_tokenize)
     print(f"{cfg['out']}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
     W = model.out_weight.detach().float().cpu()
     return m, W, data.corpus_counts.clone(), data.src_counts.clone(), data.tokens()
 
 
-# ---------------------------------------------------------------------------------------------------- run folders
+# -------------------------------------------------------------------------------------- run folders
 def log_records(out_dir, split="valid"):
-    """The records of one split of a run's log.jsonl ([] without one); a torn line is skipped with a warning."""
-    path, recs = os.path.join(out_dir, "log.jsonl"), []
+    """The records of one split of a run's log.jsonl ([] without one); a torn line is skipped with a
+    warning."""
+    path = os.path.join(out_dir, "log.jsonl")
+    recs = []
     if os.path.exists(path):
         with open(path) as f:
             for i, line in enumerate(f, 1):
                 try:
                     recs.append(json.loads(line) if line.strip() else {})
                 except json.JSONDecodeError:
-                    print(f"warning: {path} line {i} is not complete JSON (a torn write): skipped", file=sys.stderr)
+                    print(
+                        f"warning: {path} line {i} is not complete JSON (a torn write): skipped",
+                        file=sys.stderr,
+                    )
     return [r for r in recs if r.get("split") == split]
 
 
 def last_valid_ppl(out_dir, step):
-    return next((r.get("ppl") for r in reversed(log_records(out_dir)) if r.get("step") == step), None)
+    return next(
+        (r.get("ppl") for r in reversed(log_records(out_dir)) if r.get("step") == step), None
+    )
 
 
 def labels_for(out_dirs):
     labels = [os.path.basename(os.path.normpath(d)) for d in out_dirs]
-    return labels if len(set(labels)) == len(labels) else [os.path.relpath(os.path.normpath(d)) for d in out_dirs]
+    if len(set(labels)) == len(labels):
+        return labels
+    return [os.path.relpath(os.path.normpath(d)) for d in out_dirs]
 
 
 def fmt(x, nd=2):
-    return (f"{x:.{nd}f}" if abs(x) < 1e5 else f"{x:.3g}") if isinstance(x, float) else str(x)  # nan: "nan"
+    if not isinstance(x, float):
+        return str(x)
+    if abs(x) < 1e5:
+        return f"{x:.{nd}f}"
+    return f"{x:.3g}"  # nan: "nan"
 
 
-# --------------------------------------------------------------------------------------------------------- driver
+# ------------------------------------------------------------------------------------------- driver
 def evaluate(run_dir, args=None, device=None, probes=None, **flags):
-    """One run's evaluation, the one read of its checkpoint (probes {data: token ids}: the same rare tokens for runs
-    on the same data; flags: eval.py's by name, e.g. split="valid", beam=2). Returns {"metrics", "weight", "counts",
-    "src_counts", "tgt_counts", "tokens", "out_bias"}; metrics' "type_stats" / "texts" serve comparisons only."""
+    """One run's evaluation, the one read of its checkpoint (probes {data: token ids}: the same rare
+    tokens for runs on the same data; flags: eval.py's by name, e.g. split="valid", beam=2). Returns
+    {"metrics", "weight", "counts", "src_counts", "tgt_counts", "tokens", "out_bias"}; metrics'
+    "type_stats" / "texts" serve comparisons only."""
     if args is None:
         args = build_parser().parse_args([run_dir])
-        if unknown := set(flags) - set(vars(args)):
+        unknown = set(flags) - set(vars(args))
+        if unknown:
             raise TypeError(f"unknown eval.py flags {sorted(unknown)}")
         vars(args).update(flags)
     device = torch.device(device or args.device)
     ck = runlib.load_checkpoint(runlib.checkpoint_file(run_dir, args.checkpoint))
     model = {"lm": train_lm, "nmt": train_nmt}[ck["task"]].load_model(ck, device)
-    m, W, c, src_c, tokens = (evaluate_lm if ck["task"] == "lm" else evaluate_nmt)(run_dir, model, ck, args, device)
-    m.update(geometry(W, c, args.include_unseen), seed=ck["config"].get("seed"),
-             valid_ppl=last_valid_ppl(run_dir, m.get("step")), singular_values=agg.singular_spectrum(W).tolist())
-    if (bias := getattr(model, "out_bias", None)) is not None:  # train_lm.py --output-bias
+    evaluate_task = evaluate_lm if ck["task"] == "lm" else evaluate_nmt
+    m, W, c, src_c, tokens = evaluate_task(run_dir, model, ck, args, device)
+    m.update(geometry(W, c, args.include_unseen), seed=ck["config"].get("seed"))
+    m["valid_ppl"] = last_valid_ppl(run_dir, m.get("step"))
+    m["singular_values"] = agg.singular_spectrum(W).tolist()
+    bias = getattr(model, "out_bias", None)  # train_lm.py --output-bias
+    if bias is not None:
         bias = bias.detach().float().cpu()
         m["output_bias"] = output_bias_stats(bias, c)
-    key = (ck["task"], int(c.sum()), len(c))  # runs on the same data: the probe tokens of the first such run
-    ids = ({} if probes is None else probes).setdefault(key, pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c))
+    # runs on the same data: the probe tokens of the first such run
+    key = (ck["task"], int(c.sum()), len(c))
+    probes = {} if probes is None else probes
+    ids = probes.setdefault(key, pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c))
     gid = group_index(c)[0]
-    m["neighbours"] = {tokens[i].strip(): [tokens[j].strip() + ("*" if gid[j] == 2 else "") for j in ns]
-                       for i, ns in zip(ids, neighbours(W, ids))} if ids else {}
+    m["neighbours"] = {}
+    for i, near in zip(ids, neighbours(W, ids) if ids else []):
+        shown = [tokens[j].strip() + ("*" if gid[j] == 2 else "") for j in near]
+        m["neighbours"][tokens[i].strip()] = shown
     m["checkpoint"] = args.checkpoint
-    return dict(metrics=m, weight=W, counts=c, tokens=tokens, src_counts=src_c,
-                tgt_counts=None if src_c is None else c - src_c, out_bias=bias)
+    tgt_c = None if src_c is None else c - src_c
+    return dict(
+        metrics=m,
+        weight=W,
+        counts=c,
+        tokens=tokens,
+        src_counts=src_c,
+        tgt_counts=tgt_c,
+        out_bias=bias,
+    )
 
 
 def read_configs(args):
-    """{run folder: config} of args.out_dirs (config.json, else the checkpoint's own), checked before any long work:
-    the checkpoint to evaluate exists, the task is known, --average-last goes with NMT runs."""
+    """{run folder: config} of args.out_dirs (config.json, else the checkpoint's own), checked
+    before any long work: the checkpoint to evaluate exists, the task is known, --average-last goes
+    with NMT runs."""
     if args.average_last < 0:
-        raise SystemExit(f"--average-last {args.average_last}: give the number of snapshots to average, >= 1 "
-                         f"(0: the last checkpoint)")
+        raise SystemExit(
+            f"--average-last {args.average_last}: give the number of snapshots to average, >= 1 "
+            f"(0: the last checkpoint)"
+        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
+        raise SystemExit(
+            f"--device {args.device}: CUDA is not available on this machine; use --device cpu"
+        )
     configs = {}
     for d in args.out_dirs:
         path = runlib.checkpoint_file(d, args.checkpoint)
         if not os.path.exists(path):
-            raise SystemExit(f"{path}: no checkpoint. Pass run folders written by train_lm.py / train_nmt.py --out.")
+            raise SystemExit(
+                f"{path}: no checkpoint. Pass run folders written by train_lm.py / train_nmt.py "
+                "--out."
+            )
         cfg = configs[d] = runlib.run_config(d) or runlib.load_checkpoint(path)["config"]
         if cfg.get("task") not in ("lm", "nmt"):
             raise SystemExit(f"{path}: unknown task {cfg.get('task')!r} (expected 'lm' or 'nmt')")
-    tasks, default = {c["task"] for c in configs.values()}, vars(build_parser(runs="*").parse_args([]))
-    task_flags = dict(lm=("split", "max_tokens", "context_window"), nmt=("max_sentences", "beam", "average_last"))
-    for task, keys in task_flags.items():  # a flag of the other task would be ignored without a word
-        if task not in tasks and (given := [k for k in keys if getattr(args, k, None) != default[k]]):
-            raise SystemExit(f"--{given[0].replace('_', '-')} is a flag of {task.upper()} runs and these are "
-                             f"{'/'.join(sorted(tasks)).upper()} runs ({', '.join(args.out_dirs)}): drop it")
+    tasks = {c["task"] for c in configs.values()}
+    default = vars(build_parser(runs="*").parse_args([]))
+    task_flags = dict(
+        lm=("split", "max_tokens", "context_window"), nmt=("max_sentences", "beam", "average_last")
+    )
+    # a flag of the other task would be ignored without a word
+    for task, keys in task_flags.items():
+        given = [k for k in keys if getattr(args, k, None) != default[k]]
+        if task not in tasks and given:
+            raise SystemExit(
+                f"--{given[0].replace('_', '-')} is a flag of {task.upper()} runs and these are "
+                f"{'/'.join(sorted(tasks)).upper()} runs ({', '.join(args.out_dirs)}): drop it"
+            )
     return configs
 
 
 def evaluate_runs(args):
-    """evaluate() each of args.out_dirs in turn (one checkpoint in memory at a time): {label: its result}, with the
-    test translations of an NMT run in OUT/test_hyps_LABEL.txt and ["texts"], an LM run's ["type_stats"]."""
+    """evaluate() each of args.out_dirs in turn (one checkpoint in memory at a time): {label: its
+    result}, with the test translations of an NMT run in OUT/test_hyps_LABEL.txt and ["texts"], an
+    LM run's ["type_stats"]."""
     os.makedirs(args.out, exist_ok=True)
-    device, probes, results = torch.device(args.device), {}, {}
+    device = torch.device(args.device)
+    probes = {}
+    results = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
         res = results[label] = evaluate(out_dir, args, device, probes)
         m = res["metrics"]
         if "texts" in m:
             res["texts"] = m.pop("texts")
-            runlib.write_text(os.path.join(args.out, f"test_hyps_{label}.txt"), "\n".join(res["texts"]["hyps"]) + "\n")
+            runlib.write_text(
+                os.path.join(args.out, f"test_hyps_{label}.txt"),
+                "\n".join(res["texts"]["hyps"]) + "\n",
+            )
         if "type_stats" in m:
             res["type_stats"] = dict(m.pop("type_stats"), rare=group_index(res["counts"])[0] == 2)
-        print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in ("ppl", "bleu", "isotropy", "mean_cosine")
-                                         if k in m))
+        shown = [k for k in ("ppl", "bleu", "isotropy", "mean_cosine") if k in m]
+        print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in shown))
     return results
 
 
 def build_parser(doc=__doc__, runs="+"):
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out_dirs", nargs=runs, help="run folders (each with ckpt.pt)")
-    p.add_argument("--out", default=os.path.join(runlib.ROOT, "out", "report"), help="report folder")
+    p.add_argument(
+        "--out", default=os.path.join(runlib.ROOT, "out", "report"), help="report folder"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--split", default="test", choices=["test", "valid"], help="LM split to evaluate")
-    p.add_argument("--max-tokens", type=int, default=None, help="cap on LM evaluation tokens (default: all)")
-    p.add_argument("--max-sentences", type=int, default=None, help="NMT: the first N test sentences (default: all)")
-    p.add_argument("--context-window", type=int, default=0, help="LM: score blocks after N context tokens (fairseq's)")
-    p.add_argument("--cache-dir", default=None, help="LM data cache (default: the run's own)")
-    p.add_argument("--data-dir", metavar="DIR", help="the runs' --data-dir corpus moved to DIR (the same files)")
+    p.add_argument(
+        "--split", default="test", choices=["test", "valid"], help="LM split to evaluate"
+    )
+    p.add_argument("--max-tokens", type=int, help="cap on LM evaluation tokens (default: all)")
+    p.add_argument(
+        "--max-sentences",
+        type=int,
+        help="NMT: the first N test sentences (default: all)",
+    )
+    p.add_argument(
+        "--context-window",
+        type=int,
+        default=0,
+        help="LM: score blocks after N context tokens (fairseq's)",
+    )
+    p.add_argument("--cache-dir", help="LM data cache (default: the run's own)")
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="the runs' --data-dir corpus moved to DIR (the same files)",
+    )
     p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
     p.add_argument("--prefix-len", type=int, default=50)
     p.add_argument("--gen-len", type=int, default=100)
-    p.add_argument("--n-rare-tokens", type=int, default=6, help="rare tokens whose neighbours are listed")
-    p.add_argument("--men", default=None, help="MEN word-similarity file (word1 word2 score)")
-    p.add_argument("--rg65", default=None, help="RG65 word-similarity file")
-    p.add_argument("--rw", default=None, help="Stanford Rare Words file")
+    p.add_argument(
+        "--n-rare-tokens", type=int, default=6, help="rare tokens whose neighbours are listed"
+    )
+    p.add_argument("--men", help="MEN word-similarity file (word1 word2 score)")
+    p.add_argument("--rg65", help="RG65 word-similarity file")
+    p.add_argument("--rw", help="Stanford Rare Words file")
     p.add_argument("--beam", type=int, default=4, help="NMT beam size")
-    p.add_argument("--average-last", type=int, default=0, help="NMT: average the last N snapshots (--keep-last N)")
-    p.add_argument("--include-unseen", action="store_true", help="geometry over every row (default: the rows seen)")
-    p.add_argument("--checkpoint", default="last", choices=["last", "best"],
-                   help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM runs)")
+    p.add_argument(
+        "--average-last",
+        type=int,
+        default=0,
+        help="NMT: average the last N snapshots (--keep-last N)",
+    )
+    p.add_argument(
+        "--include-unseen",
+        action="store_true",
+        help="geometry over every row (default: the rows seen)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="last",
+        choices=["last", "best"],
+        help="last: ckpt.pt (the end of training); best: ckpt_best.pt (lowest validation PPL, LM "
+        "runs)",
+    )
     return p
 
 

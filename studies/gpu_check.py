@@ -1,9 +1,14 @@
 """The parts of studies/gpu_check.sh (its header says how to run it), each in a process of its own:
 
-    python -m studies.gpu_check train OUT.json STEPS lm|nmt METHODS TRAIN_FLAGS...  # tokens/s, peak memory
-    python -m studies.gpu_check numerics OUT.json DEVICE "LM_FLAGS" "NMT_FLAGS"     # device vs CPU, bf16, resume
-    python -m studies.gpu_check report WORK GPU.json                                # gpu.json: parts and targets
+# tokens/s, peak memory
+python -m studies.gpu_check train OUT.json STEPS lm|nmt METHODS TRAIN_FLAGS...
+# device vs CPU, bf16, resume
+python -m studies.gpu_check numerics OUT.json DEVICE "LM_FLAGS" "NMT_FLAGS"
+# gpu.json: parts and targets
+python -m studies.gpu_check report WORK GPU.json
 """
+
+import contextlib
 import glob
 import json
 import os
@@ -19,13 +24,15 @@ import runlib
 import train_lm
 import train_nmt
 
-PEAK_FLOPS = 989e12  # dense bf16 FLOP/s of an H100 SXM (NVIDIA's datasheet; the H200 is the same chip): MFU's base
+# dense bf16 FLOP/s of an H100 SXM (NVIDIA's datasheet; the H200 is the same chip): MFU's base
+PEAK_FLOPS = 989e12
 SCRIPTS = {"lm": train_lm, "nmt": train_nmt}
 
 
 def throughput(folder):
-    """Tokens/s after the warm-up steps (compilation, allocator; NMT: the first epoch, 3.5-7x slower per new batch
-    shape) from --log-interval 1 records (train_lm: tokens/s since the start; train_nmt: since the last record)."""
+    """Tokens/s after the warm-up steps (compilation, allocator; NMT: the first epoch, 3.5-7x slower
+    per new batch shape) from --log-interval 1 records (train_lm: tokens/s since the start;
+    train_nmt: since the last record)."""
     cfg, recs = runlib.run_config(folder), ev.log_records(folder, "train")
     if cfg["task"] == "lm":
         tokens = [cfg["tokens_per_step_actual"]] * len(recs)
@@ -34,111 +41,253 @@ def throughput(folder):
     else:
         tokens = [r["target_tokens_per_step"] for r in recs]
         secs = [t / r["tokens_per_s"] for t, r in zip(tokens, recs)]
-    warm = max(3, len(recs) // 4, round(cfg["steps_per_epoch"]) * (len(recs) >= cfg["steps_per_epoch"] + 10))
-    return dict(preset=cfg["preset"], n_params=cfg["n_params"], vocab_size=cfg["vocab_size_actual"],
-                steps=len(recs), warmup_steps=warm, first_step_s=round(secs[0], 3) if secs else None,
-                tokens_per_s=round(sum(tokens[warm:]) / sum(secs[warm:]), 1) if len(recs) > warm else None)
+    warm = max(
+        3,
+        len(recs) // 4,
+        round(cfg["steps_per_epoch"]) * (len(recs) >= cfg["steps_per_epoch"] + 10),
+    )
+    return dict(
+        preset=cfg["preset"],
+        n_params=cfg["n_params"],
+        vocab_size=cfg["vocab_size_actual"],
+        steps=len(recs),
+        warmup_steps=warm,
+        first_step_s=round(secs[0], 3) if secs else None,
+        tokens_per_s=round(sum(tokens[warm:]) / sum(secs[warm:]), 1) if len(recs) > warm else None,
+    )
 
 
 def train(out, steps, script, methods, *flags):
-    """Each method's run of `script` for `steps` steps or, after 8 steps, its share of the part's time limit; it stops
-    as on a signal (no final validation) and writes no checkpoint (not measured; minutes at gpt2-medium)."""
-    end, rows, cut = time.time() + float(os.environ.get("GPU_CHECK_LIMIT", 1e9)) - 15, [], {}
-    runlib.save_checkpoint, stopping = lambda path, state: None, runlib.Run.stopping
-    runlib.Run.stopping = lambda self, step: (step >= int(steps) or step >= 8 and time.time() > cut["at"]
-                                              or stopping(self, step))
-    for i, method in enumerate(methods := methods.split(",")):
-        cut["at"], folder = time.time() + (end - time.time()) / (len(methods) - i), f"{out[:-5]}-{method}"
-        row = dict(script=script, method=method, compile="--compile" in flags, argv=[*flags, "--method", method])
+    """Each method's run of `script` for `steps` steps or, after 8 steps, its share of the part's
+    time limit; it stops as on a signal (no final validation) and writes no checkpoint (not
+    measured; minutes at gpt2-medium)."""
+    end = time.time() + float(os.environ.get("GPU_CHECK_LIMIT", 1e9)) - 15
+    rows = []
+    cut = {}
+
+    def skip_checkpoint(path, state):
+        return None
+
+    class TimeUp(list):
+        """runlib.stop_signals' list, asked once a step: true at `steps`, or after 8 steps once
+        the method's share of the time is spent (the run then stops as on a signal)."""
+
+        asked = 0
+
+        def __bool__(self):
+            self.asked += 1
+            late = self.asked >= 8 and time.time() > cut["at"]
+            return self.asked >= int(steps) or late
+
+    @contextlib.contextmanager
+    def time_limit():
+        yield TimeUp(["the time limit"])  # the run's exit names it
+
+    runlib.save_checkpoint = skip_checkpoint
+    runlib.stop_signals = time_limit
+    methods = methods.split(",")
+    for i, method in enumerate(methods):
+        cut["at"], folder = (
+            time.time() + (end - time.time()) / (len(methods) - i),
+            f"{out[:-5]}-{method}",
+        )
+        row = dict(
+            script=script,
+            method=method,
+            compile="--compile" in flags,
+            argv=[*flags, "--method", method],
+        )
         if cuda := torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
-            SCRIPTS[script].main([*flags, "--method", method, "--out", folder, "--overwrite"])
+            try:
+                SCRIPTS[script].main([*flags, "--method", method, "--out", folder, "--overwrite"])
+            except SystemExit as e:  # stopped by time_limit: a finished measurement
+                if "stopped at step" not in str(e):
+                    raise
             row.update(throughput(folder))
         except (Exception, SystemExit) as e:  # noqa: BLE001 - an out-of-memory run is a result too
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(dict(row, peak_mem_mb=round(torch.cuda.max_memory_allocated() / 2 ** 20) if cuda else None))
+        rows.append(
+            dict(
+                row, peak_mem_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None
+            )
+        )
         runlib.write_json(out, rows)
 
 
-max_rel = lambda a, b: max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
+def max_rel(a, b):
+    return max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
 
 
 def numerics(out, device, lm_flags, nmt_flags, steps=8):
-    """Per script, tiny fixed-seed runs with the loss of every step: fp32 on `device` vs CPU and bf16 vs fp32 (no
-    dropout: its masks differ between devices); with dropout on `device`, a repeat (run-to-run noise of the kernels)
-    and --stop-at steps/2 + --resume, each against the uninterrupted run (losses and ckpt.pt's weights). lm_practice:
-    the LM with AGG, a late untying at step 6 of 8 (in the resumed half), a soft-cap and an embedding lr."""
+    """Per script, tiny fixed-seed runs with the loss of every step: fp32 on `device` vs CPU and
+    bf16 vs fp32 (no dropout: its masks differ between devices); with dropout on `device`, a repeat
+    (run-to-run noise of the kernels) and --stop-at steps/2 + --resume, each against the
+    uninterrupted run (losses and ckpt.pt's weights). lm_practice: the LM with AGG, a late untying
+    at step 6 of 8 (in the resumed half), a soft-cap and an embedding lr."""
     res, work = {}, os.path.join(os.path.dirname(os.path.abspath(out)), "numerics")
 
     def go(script, name, *flags):
         folder = os.path.join(work, f"{key}-{name}")
-        SCRIPTS[script].main([*flags, "--out", folder, *(() if "--resume" in flags else ("--overwrite",))])
+        SCRIPTS[script].main(
+            [*flags, "--out", folder, *(() if "--resume" in flags else ("--overwrite",))]
+        )
         losses = [r["loss"] for r in ev.log_records(folder, "train")]
         return losses, torch.load(f"{folder}/ckpt.pt", weights_only=True)["model"]
 
     def compare(a, b):
         (la, wa), (lb, wb) = a, b
-        return dict(loss_max_rel=max_rel(la, lb), weights_equal=all(torch.equal(wa[k], wb[k]) for k in wa),
-                    weights_max_abs_diff=max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa))
+        return dict(
+            loss_max_rel=max_rel(la, lb),
+            weights_equal=all(torch.equal(wa[k], wb[k]) for k in wa),
+            weights_max_abs_diff=max(
+                float((wa[k].float() - wb[k].float()).abs().max()) for k in wa
+            ),
+        )
+
     practice = f"{lm_flags} --method agg --untie-at 0.75 --logit-softcap 30 --embedding-lr 3"
-    for key, script, flags in (("lm", "lm", lm_flags), ("lm_practice", "lm", practice), ("nmt", "nmt", nmt_flags)):
-        base = [*shlex.split(flags), "--max-steps", str(steps), "--log-interval", "1", "--seed", "0"]
-        cpu, fp32, bf16 = (go(script, name, *base, "--device", dev, "--dtype", dtype, "--dropout", "0")[0]
-                           for name, dev, dtype in (("cpu", "cpu", "float32"), ("fp32", device, "float32"),
-                                                    ("bf16", device, "bfloat16")))
-        full, again = (go(script, name, *base, "--device", device, "--dtype", "float32") for name in ("full", "again"))
-        go(script, "split", *base, "--device", device, "--dtype", "float32", "--stop-at", str(steps // 2))
+    for key, script, flags in (
+        ("lm", "lm", lm_flags),
+        ("lm_practice", "lm", practice),
+        ("nmt", "nmt", nmt_flags),
+    ):
+        base = shlex.split(f"{flags} --max-steps {steps} --log-interval 1 --seed 0")
+        cpu, fp32, bf16 = (
+            go(script, name, *base, "--device", dev, "--dtype", dtype, "--dropout", "0")[0]
+            for name, dev, dtype in (
+                ("cpu", "cpu", "float32"),
+                ("fp32", device, "float32"),
+                ("bf16", device, "bfloat16"),
+            )
+        )
+        full, again = (
+            go(script, name, *base, "--device", device, "--dtype", "float32")
+            for name in ("full", "again")
+        )
+        go(
+            script,
+            "split",
+            *base,
+            "--device",
+            device,
+            "--dtype",
+            "float32",
+            "--stop-at",
+            str(steps // 2),
+        )
         split = go(script, "split", "--device", device, "--resume")
-        res[key] = dict(steps=steps, loss_fp32=fp32, loss_cpu=cpu, loss_bf16=bf16,
-                        device_vs_cpu_fp32_max_rel=max_rel(fp32, cpu), bf16_vs_fp32_max_rel=max_rel(bf16, fp32),
-                        repeat=compare(again, full), resume=dict(stop_at=steps // 2, **compare(split, full)))
+        res[key] = dict(
+            steps=steps,
+            loss_fp32=fp32,
+            loss_cpu=cpu,
+            loss_bf16=bf16,
+            device_vs_cpu_fp32_max_rel=max_rel(fp32, cpu),
+            bf16_vs_fp32_max_rel=max_rel(bf16, fp32),
+            repeat=compare(again, full),
+            resume=dict(stop_at=steps // 2, **compare(split, full)),
+        )
         runlib.write_json(out, res)
 
 
 def target(limit, above, each):
-    """The worst of `each` [(where, value)] against the limit (value >= limit if `above`, else <=)."""
+    """The worst of `each` [(where, value)] against the limit (value >= limit if `above`, else
+    <=)."""
     each = {k: v for k, v in each if v is not None}
     value = (min if above else max)(each.values()) if each else None
-    return dict(value=value, limit=limit, met=None if value is None else value >= limit if above else value <= limit,
-                each=each)
+    return dict(
+        value=value,
+        limit=limit,
+        met=None if value is None else value >= limit if above else value <= limit,
+        each=each,
+    )
 
 
 def report(work, dest):
-    """gpu.json: the parts' outputs in WORK, and the issue's targets (worst case over dtypes, V, presets)."""
-    load = lambda name: json.loads(Path(work, name).read_text()) if Path(work, name).exists() else None
+    """gpu.json: the parts' outputs in WORK, and the issue's targets (worst case over dtypes, V,
+    presets)."""
+
+    def load(name):  # a part's output, None if it wrote none
+        return json.loads(Path(work, name).read_text()) if Path(work, name).exists() else None
+
     head_rows, tp, pairs, cuda = [], [], {}, torch.cuda.is_available()
     for dtype in ("float32", "bfloat16"):
         b = load(f"head_{dtype}/bench.json") or {"cases": []}
         for c in b["cases"]:
             ce = next((x for x in b["cases"] if x["method"] == "torch-ce" and x["V"] == c["V"]), {})
-            ratio = lambda k: round(c[k] / ce[k], 4) if ce.get(k) and c[k] is not None else None
-            head_rows.append(dict(dtype=dtype, T=b["meta"]["tokens"], d=b["meta"]["d_model"], **c,
-                                  ms_ratio_vs_torch_ce=ratio("ms"), mem_ratio_vs_torch_ce=ratio("peak_mb")))
-    for r in (r for f in sorted(glob.glob(os.path.join(work, "tp_*.json"))) for r in load(f)):
-        tps = r.get("tokens_per_s")
-        tp.append(dict(r, mfu=round(6 * r["n_params"] * tps / PEAK_FLOPS, 4) if cuda and tps else None))
-        pairs.setdefault(f"{r['script']} {r.get('preset')}" + " compile" * r["compile"], {})[r["method"]] = tps
-    rows = lambda method, key: [(f"{r['dtype']} V={r['V']}", r[key]) for r in head_rows if r["method"] == method]
+
+            def ratio(k):
+                return round(c[k] / ce[k], 4) if ce.get(k) and c[k] is not None else None
+
+            head_rows.append(
+                dict(
+                    dtype=dtype,
+                    T=b["meta"]["tokens"],
+                    d=b["meta"]["d_model"],
+                    **c,
+                    ms_ratio_vs_torch_ce=ratio("ms"),
+                    mem_ratio_vs_torch_ce=ratio("peak_mb"),
+                )
+            )
+    for path in sorted(glob.glob(os.path.join(work, "tp_*.json"))):
+        for r in load(path):
+            tps = r.get("tokens_per_s")
+            mfu = round(6 * r["n_params"] * tps / PEAK_FLOPS, 4) if cuda and tps else None
+            tp.append(dict(r, mfu=mfu))
+            setting = f"{r['script']} {r.get('preset')}" + " compile" * r["compile"]
+            pairs.setdefault(setting, {})[r["method"]] = tps
+
+    def rows(method, key):  # [(where, value)] of a method's head rows
+        return [(f"{r['dtype']} V={r['V']}", r[key]) for r in head_rows if r["method"] == method]
+
     tsv = Path(work, "commands.tsv").read_text().splitlines()
-    runlib.write_json(dest, dict(
-        device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, cuda=torch.version.cuda,
-        date=time.strftime("%Y-%m-%d %H:%M:%S"), commands=[dict(zip(("part", "rc", "seconds", "status", "command"),
-                                                                    line.split("\t", 4))) for line in tsv],
-        head=head_rows, throughput=tp, mfu_peak_flops=PEAK_FLOPS, numerics=load("numerics.json") or {}, targets=dict(
-            agg_vs_mle_head_time=target(1.05, False, rows("agg", "ms_ratio_vs_mle")),
-            agg_vs_mle_head_memory=target(1.00, False, rows("agg", "mem_ratio_vs_mle")),
-            mle_vs_torch_ce_time=target(1.2, False, rows("mle", "ms_ratio_vs_torch_ce")),
-            mle_vs_torch_ce_memory=target(1.00, False, rows("mle", "mem_ratio_vs_torch_ce")),
-            agg_vs_mle_tokens_per_s=target(0.97, True, [(k, round(m["agg"] / m["mle"], 4) if m.get("agg") and
-                                                         m.get("mle") else None) for k, m in pairs.items()])),
-        notes=dict(
-            head="studies.bench --sections head: median ms of observe + loss + backward, peak MB above set-up "
-                 "(max_memory_allocated); bfloat16: bench --dtype bfloat16, each loss under autocast as in training",
-            throughput=f"tokens/s after the warm-up steps (nmt: target tokens); peak_mem_mb: max_memory_allocated; "
-                       f"mfu = 6 n_params tokens/s / {PEAK_FLOPS:.3g} (bf16, H100 SXM / H200), no attention FLOPs",
-            numerics="max relative difference of the training loss over the steps; weights: ckpt.pt's model")))
+    runlib.write_json(
+        dest,
+        dict(
+            device=torch.cuda.get_device_name() if cuda else "cpu",
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            date=time.strftime("%Y-%m-%d %H:%M:%S"),
+            commands=[
+                dict(zip(("part", "rc", "seconds", "status", "command"), line.split("\t", 4)))
+                for line in tsv
+            ],
+            head=head_rows,
+            throughput=tp,
+            mfu_peak_flops=PEAK_FLOPS,
+            numerics=load("numerics.json") or {},
+            targets=dict(
+                agg_vs_mle_head_time=target(1.05, False, rows("agg", "ms_ratio_vs_mle")),
+                agg_vs_mle_head_memory=target(1.00, False, rows("agg", "mem_ratio_vs_mle")),
+                mle_vs_torch_ce_time=target(1.2, False, rows("mle", "ms_ratio_vs_torch_ce")),
+                mle_vs_torch_ce_memory=target(1.00, False, rows("mle", "mem_ratio_vs_torch_ce")),
+                agg_vs_mle_tokens_per_s=target(
+                    0.97,
+                    True,
+                    [
+                        (
+                            k,
+                            round(m["agg"] / m["mle"], 4)
+                            if m.get("agg") and m.get("mle")
+                            else None,
+                        )
+                        for k, m in pairs.items()
+                    ],
+                ),
+            ),
+            notes=dict(
+                head="studies.bench --sections head: median ms of observe + loss + backward, peak "
+                "MB above set-up (max_memory_allocated); bfloat16: bench --dtype bfloat16, each "
+                "loss under autocast as in training",
+                throughput="tokens/s after the warm-up steps (nmt: target tokens); peak_mem_mb: "
+                f"max_memory_allocated; mfu = 6 n_params tokens/s / {PEAK_FLOPS:.3g} (bf16, H100 "
+                "SXM / H200), no attention FLOPs",
+                numerics="max relative difference of the training loss over the steps; weights: "
+                "ckpt.pt's model",
+            ),
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,10 @@ def literal_agg_grads(h, w, y, rare, g1_vec, g2_vec, smoothing=0.0):
     z0 = h_ @ w.detach().T
     z1 = g1 * (h_.detach() @ w.T) + (1 - g1) * (h_.detach() @ w.detach().T)
     z2 = g2 * (h_.detach() @ w.T) + (1 - g2) * (h_.detach() @ w.detach().T)
-    ce = lambda z: F.cross_entropy(z, y_, reduction="none", label_smoothing=smoothing)
+
+    def ce(z):
+        return F.cross_entropy(z, y_, reduction="none", label_smoothing=smoothing)
+
     loss = ce(z0) + torch.where(rare[y_], ce(z2), ce(z1))  # Eq. 10
     loss.mean().backward()
     return h.grad, w.grad
@@ -466,7 +469,10 @@ def test_isotropy_takes_both_signs_of_each_eigenvector():
         8, generator=g, dtype=torch.float64
     )
     _, vecs = torch.linalg.eigh(cone.T @ cone)
-    log_z = lambda a: torch.logsumexp(cone @ a, dim=0)  # Z(a) of AGG Eq. 3, per column of a
+
+    def log_z(a):  # Z(a) of AGG Eq. 3, per column of a
+        return torch.logsumexp(cone @ a, dim=0)
+
     one_sign = float(torch.exp(log_z(vecs).min() - log_z(vecs).max()))
     flipped = float(torch.exp(log_z(-vecs).min() - log_z(-vecs).max()))
     both = torch.cat([log_z(vecs), log_z(-vecs)])
@@ -841,7 +847,10 @@ def test_output_bias_gets_the_plain_gradient_and_the_gates_act_on_the_weight():
     z0 = h_ @ ww.detach().T + bb
     z1 = g1 * (h_.detach() @ ww.T) + (1 - g1) * (h_.detach() @ ww.detach().T) + bb.detach()
     z2 = g2 * (h_.detach() @ ww.T) + (1 - g2) * (h_.detach() @ ww.detach().T) + bb.detach()
-    ce = lambda z: F.cross_entropy(z, y_, reduction="none")
+
+    def ce(z):
+        return F.cross_entropy(z, y_, reduction="none")
+
     (ce(z0) + torch.where(rare[y_], ce(z2), ce(z1))).mean().backward()
     _, gh, gw, gb = bias_grads(method, h, w, b, y)
     for got, want in ((gh, hh.grad), (gw, ww.grad), (gb, bb.grad)):

@@ -1,5 +1,6 @@
-"""studies.bench and studies.official: the official-AGG reference against agg.py, and the benchmark's outputs (no
-timing assertions)."""
+"""studies.bench and studies.official: the official-AGG reference against agg.py, and the
+benchmark's outputs (no timing assertions)."""
+
 import json
 
 import pytest
@@ -12,7 +13,8 @@ from studies import bench, official
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny tensors: one thread avoids waiting on a busy second core (restored afterwards for other test files)."""
+    """Tiny tensors: one thread avoids waiting on a busy second core (restored afterwards for other
+    test files)."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -22,7 +24,10 @@ def one_thread():
 def zipf_batches(V, n, shape, seed):
     g = torch.Generator().manual_seed(seed)
     p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
-    return [torch.multinomial(p, shape[0] * shape[1], replacement=True, generator=g).view(shape) for _ in range(n)]
+    return [
+        torch.multinomial(p, shape[0] * shape[1], replacement=True, generator=g).view(shape)
+        for _ in range(n)
+    ]
 
 
 def grads(method, h, w, y):
@@ -33,8 +38,9 @@ def grads(method, h, w, y):
 
 @pytest.mark.parametrize("window", [3, 50])  # 3: the counter memory wraps around during the test
 def test_official_ref_gradients_equal_agg(window):
-    """The literal three-logit criterion (dense gates, T x T counts) and agg.py's one-logit head give the same
-    gradients wrt hidden and weight, step after step, with a dynamic rare group and both gates active."""
+    """The literal three-logit criterion (dense gates, T x T counts) and agg.py's one-logit head
+    give the same gradients wrt hidden and weight, step after step, with a dynamic rare group and
+    both gates active."""
     V, d, alpha = 60, 8, 0.6
     g = torch.Generator().manual_seed(1)
     h = torch.randn(2, 24, d, generator=g, dtype=torch.float64)
@@ -51,15 +57,19 @@ def test_official_ref_gradients_equal_agg(window):
         gh_mle, gw_mle = grads(mle, h, w, y)
         torch.testing.assert_close(gh_ref, gh_ours, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(gw_ref, gw_ours, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(gh_ours, gh_mle, rtol=1e-10, atol=1e-12)  # the hidden gradient is never gated
+        # the hidden gradient is never gated
+        torch.testing.assert_close(gh_ours, gh_mle, rtol=1e-10, atol=1e-12)
         if rare.any() and rare[y].any() and (~rare[y]).any():
             assert not torch.allclose(gw_ours, gw_mle)  # the gates really act on this step
             checked += 1
-    assert checked >= 4, "too few steps with both rare- and non-rare-target rows: the test checks nothing"
+    assert checked >= 4, (
+        "too few steps with both rare- and non-rare-target rows: the test checks nothing"
+    )
 
 
 def test_official_ref_counts_like_agg():
-    """The T x T counting into a dense (K, V) memory yields agg.py's rare group and a_k, including after wrap."""
+    """The T x T counting into a dense (K, V) memory yields agg.py's rare group and a_k, including
+    after wrap."""
     V, window = 30, 4
     ours = agg.build_method("agg", vocab_size=V, alpha=0.8, window=window)
     ref = official.OfficialAGGRef(V, alpha=0.8, window=window)
@@ -71,7 +81,8 @@ def test_official_ref_counts_like_agg():
 
 
 def test_prefill_equals_counting_steps():
-    """prefill() (set-up only, bincount) leaves the memory exactly as the timed counting path would."""
+    """prefill() (set-up only, bincount) leaves the memory exactly as the timed counting path
+    would."""
     V, window = 40, 5
     batches = zipf_batches(V, 7, (2, 8), seed=4)
     a = official.OfficialAGGRef(V, alpha=0.5, window=window)
@@ -93,17 +104,21 @@ def test_torch_ce_is_plain_cross_entropy():
 
 
 def test_make_data_rare_share_and_shapes():
-    data = bench.make_data(V=2000, T=1024, d=8, seq_len=64, seed=0, rare_fraction=0.2, window=20, device="cpu")
+    data = bench.make_data(
+        V=2000, T=1024, d=8, seq_len=64, seed=0, rare_fraction=0.2, window=20, device="cpu"
+    )
     assert data["hidden"].shape == (16, 64, 8) and data["batches"][0].shape == (16, 64)
     assert 0.15 < data["rare_vocab"] < 0.25  # close to the asked 20%
     assert 0 < data["rare_rows"] < 0.1  # Zipf: rare tokens are a small share of the targets
     m = bench.Runner("agg", data).method
-    assert abs(float(m.rare_mask().double().mean()) - data["rare_vocab"]) < 0.02  # agg sees that rare group
+    # agg sees that rare group
+    assert abs(float(m.rare_mask().double().mean()) - data["rare_vocab"]) < 0.02
 
 
 def test_cpu_peak_memory_sees_the_logits_and_chunks_shrink_it():
-    """The fresh-process RSS measurement: T x V = 128 MiB of float32 logits show up, chunk_size=32 removes them
-    (4 MiB chunks; glibc keeps a few freed chunks resident), F.cross_entropy keeps ~3 such buffers."""
+    """The fresh-process RSS measurement: T x V = 128 MiB of float32 logits show up, chunk_size=32
+    removes them (4 MiB chunks; glibc keeps a few freed chunks resident), F.cross_entropy keeps ~3
+    such buffers."""
     kw = dict(V=32768, T=1024, d=8, seq_len=1024, seed=0, rare_fraction=0.2, window=5)
     full = bench.cpu_peak_mb("mle", **kw)
     chunked = bench.cpu_peak_mb("mle", chunk_size=32, **kw)
@@ -114,11 +129,39 @@ def test_cpu_peak_memory_sees_the_logits_and_chunks_shrink_it():
 
 
 def test_quick_run_writes_every_key(tmp_path):
-    """A --quick run on tiny sizes writes bench.json with its documented keys for every method and official-ref."""
+    """A --quick run on tiny sizes writes bench.json with its documented keys for every method and
+    official-ref."""
     out = tmp_path / "b"
-    bench.main(["--quick", "--out", str(out), "--vocab", "128", "--tokens", "32", "--d-model", "8", "--seq-len", "16",
-                "--repeats", "1", "--window", "5", "--chunk-vocab", "256", "--chunk-tokens", "32", "--chunk-d", "4",
-                "--chunk-sizes", "0", "8", "--threads", "1"])
+    bench.main(
+        [
+            "--quick",
+            "--out",
+            str(out),
+            "--vocab",
+            "128",
+            "--tokens",
+            "32",
+            "--d-model",
+            "8",
+            "--seq-len",
+            "16",
+            "--repeats",
+            "1",
+            "--window",
+            "5",
+            "--chunk-vocab",
+            "256",
+            "--chunk-tokens",
+            "32",
+            "--chunk-d",
+            "4",
+            "--chunk-sizes",
+            "0",
+            "8",
+            "--threads",
+            "1",
+        ]
+    )
     result = json.loads((out / "bench.json").read_text())
     keys = {"method", "V", "device", "ms", "ms_ratio_vs_mle", "peak_mb", "mem_ratio_vs_mle"}
     cases = result["cases"]
@@ -128,43 +171,68 @@ def test_quick_run_writes_every_key(tmp_path):
         assert c["V"] == 128 and c["device"] == "cpu" and c["ms"] > 0 and c["peak_mb"] >= 0
     mle = next(c for c in cases if c["method"] == "mle")
     assert mle["ms_ratio_vs_mle"] == 1.0
-    assert {(r["method"], r["chunk_size"]) for r in result["chunked"]} == {("mle", None), ("mle", 8), ("agg", None),
-                                                                          ("agg", 8)}
+    assert {(r["method"], r["chunk_size"]) for r in result["chunked"]} == {
+        ("mle", None),
+        ("mle", 8),
+        ("agg", None),
+        ("agg", 8),
+    }
     assert (out / "bench.md").read_text().count("| official-ref |") == 1
 
 
 def test_lm_section_times_train_lms_step(monkeypatch):
-    """The lm section runs train_lm.train_step (AdamW, the method's observe) per method on the preset's training split
-    (here a tiny Zipf stream), AGG's window full, and reports tokens/s against MLE."""
+    """The lm section runs train_lm.train_step (AdamW, the method's observe) per method on the
+    preset's training split (here a tiny Zipf stream), AGG's window full, and reports tokens/s
+    against MLE."""
     V = 300
-    ids = torch.multinomial(torch.arange(1, V + 1.0) ** -1.1, 5000, replacement=True,
-                            generator=torch.Generator().manual_seed(0))
-    data = dict(ids={"train": ids.numpy().astype("uint16")}, counts=torch.bincount(ids, minlength=V), vocab_size=V,
-                pad_id=1, eos_id=0, dir="tiny")
+    ids = torch.multinomial(
+        torch.arange(1, V + 1.0) ** -1.1,
+        5000,
+        replacement=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    data = dict(
+        ids={"train": ids.numpy().astype("uint16")},
+        counts=torch.bincount(ids, minlength=V),
+        vocab_size=V,
+        pad_id=1,
+        eos_id=0,
+        dir="tiny",
+    )
     monkeypatch.setattr(bench, "prepare_lm", lambda cfg, log: data)
     calls, train_step = [], bench.train_lm.train_step
 
     def spy(model, raw, method, *a, **k):  # the method and the weights before each step
         calls.append((method, model.tok_emb.weight.detach().clone()))
         return train_step(model, raw, method, *a, **k)
+
     monkeypatch.setattr(bench.train_lm, "train_step", spy)
     logged = []
-    args = bench.build_parser().parse_args(["--lm-methods", "agg", "--lm-steps", "2", "--lm-rounds", "1"])
+    args = bench.build_parser().parse_args(
+        ["--lm-methods", "agg", "--lm-steps", "2", "--lm-rounds", "1"]
+    )
     res = bench.bench_lm(args, logged.append)
-    assert [r["method"] for r in res["rows"]] == ["mle", "agg"] and res["rows"][0]["ratio_vs_mle"] == 1.0
+    assert [r["method"] for r in res["rows"]] == ["mle", "agg"] and res["rows"][0][
+        "ratio_vs_mle"
+    ] == 1.0
     assert res["rows"][1]["tokens_per_s"] > 0 and 0 < res["rows"][1]["rare_vocab"] < 1
-    assert res["data"] == "train_lm.py training split (tiny)" and res["window"] == 5  # 39 windows / 8 per step
-    assert [m.name for m, _ in calls] == ["mle", "agg", "agg", "agg", "mle", "mle"]  # warm-up, then a rotated round
-    assert calls[0][0].steps == 3 and calls[1][0].steps == 5 + 3  # one observe per step, after a 5-step window
+    # 39 windows / 8 per step
+    assert res["data"] == "train_lm.py training split (tiny)" and res["window"] == 5
+    # warm-up, then a rotated round
+    assert [m.name for m, _ in calls] == ["mle", "agg", "agg", "agg", "mle", "mle"]
+    # one observe per step, after a 5-step window
+    assert calls[0][0].steps == 3 and calls[1][0].steps == 5 + 3
     assert not torch.equal(calls[1][1], calls[2][1])  # the step trains
     assert "| agg |" in logged[0]
 
 
 def test_flag_mistakes_are_one_line_errors(capsys):
-    for argv, message in ((["--tokens", "100", "--seq-len", "64"], "--tokens 100 must be a multiple of --seq-len 64"),
-                          (["--methods", "mle", "agq"], "--methods: invalid choice: 'agq'"),
-                          (["--lm-methods", "official-ref"], "--lm-methods: invalid choice: 'official-ref'"),
-                          (["--sections", "head,lm2"], "--sections: unknown ['lm2']")):
+    for argv, message in (
+        (["--tokens", "100", "--seq-len", "64"], "--tokens 100 must be a multiple of --seq-len 64"),
+        (["--methods", "mle", "agq"], "--methods: invalid choice: 'agq'"),
+        (["--lm-methods", "official-ref"], "--lm-methods: invalid choice: 'official-ref'"),
+        (["--sections", "head,lm2"], "--sections: unknown ['lm2']"),
+    ):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert message in capsys.readouterr().err

@@ -1,4 +1,6 @@
-"""eval.py: every metrics key on tiny checkpoints, values checked against independent computations, NMT dispatch."""
+"""eval.py: every metrics key on tiny checkpoints, values checked against independent computations,
+NMT dispatch."""
+
 import json
 import math
 import os
@@ -16,26 +18,68 @@ import runlib
 import train_lm
 from studies import compare
 
-KEYS = ["ppl", "ppl_groups", "uniq", "uniq_groups", "uniq_human", "isotropy", "isotropy_groups", "mean_cosine",
-        "word_similarity"]
+KEYS = [
+    "ppl",
+    "ppl_groups",
+    "uniq",
+    "uniq_groups",
+    "uniq_human",
+    "isotropy",
+    "isotropy_groups",
+    "mean_cosine",
+    "word_similarity",
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus, lm_tiny):
     base = tmp_path_factory.mktemp("ev")
     out = {}
-    for label, method, extra in (("mle", "mle", []), ("agg", "agg", ["--alpha", "0.5", "--snapshot-steps", "1,3"]),
-                                 ("mle-s1", "mle", ["--seed", "1"])):
+    for label, method, extra in (
+        ("mle", "mle", []),
+        ("agg", "agg", ["--alpha", "0.5", "--snapshot-steps", "1,3"]),
+        ("mle-s1", "mle", ["--seed", "1"]),
+    ):
         out[label] = str(base / label)
-        train_lm.main(["--data-dir", corpus["data"], "--cache-dir", corpus["cache"], "--out", out[label],
-                       "--method", method, *lm_tiny, "--max-steps", "3", "--eval-interval", "3", *extra])
+        train_lm.main(
+            [
+                "--data-dir",
+                corpus["data"],
+                "--cache-dir",
+                corpus["cache"],
+                "--out",
+                out[label],
+                "--method",
+                method,
+                *lm_tiny,
+                "--max-steps",
+                "3",
+                "--eval-interval",
+                "3",
+                *extra,
+            ]
+        )
     return out
 
 
 def test_eval_lm_writes_every_key_and_correct_values(runs, tmp_path):
     report = tmp_path / "report"
-    metrics = ev.main([runs["mle"], runs["agg"], "--out", str(report), "--device", "cpu", "--n-samples", "2",
-                       "--prefix-len", "8", "--gen-len", "12"])
+    metrics = ev.main(
+        [
+            runs["mle"],
+            runs["agg"],
+            "--out",
+            str(report),
+            "--device",
+            "cpu",
+            "--n-samples",
+            "2",
+            "--prefix-len",
+            "8",
+            "--gen-len",
+            "12",
+        ]
+    )
     on_disk = json.load(open(report / "metrics.json"))
     assert set(on_disk) == {"mle", "agg"}
     for label, m in on_disk.items():
@@ -54,10 +98,20 @@ def test_eval_lm_writes_every_key_and_correct_values(runs, tmp_path):
         assert m["singular_values"][0] == pytest.approx(1.0)
     assert on_disk["agg"]["method"] == "agg" and on_disk["agg"]["step"] == 3
     assert metrics["mle"]["ppl"] == on_disk["mle"]["ppl"] and on_disk["agg"]["seed"] == 0
-    valid = [r for r in map(json.loads, open(os.path.join(runs["agg"], "log.jsonl"))) if r["split"] == "valid"]
-    assert on_disk["agg"]["valid_ppl"] == valid[-1]["ppl"] and on_disk["agg"]["checkpoint"] == "last"
-    assert set(on_disk["agg"]["neighbours"]) == set(on_disk["mle"]["neighbours"])  # the same rare tokens
-    assert os.listdir(report) == ["metrics.json"]  # summaries, reports and plots: studies/compare.py
+    valid = [
+        r
+        for r in map(json.loads, open(os.path.join(runs["agg"], "log.jsonl")))
+        if r["split"] == "valid"
+    ]
+    assert (
+        on_disk["agg"]["valid_ppl"] == valid[-1]["ppl"] and on_disk["agg"]["checkpoint"] == "last"
+    )
+    assert set(on_disk["agg"]["neighbours"]) == set(
+        on_disk["mle"]["neighbours"]
+    )  # the same rare tokens
+    assert os.listdir(report) == [
+        "metrics.json"
+    ]  # summaries, reports and plots: studies/compare.py
 
     # PPL and human Uniq recomputed independently from the checkpoint and the cached test ids
     ck = torch.load(os.path.join(runs["mle"], "ckpt.pt"), weights_only=True)
@@ -69,8 +123,8 @@ def test_eval_lm_writes_every_key_and_correct_values(runs, tmp_path):
     nll, n = 0.0, 0
     with torch.no_grad():
         for s in range(0, len(ids) - 1, 16):
-            x, y = ids[s:s + 16 + 1][:-1], ids[s + 1:s + 16 + 1]
-            x = x[:len(y)]
+            x, y = ids[s : s + 16 + 1][:-1], ids[s + 1 : s + 16 + 1]
+            x = x[: len(y)]
             nll += F.cross_entropy(model.logits(x[None])[0], y, reduction="sum").item()
             n += len(y)
     assert on_disk["mle"]["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-4)
@@ -81,14 +135,18 @@ def test_word_pair_loaders_and_spearman(tmp_path):
     (tmp_path / "men.txt").write_text("sun-n sunlight-n 50.000000\ncar-n automobile-n 48.0\n")
     (tmp_path / "rg65.csv").write_text("cord;smile;0.02\nrooster;voyage;0.04\n")
     (tmp_path / "rw.txt").write_text("word1\tword2\tscore\nsquishing\tsquirt\t5.88\t7\t6\n")
-    assert ev.load_word_pairs(str(tmp_path / "men.txt")) == [("sun", "sunlight", 50.0), ("car", "automobile", 48.0)]
+    assert ev.load_word_pairs(str(tmp_path / "men.txt")) == [
+        ("sun", "sunlight", 50.0),
+        ("car", "automobile", 48.0),
+    ]
     assert ev.load_word_pairs(str(tmp_path / "rg65.csv"))[1] == ("rooster", "voyage", 0.04)
     assert ev.load_word_pairs(str(tmp_path / "rw.txt")) == [("squishing", "squirt", 5.88)]
     ws = ev.load_word_pairs(ev.gensim_test_data(ev.WORDSIM["ws353"]))
     assert len(ws) == 353 and ws[0] == ("love", "sex", 6.77)
     assert len(ev.load_word_pairs(ev.gensim_test_data(ev.WORDSIM["simlex999"]))) == 999
 
-    # word-level vocabulary whose cosines rank the pairs exactly as the human scores do -> Spearman 1
+    # word-level vocabulary whose cosines rank the pairs exactly as the human scores do -> Spearman
+    # 1
     vocab = {"a": 0, "b": 1, "c": 2, "d": 3}
     tok = types.SimpleNamespace(token_to_id=lambda w: vocab.get(w))
     W = torch.tensor([[1.0, 0.0], [1.0, 0.1], [1.0, 1.0], [-1.0, 0.2]])
@@ -105,8 +163,12 @@ def test_neighbours_and_rare_token_choice():
     gid, groups = ev.group_index(counts)
     assert gid[:3].tolist() == [0, 0, 0] and set(groups[2].tolist()) == {8, 9}
     counts2 = torch.tensor([100, 90, 80, 70, 60, 50, 40, 3, 2, 0])
-    assert ev.pick_rare_tokens(counts2, tokens, 3) == [8]  # rare group {8, 9}: 9 never seen in training
-    assert ev.pick_rare_tokens(counts2, tokens, 3, src_counts=torch.tensor([0] * 7 + [1, 5, 9])) == [9, 8]
+    assert ev.pick_rare_tokens(counts2, tokens, 3) == [
+        8
+    ]  # rare group {8, 9}: 9 never seen in training
+    assert ev.pick_rare_tokens(
+        counts2, tokens, 3, src_counts=torch.tensor([0] * 7 + [1, 5, 9])
+    ) == [9, 8]
 
 
 def test_bad_run_folder_errors(tmp_path, runs):
@@ -120,7 +182,8 @@ def test_bad_run_folder_errors(tmp_path, runs):
 
 
 def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
-    """eval.py hands NMT runs to evaluate_nmt and adds the geometry itself (a stand-in evaluate_nmt here)."""
+    """eval.py hands NMT runs to evaluate_nmt and adds the geometry itself (a stand-in evaluate_nmt
+    here)."""
     V, d = 60, 8
     torch.manual_seed(0)
     weight = torch.randn(V, d)
@@ -129,7 +192,12 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
 
     def evaluate_nmt(out_dir, model, ck, args, device):
         calls.append((out_dir, str(device), args.beam))
-        m = {"bleu": 12.5, "bleu_signature": "nrefs:1|case:mixed|tok:13a", "method": "agg", "task": "nmt"}
+        m = {
+            "bleu": 12.5,
+            "bleu_signature": "nrefs:1|case:mixed|tok:13a",
+            "method": "agg",
+            "task": "nmt",
+        }
         return m, weight, torch.arange(V).flip(0), torch.arange(V), tokens
 
     monkeypatch.setattr(ev, "evaluate_nmt", evaluate_nmt)
@@ -140,62 +208,152 @@ def test_nmt_dispatch_merges_task_metrics(tmp_path, monkeypatch):
     m = ev.main([str(run), "--out", str(tmp_path / "r"), "--device", "cpu"])["nmt-run"]
     assert calls == [(str(run), "cpu", 4)]
     assert m["bleu"] == 12.5 and m["bleu_signature"].startswith("nrefs")
-    seen = torch.arange(V).flip(0) > 0  # token 59 never occurs in training: left out of the geometry
-    assert m["isotropy"] == pytest.approx(ev.agg.isotropy(weight[seen])) and set(m["isotropy_groups"]) == {"freq", "med",
-                                                                                                           "rare"}
-    assert m["mean_cosine"] == pytest.approx(ev.agg.mean_cosine(weight[seen])) and m["rows"] == V - 1
-    # neighbours of target-rare tokens most frequent on the source side (ids 59, 58, ... are target-rare)
+    seen = (
+        torch.arange(V).flip(0) > 0
+    )  # token 59 never occurs in training: left out of the geometry
+    assert m["isotropy"] == pytest.approx(ev.agg.isotropy(weight[seen])) and set(
+        m["isotropy_groups"]
+    ) == {"freq", "med", "rare"}
+    assert (
+        m["mean_cosine"] == pytest.approx(ev.agg.mean_cosine(weight[seen])) and m["rows"] == V - 1
+    )
+    # neighbours of target-rare tokens most frequent on the source side (ids 59, 58, ... are
+    # target-rare)
     assert list(m["neighbours"])[:2] == [tokens[59], tokens[58]]
 
 
 def test_nmt_end_to_end_with_train_nmt_and_checkpoint_averaging(tmp_path):
     import train_nmt
+
     out = str(tmp_path / "nmt")
-    flags = ["--dataset", "synthetic", "--synthetic-size", "300", "--enc-layers", "1", "--dec-layers", "1",
-             "--d-model", "16", "--n-head", "2", "--d-ff", "32", "--max-steps", "6", "--eval-interval", "2",
-             "--tokens-per-step", "512", "--micro-tokens", "512", "--warmup", "2", "--valid-bleu-sents", "8",
-             "--device", "cpu"]
+    flags = [
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        "300",
+        "--enc-layers",
+        "1",
+        "--dec-layers",
+        "1",
+        "--d-model",
+        "16",
+        "--n-head",
+        "2",
+        "--d-ff",
+        "32",
+        "--max-steps",
+        "6",
+        "--eval-interval",
+        "2",
+        "--tokens-per-step",
+        "512",
+        "--micro-tokens",
+        "512",
+        "--warmup",
+        "2",
+        "--valid-bleu-sents",
+        "8",
+        "--device",
+        "cpu",
+    ]
     train_nmt.main(flags + ["--out", out, "--keep-last", "2"])
-    assert sorted(os.path.basename(p) for p in runlib.snapshots(out)) == ["ckpt_4.pt", "ckpt_6.pt"]  # the last 2 kept
+    assert sorted(os.path.basename(p) for p in runlib.snapshots(out)) == [
+        "ckpt_4.pt",
+        "ckpt_6.pt",
+    ]  # the last 2 kept
     m = ev.main([out, "--out", str(tmp_path / "r"), "--device", "cpu", "--beam", "2"])["nmt"]
-    for k in ("bleu", "bleu_signature", "isotropy", "isotropy_groups", "mean_cosine", "test_ppl", "ppl_groups",
-              "group_rare_mass_pred", "group_rare_mass_true", "translations"):
+    for k in (
+        "bleu",
+        "bleu_signature",
+        "isotropy",
+        "isotropy_groups",
+        "mean_cosine",
+        "test_ppl",
+        "ppl_groups",
+        "group_rare_mass_pred",
+        "group_rare_mass_true",
+        "translations",
+    ):
         assert k in m
     hyps = (tmp_path / "r" / "test_hyps_nmt.txt").read_text().splitlines()
     assert hyps[0] == m["translations"][0]["hyp"]  # every test translation, one per line
     assert 0 <= m["bleu"] <= 100 and 0 < m["isotropy"] <= 1 and m["checkpoints_averaged"] == 0
-    avg = ev.main([out, "--out", str(tmp_path / "r2"), "--device", "cpu", "--beam", "2", "--average-last", "2"])["nmt"]
+    avg = ev.main(
+        [
+            out,
+            "--out",
+            str(tmp_path / "r2"),
+            "--device",
+            "cpu",
+            "--beam",
+            "2",
+            "--average-last",
+            "2",
+        ]
+    )["nmt"]
     assert avg["checkpoints_averaged"] == 2 and avg["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"]
-    a, b = (torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"] for s in (4, 6))
+    a, b = (
+        torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"] for s in (4, 6)
+    )
     weights, _ = ev.average_checkpoints(out, 2)
     torch.testing.assert_close(weights["embed"], (a["embed"] + b["embed"]) / 2)
     with pytest.raises(SystemExit, match="--keep-last 3"):
         ev.main([out, "--out", str(tmp_path / "r3"), "--average-last", "3"])
-    # --save-interval: snapshots between evaluations, and the same training (saving and validating draw no RNG)
+    # --save-interval: snapshots between evaluations, and the same training (saving and validating
+    # draw no RNG)
     out2 = str(tmp_path / "nmt-save")
-    train_nmt.main([f for f in flags[:flags.index("--eval-interval")] + ["--eval-interval", "6", "--save-interval", "2"]
-                    + flags[flags.index("--eval-interval") + 2:]] + ["--out", out2, "--keep-last", "2"])
+    train_nmt.main(
+        [
+            f
+            for f in flags[: flags.index("--eval-interval")]
+            + ["--eval-interval", "6", "--save-interval", "2"]
+            + flags[flags.index("--eval-interval") + 2 :]
+        ]
+        + ["--out", out2, "--keep-last", "2"]
+    )
     assert sorted(os.path.basename(p) for p in runlib.snapshots(out2)) == ["ckpt_4.pt", "ckpt_6.pt"]
     log = list(map(json.loads, open(os.path.join(out2, "log.jsonl"))))
     assert [r["step"] for r in log if r["split"] == "valid"] == [6]
-    # training never reads the test split; eval.py tests the last checkpoint and the average of the last snapshots
+    # training never reads the test split; eval.py tests the last checkpoint and the average of the
+    # last snapshots
     assert {r["split"] for r in log} == {"train", "valid"}
     averaged = ev.evaluate(out2, beam=2, average_last=2)["metrics"]
     last = ev.evaluate(out2, beam=2)["metrics"]
-    assert averaged["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"] and averaged["checkpoints_averaged"] == 2
+    assert (
+        averaged["averaged_files"] == ["ckpt_4.pt", "ckpt_6.pt"]
+        and averaged["checkpoints_averaged"] == 2
+    )
     assert averaged["test_loss"] != last["test_loss"]
     for s in (4, 6):
-        torch.testing.assert_close(torch.load(os.path.join(out2, f"ckpt_{s}.pt"), weights_only=True)["model"],
-                                   torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"],
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            torch.load(os.path.join(out2, f"ckpt_{s}.pt"), weights_only=True)["model"],
+            torch.load(os.path.join(out, f"ckpt_{s}.pt"), weights_only=True)["model"],
+            atol=0,
+            rtol=0,
+        )
 
 
 def test_best_checkpoint_is_kept_and_can_be_evaluated(runs, tmp_path):
     best = torch.load(os.path.join(runs["agg"], "ckpt_best.pt"), weights_only=True)
-    valid = [json.loads(line) for line in open(os.path.join(runs["agg"], "log.jsonl")) if '"valid"' in line]
+    valid = [
+        json.loads(line)
+        for line in open(os.path.join(runs["agg"], "log.jsonl"))
+        if '"valid"' in line
+    ]
     assert best["valid_ppl"] == pytest.approx(min(r["ppl"] for r in valid))
-    m = ev.main([runs["agg"], "--out", str(tmp_path / "r"), "--device", "cpu", "--n-samples", "0", "--checkpoint",
-                 "best"])["agg"]
+    m = ev.main(
+        [
+            runs["agg"],
+            "--out",
+            str(tmp_path / "r"),
+            "--device",
+            "cpu",
+            "--n-samples",
+            "0",
+            "--checkpoint",
+            "best",
+        ]
+    )["agg"]
     assert m["checkpoint"] == "best" and m["step"] == best["step"]
 
 
@@ -210,13 +368,18 @@ def test_rare_bias_is_the_nll_optimum_and_calibrates_the_rare_mass():
     gid = torch.where(rare, 2, torch.where(torch.arange(V) < 8, 0, 1))
     st = ev.rare_logit_stats(logits, y, rare)
     b = ev.fit_rare_bias(st)
-    nll = lambda c: F.cross_entropy(logits + c * rare.double(), y).item()
+
+    def nll(c):
+        return F.cross_entropy(logits + c * rare.double(), y).item()
+
     grid = torch.linspace(b - 0.5, b + 0.5, 101)
     assert nll(b) <= min(nll(float(c)) for c in grid) + 1e-12 and b < 0
     m = ev.rare_bias_metrics(st, b, gid)
     probs = torch.softmax(logits + b * rare.double(), -1)
     assert m["rare_mass_pred"] == pytest.approx(float(probs[:, rare].sum(1).mean()), rel=1e-6)
-    assert m["rare_mass_pred"] == pytest.approx(m["rare_mass_true"], abs=1e-7)  # the fit calibrates the mass
+    assert m["rare_mass_pred"] == pytest.approx(
+        m["rare_mass_true"], abs=1e-7
+    )  # the fit calibrates the mass
     assert m["ppl"] == pytest.approx(math.exp(nll(b)), rel=1e-6)
     pred = (logits + b * rare.double()).argmax(-1)
     is_rare = rare[pred]
@@ -229,6 +392,7 @@ def test_rare_bias_is_the_nll_optimum_and_calibrates_the_rare_mass():
 
 def test_rare_token_recall_clips_counts_per_sentence():
     import train_nmt
+
     rare = torch.zeros(10, dtype=torch.bool)
     rare[[7, 8]] = True
     r = train_nmt.rare_token_recall(hyps=[[1, 7, 7, 7], [2, 3]], refs=[[7, 8, 1], [8]], rare=rare)
@@ -237,52 +401,111 @@ def test_rare_token_recall_clips_counts_per_sentence():
 
 
 def test_a_crafted_config_json_puts_no_shell_text_in_the_command():
-    saved = {"segments": [{"argv": ["--method", "agg", "--out", "; rm -rf /", "--seed", "$(reboot)"]}], "lr": 1e-3,
-             "warmup": "5; rm -rf ~", "schedule": "cosine", "versions": {"threads": "1; rm -rf /"}}
+    saved = {
+        "segments": [{"argv": ["--method", "agg", "--out", "; rm -rf /", "--seed", "$(reboot)"]}],
+        "lr": 1e-3,
+        "warmup": "5; rm -rf ~",
+        "schedule": "cosine",
+        "versions": {"threads": "1; rm -rf /"},
+    }
     cmd = compare.run_command(saved, "train_lm.py")
-    assert shlex.split(cmd) == ["python", "train_lm.py", "--method", "agg", "--out", "; rm -rf /", "--seed",
-                                "$(reboot)", "--lr", "0.001", "--warmup", "5; rm -rf ~"]  # each one word, none run
+    assert shlex.split(cmd) == [
+        "python",
+        "train_lm.py",
+        "--method",
+        "agg",
+        "--out",
+        "; rm -rf /",
+        "--seed",
+        "$(reboot)",
+        "--lr",
+        "0.001",
+        "--warmup",
+        "5; rm -rf ~",
+    ]  # each one word, none run
     saved["versions"]["threads"] = 2
-    assert compare.run_command(saved, "train_lm.py").startswith("OMP_NUM_THREADS=2 python train_lm.py ")
+    assert compare.run_command(saved, "train_lm.py").startswith(
+        "OMP_NUM_THREADS=2 python train_lm.py "
+    )
 
 
 def test_the_command_names_the_device_of_a_run_off_the_cpu():
-    saved = {"segments": [{"argv": ["--method", "agg", "--dtype", "float32"]}], "lr": 4e-3, "warmup": 240}
+    saved = {
+        "segments": [{"argv": ["--method", "agg", "--dtype", "float32"]}],
+        "lr": 4e-3,
+        "warmup": 240,
+    }
     assert "--device" not in compare.run_command(dict(saved, device="cpu"), "train_lm.py")
-    assert compare.run_command(dict(saved, device="cuda"), "train_lm.py").endswith(" --warmup 240 --device cuda")
+    assert compare.run_command(dict(saved, device="cuda"), "train_lm.py").endswith(
+        " --warmup 240 --device cuda"
+    )
 
 
 def test_average_last_below_zero_is_refused(runs, tmp_path):
-    with pytest.raises(SystemExit, match=r"--average-last -2: give the number of snapshots to average, >= 1"):
+    with pytest.raises(
+        SystemExit, match=r"--average-last -2: give the number of snapshots to average, >= 1"
+    ):
         ev.main([runs["mle"], "--out", str(tmp_path / "r"), "--average-last", "-2"])
     with pytest.raises(SystemExit, match=r"--average-last -2"):
         ev.average_checkpoints(runs["mle"], -2)
 
 
 def test_the_command_of_a_resumed_run_reproduces_it():
-    """A run continued in a new folder to a longer --max-steps: one command under inverse-sqrt (the same run, see
-    test_resume_equals_uninterrupted), its segments in order under cosine (the decay moved with --max-steps)."""
-    segs = [{"argv": ["--method", "agg", "--seed", "1", "--out", "out/a"]},
-            {"argv": ["--out", "out/b", "--resume", "--max-steps", "10000"]}]
+    """A run continued in a new folder to a longer --max-steps: one command under inverse-sqrt (the
+    same run, see
+    test_resume_equals_uninterrupted), its segments in order under cosine (the decay moved with
+    --max-steps)."""
+    segs = [
+        {"argv": ["--method", "agg", "--seed", "1", "--out", "out/a"]},
+        {"argv": ["--out", "out/b", "--resume", "--max-steps", "10000"]},
+    ]
     saved = {"segments": segs, "lr": 4e-3, "warmup": 200, "out": "out/b"}
     cmd = compare.run_command(dict(saved, schedule="inverse-sqrt"), "train_nmt.py")
-    assert cmd == "python train_nmt.py --method agg --seed 1 --out out/b --max-steps 10000 --lr 0.004 --warmup 200"
+    assert (
+        cmd == "python train_nmt.py --method agg --seed 1 --out out/b --max-steps 10000 --lr 0.004 "
+        "--warmup 200"
+    )
     cmd = compare.run_command(dict(saved, schedule="cosine"), "train_lm.py")
     assert cmd.split(" && ")[1] == "python train_lm.py --out out/b --max-steps 10000 --resume"
-    eq = dict(saved, schedule="inverse-sqrt", segments=[{"argv": ["--method", "agg", "--max-steps", "5000"]},
-                                                         {"argv": ["--resume", "--max-steps=10000"]}])
-    assert compare.run_command(eq, "train_nmt.py").startswith("python train_nmt.py --method agg --max-steps=10000 --lr")
-    spaced = dict(saved, schedule="cosine", segments=[{"argv": ["--method", "agg", "--out", "out/my run"]}])
+    eq = dict(
+        saved,
+        schedule="inverse-sqrt",
+        segments=[
+            {"argv": ["--method", "agg", "--max-steps", "5000"]},
+            {"argv": ["--resume", "--max-steps=10000"]},
+        ],
+    )
+    assert compare.run_command(eq, "train_nmt.py").startswith(
+        "python train_nmt.py --method agg --max-steps=10000 --lr"
+    )
+    spaced = dict(
+        saved, schedule="cosine", segments=[{"argv": ["--method", "agg", "--out", "out/my run"]}]
+    )
     assert shlex.split(compare.run_command(spaced, "train_lm.py"))[4:6] == ["--out", "out/my run"]
-    plain = dict(saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}])
-    assert compare.run_command(plain, "train_lm.py") == ("python train_lm.py --method agg --seed 1 --out out/a "
-                                                        "--lr 0.004 --warmup 200")
-    split = dict(plain, segments=[{"argv": segs[0]["argv"] + ["--stop-at", "4"]}, plain["segments"][1]])
-    assert compare.run_command(split, "train_lm.py") == compare.run_command(plain, "train_lm.py")  # trains the whole run
-    dtype = dict(split, segments=[split["segments"][0], {"argv": ["--out", "out/a", "--resume", "--dtype", "bfloat16"]}])
+    plain = dict(
+        saved, schedule="cosine", segments=[segs[0], {"argv": ["--out", "out/a", "--resume"]}]
+    )
+    assert compare.run_command(plain, "train_lm.py") == (
+        "python train_lm.py --method agg --seed 1 --out out/a --lr 0.004 --warmup 200"
+    )
+    split = dict(
+        plain, segments=[{"argv": segs[0]["argv"] + ["--stop-at", "4"]}, plain["segments"][1]]
+    )
+    assert compare.run_command(split, "train_lm.py") == compare.run_command(
+        plain, "train_lm.py"
+    )  # trains the whole run
+    dtype = dict(
+        split,
+        segments=[
+            split["segments"][0],
+            {"argv": ["--out", "out/a", "--resume", "--dtype", "bfloat16"]},
+        ],
+    )
     assert compare.run_command(dtype, "train_lm.py") == (
-        "python train_lm.py --method agg --seed 1 --out out/a --stop-at 4 --lr 0.004 --warmup 200 && "
-        "python train_lm.py --out out/a --dtype bfloat16 --resume")  # float32 to step 4, then bfloat16
+        "python train_lm.py --method agg --seed 1 --out out/a --stop-at 4 --lr 0.004 --warmup 200 "
+        "&& "
+        "python train_lm.py --out out/a --dtype bfloat16 --resume"
+    )  # float32 to step 4, then bfloat16
 
 
 def test_evaluation_builds_no_autograd_graph(runs):
@@ -294,23 +517,34 @@ def test_temperature_is_the_nll_optimum_over_a_fresh_pass_per_step():
     g = torch.Generator().manual_seed(1)
     V, N = 40, 600
     logits = torch.randn(N, V, generator=g) * 3  # over-confident: the fit cools it (t > 1)
-    y = torch.where(torch.rand(N, generator=g) < 0.5, logits.argmax(-1), torch.randint(0, V, (N,), generator=g))
+    y = torch.where(
+        torch.rand(N, generator=g) < 0.5, logits.argmax(-1), torch.randint(0, V, (N,), generator=g)
+    )
     passes = []
 
-    def batches():  # three micro-batches of shape (batch, positions, V), as train_lm.score yields them
+    # three micro-batches of shape (batch, positions, V), as train_lm.score yields them
+    def batches():
         passes.append(1)
         for i in range(0, N, 200):
-            yield logits[i:i + 200].view(4, 50, V), y[i:i + 200].view(4, 50)
+            yield logits[i : i + 200].view(4, 50, V), y[i : i + 200].view(4, 50)
+
     beta = ev.fit_temperature(batches)
-    nll = lambda b: F.cross_entropy(b * logits.double(), y).item()
-    assert nll(beta) <= min(nll(float(b)) for b in torch.linspace(beta - 0.2, beta + 0.2, 81)) + 1e-9
+
+    def nll(b):
+        return F.cross_entropy(b * logits.double(), y).item()
+
+    assert (
+        nll(beta) <= min(nll(float(b)) for b in torch.linspace(beta - 0.2, beta + 0.2, 81)) + 1e-9
+    )
     assert beta < 1 and nll(beta) < nll(1.0) and 2 <= len(passes) < 30
 
 
 def test_device_cuda_without_cuda_ends_in_one_line(runs, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(SystemExit, match="--device cuda: CUDA is not available on this machine; use --device cpu"):
+    with pytest.raises(
+        SystemExit, match="--device cuda: CUDA is not available on this machine; use --device cpu"
+    ):
         ev.main([runs["mle"], "--out", str(tmp_path / "r"), "--device", "cuda"])
 
 

@@ -1,5 +1,6 @@
 """A results file is evidence: re-analysis joins a run only to what it is, and no command writes
 over another's file, a run folder's file, or the runs a file holds."""
+
 import fractions
 import json
 import os
@@ -30,8 +31,11 @@ def test_a_rerun_of_another_split_corpus_or_method_never_replaces_a_run(tmp_path
     run = json.load(open(HEADLINE))["runs"][MLE0]
     corpus = dict(run, tokens=2000, rows=290, vocab_size_actual=300, data_fingerprint="tiny-bpe300")
     agg = json.load(open(HEADLINE))["runs"]["agg-lr0.004-wu240-s0"]
-    for record, differ in ((corpus, r"tokens \(50727 vs 2000\)"), (agg, r"method \(mle vs agg\)"),
-                           (dict(corpus, seed=9), r"tokens \(50727 vs 2000\)")):  # a new seed too
+    for record, differ in (
+        (corpus, r"tokens \(50727 vs 2000\)"),
+        (agg, r"method \(mle vs agg\)"),
+        (dict(corpus, seed=9), r"tokens \(50727 vs 2000\)"),
+    ):  # a new seed too
         name = MLE0 if record["seed"] == 0 else "mle-s9"
         more = copy(HEADLINE, tmp_path / "more.json", {name: record})
         with pytest.raises(SystemExit, match=f"differ in {differ}"):

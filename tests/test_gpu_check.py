@@ -1,4 +1,6 @@
-"""studies/gpu_check.sh --cpu-test: the GPU check end to end on CPU at tiny sizes, and the gpu.json it writes."""
+"""studies/gpu_check.sh --cpu-test: the GPU check end to end on CPU at tiny sizes, and the gpu.json
+it writes."""
+
 import json
 import os
 import subprocess
@@ -12,16 +14,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_cpu_mode_writes_gpu_json(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    p = subprocess.run(["bash", "studies/gpu_check.sh", "--cpu-test"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run(
+        ["bash", "studies/gpu_check.sh", "--cpu-test"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["gpu.json", "gpu_check.log", "gpu_raw.tar.gz"]
     g = json.loads((tmp_path / "gpu.json").read_text())
     assert {"device", "torch", "commands", "head", "throughput", "numerics", "targets"} <= set(g)
     assert g["device"] == "cpu"
     assert [c["status"] for c in g["commands"]] == ["ok"] * 5, g["commands"]
-    methods = {"mle", "agg", "agg-no-g1", "agg-no-g2", "agps", "freeze-rare", "center", "zloss", "ul", "ul+agg",
-               "torch-ce"}
+    methods = {
+        "mle",
+        "agg",
+        "agg-no-g1",
+        "agg-no-g2",
+        "agps",
+        "freeze-rare",
+        "center",
+        "zloss",
+        "ul",
+        "ul+agg",
+        "torch-ce",
+    }
     for dtype in ("float32", "bfloat16"):
         assert {r["method"] for r in g["head"] if r["dtype"] == dtype} == methods
     assert all(r["ms"] > 0 and r["ms_ratio_vs_torch_ce"] > 0 for r in g["head"])
@@ -29,7 +48,8 @@ def test_cpu_mode_writes_gpu_json(tmp_path):
     assert set(tp) == {(s, m) for s in ("lm", "nmt") for m in ("mle", "agg")}
     assert all(r["tokens_per_s"] > 0 and r["steps"] == 6 and "error" not in r for r in tp.values())
     # the same run twice on one device, and a stop + resume on CPU: compared equal
-    for script in ("lm", "lm_practice", "nmt"):  # lm_practice: untied in the resumed half, a soft-cap
+    # lm_practice: untied in the resumed half, a soft-cap
+    for script in ("lm", "lm_practice", "nmt"):
         n = g["numerics"][script]
         assert len(n["loss_fp32"]) == n["steps"] == 8
         assert n["device_vs_cpu_fp32_max_rel"] == 0.0
@@ -38,8 +58,13 @@ def test_cpu_mode_writes_gpu_json(tmp_path):
             assert n[check]["weights_equal"] and n[check]["weights_max_abs_diff"] == 0.0
             assert n[check]["loss_max_rel"] == 0.0
     t = g["targets"]
-    assert set(t) == {"agg_vs_mle_head_time", "agg_vs_mle_head_memory", "mle_vs_torch_ce_time",
-                      "mle_vs_torch_ce_memory", "agg_vs_mle_tokens_per_s"}
+    assert set(t) == {
+        "agg_vs_mle_head_time",
+        "agg_vs_mle_head_memory",
+        "mle_vs_torch_ce_time",
+        "mle_vs_torch_ce_memory",
+        "agg_vs_mle_tokens_per_s",
+    }
     assert t["agg_vs_mle_head_time"]["met"] == (t["agg_vs_mle_head_time"]["value"] <= 1.05)
     assert set(t["agg_vs_mle_tokens_per_s"]["each"]) == {"lm cpu", "nmt cpu"}
     assert t["agg_vs_mle_head_memory"]["value"] is None  # --cpu-test measures no memory

@@ -1,5 +1,6 @@
 """studies/compare.py's two-way bootstrap over seeds and test articles (seed_article_boot95) against
 literal references on small synthetic examples."""
+
 import math
 
 import numpy as np
@@ -7,10 +8,13 @@ import pytest
 
 from studies import compare
 
-BASE = np.array([[120.0, 80.0, 40.0], [118.0, 83.0, 41.0], [121.0, 79.0, 39.5],
-                 [119.5, 81.0, 40.5]])  # NLL sums, seed x article
-CAND = np.array([[119.0, 81.5, 38.0], [117.0, 82.0, 40.0], [121.5, 80.0, 38.5],
-                 [118.0, 80.5, 39.0]])
+# NLL sums, seed x article
+BASE = np.array(
+    [[120.0, 80.0, 40.0], [118.0, 83.0, 41.0], [121.0, 79.0, 39.5], [119.5, 81.0, 40.5]]
+)
+CAND = np.array(
+    [[119.0, 81.5, 38.0], [117.0, 82.0, 40.0], [121.5, 80.0, 38.5], [118.0, 80.5, 39.0]]
+)
 COUNT = np.array([50.0, 30.0, 20.0])  # targets per article
 
 
@@ -66,6 +70,7 @@ def test_compare_reports_it_beside_the_seed_interval():
         ppl_groups = {g: math.exp(sum(nll) / COUNT.sum()) for g in compare.G}
         stats = {"nll": rows, "count": groups}
         return dict(seed=seed, ppl=total, ppl_groups=ppl_groups, article_stats=stats)
+
     metrics = {}
     for s in range(4):
         metrics[f"mle-s{s}"] = dict(record(BASE[s], s), variant="mle")

@@ -1,20 +1,23 @@
-"""Tests of AGG's rivals in agg.py (centering, z-loss, agg+center, Coupled Adam) and the extra geometry metrics
-(IsoScore, weighted/centered I(W), the under-trained-token indicator): against autograd and literal references."""
+"""Tests of AGG's rivals in agg.py (centering, z-loss, agg+center, Coupled Adam) and the extra
+geometry metrics (IsoScore, weighted/centered I(W), the under-trained-token indicator): against
+autograd and literal references."""
+
 import argparse
 import io
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_agg import ALPHA, WINDOW, D, V, make_counts, observe_counts
 
 import agg
-from test_agg import ALPHA, D, V, WINDOW, make_counts, observe_counts  # noqa: F401
 
 
 def inputs(seed=0, T=60, ignore=()):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(T, D, generator=g, dtype=torch.float64)
-    w = torch.randn(V, D, generator=g, dtype=torch.float64) + 0.5  # a shared offset: log Z far from 0
+    # a shared offset: log Z far from 0
+    w = torch.randn(V, D, generator=g, dtype=torch.float64) + 0.5
     y = torch.randint(0, V, (T,), generator=g)
     y[list(ignore)] = -100
     return h, w, y
@@ -37,8 +40,10 @@ def autograd_zloss(h, w, y, c, bias=None, smoothing=0.0):
     b = None if bias is None else bias.clone().requires_grad_()
     keep = y != -100
     logits = h[keep] @ w.T + (0 if b is None else b)
-    loss = F.cross_entropy(logits, y[keep], label_smoothing=smoothing) + \
-        c * torch.logsumexp(logits, dim=1).pow(2).mean()
+    loss = (
+        F.cross_entropy(logits, y[keep], label_smoothing=smoothing)
+        + c * torch.logsumexp(logits, dim=1).pow(2).mean()
+    )
     loss.backward()
     return loss.detach(), h.grad, w.grad, None if b is None else b.grad
 
@@ -47,7 +52,11 @@ def autograd_zloss(h, w, y, c, bias=None, smoothing=0.0):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_zloss_matches_autograd(chunk_size, with_bias):
     h, w, y = inputs(seed=1, ignore=(2, 3, 40))
-    b = torch.randn(V, generator=torch.Generator().manual_seed(1), dtype=torch.float64) if with_bias else None
+    b = (
+        torch.randn(V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        if with_bias
+        else None
+    )
     c = 0.05  # large enough that the z term moves every gradient
     method = agg.build_method("zloss", V, z_coef=c)
     got = grads(method, h, w, y, bias=b, chunk_size=chunk_size)
@@ -75,20 +84,25 @@ def test_zloss_with_label_smoothing_and_without_grad():
     for a, e in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-14)
     with torch.no_grad():  # the validation path (no gradient buffers) reports the same value
-        assert float(method.loss(h, w, y, label_smoothing=0.1)) == pytest.approx(float(want[0]), rel=1e-12)
+        assert float(method.loss(h, w, y, label_smoothing=0.1)) == pytest.approx(
+            float(want[0]), rel=1e-12
+        )
     assert agg.build_method("zloss", V).hparams["z_coef"] == 1e-4  # PaLM / OLMo 2
     assert "zloss" not in agg.build_method("mle", V).stats  # other methods' stats are unchanged
-    empty = grads(method, h, w, torch.full_like(y, -100))  # all ignored: 0 with zero gradients, as for MLE
+    # all ignored: 0 with zero gradients, as for MLE
+    empty = grads(method, h, w, torch.full_like(y, -100))
     assert float(empty[0]) == 0.0 and torch.all(empty[2] == 0)
 
 
 def test_bad_new_hyper_parameters_are_refused_with_the_range():
-    for name, kw, match in (("zloss", dict(z_coef=-1e-4), r"z_coef must be a finite number >= 0, got -0.0001"),
-                            ("zloss", dict(z_coef=float("nan")), r"z_coef must be a finite number >= 0, got nan"),
-                            ("zloss", dict(z_coef=float("inf")), r"z_coef must be a finite number >= 0, got inf"),
-                            ("center", dict(mu_coef=-1.0), r"mu_coef must be a finite number >= 0"),
-                            ("center", dict(center_mode="mean"), r"center_mode must be 'step' or 'loss', got 'mean'"),
-                            ("agg+center", dict(center_mode="step"), r"unknown hyper-parameter")):
+    for name, kw, match in (
+        ("zloss", dict(z_coef=-1e-4), r"z_coef must be a finite number >= 0, got -0.0001"),
+        ("zloss", dict(z_coef=float("nan")), r"z_coef must be a finite number >= 0, got nan"),
+        ("zloss", dict(z_coef=float("inf")), r"z_coef must be a finite number >= 0, got inf"),
+        ("center", dict(mu_coef=-1.0), r"mu_coef must be a finite number >= 0"),
+        ("center", dict(center_mode="mean"), r"center_mode must be 'step' or 'loss', got 'mean'"),
+        ("agg+center", dict(center_mode="step"), r"unknown hyper-parameter"),
+    ):
         with pytest.raises(ValueError, match=match):
             agg.build_method(name, V, **kw)
 
@@ -110,8 +124,10 @@ def test_center_step_mode_centers_after_each_step_and_keeps_mles_loss():
     assert before.mean(0).abs().max() > 0.1
     method.after_step(param)
     assert param.detach().mean(0).abs().max() < 1e-14
-    torch.testing.assert_close(param.detach(), before - before.mean(0), rtol=0, atol=1e-15)  # a shift, nothing else
-    # in a loop: after every optimizer step the mean row is zero again (float32, as a model holds it)
+    # a shift, nothing else
+    torch.testing.assert_close(param.detach(), before - before.mean(0), rtol=0, atol=1e-15)
+    # in a loop: after every optimizer step the mean row is zero again (float32, as a model holds
+    # it)
     emb = torch.nn.Embedding(V, D)
     opt = torch.optim.AdamW(emb.parameters(), lr=0.05)
     for step in range(3):
@@ -135,7 +151,9 @@ def test_center_mu_loss_matches_autograd_and_does_not_touch_the_weight():
     ref.backward()
     for a, e in zip(got[:3], (ref.detach(), hh.grad, ww.grad)):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-14)
-    assert method.stats["regulariser"] == pytest.approx(float(0.7 * w.mean(0).pow(2).sum()), rel=1e-12)
+    assert method.stats["regulariser"] == pytest.approx(
+        float(0.7 * w.mean(0).pow(2).sum()), rel=1e-12
+    )
     param = torch.nn.Parameter(w.clone())
     method.after_step(param)
     assert torch.equal(param.detach(), w)
@@ -162,13 +180,24 @@ def test_agg_center_has_aggs_gradients_and_centers_after_the_step():
     a.after_step(param)
     assert torch.equal(param.detach(), w)  # plain AGG leaves it
     # rare_share sets its alpha like AGG's (build_method treats it as AGG family)
-    m = agg.build_method("agg+center", V, counts=counts * 10 + 1, tokens_per_step=64, rare_share=0.25)
+    m = agg.build_method(
+        "agg+center", V, counts=counts * 10 + 1, tokens_per_step=64, rare_share=0.25
+    )
     assert m.hparams["alpha"] == agg.alpha_for_rare_share(counts * 10 + 1, 0.25, 64)
 
 
 def test_new_methods_are_registered_with_documented_hparams():
-    old_family = ["agg", "agg-no-g1", "agg-no-g2", "agg-static", "agg-continuous", "agg-centered", "agg-prefill",
-                  "ul+agg", "ul+agg-features"]
+    old_family = [
+        "agg",
+        "agg-no-g1",
+        "agg-no-g2",
+        "agg-static",
+        "agg-continuous",
+        "agg-centered",
+        "agg-prefill",
+        "ul+agg",
+        "ul+agg-features",
+    ]
     assert [n for n in agg.METHODS if agg.agg_family(n)] == old_family + ["agg+center"]
     assert not agg.agg_family("center") and not agg.agg_family("zloss")
     for name in ("center", "zloss", "agg+center"):
@@ -176,25 +205,34 @@ def test_new_methods_are_registered_with_documented_hparams():
             assert key in agg.HPARAMS, (name, key)
             assert default is None or isinstance(default, agg.HPARAMS[key][0]), (name, key, default)
     import runlib
+
     p = argparse.ArgumentParser()
     runlib.add_run_flags(p, "lm")
-    args = p.parse_args(["--method", "center", "--center-mode", "loss", "--mu-coef", "0.5", "--z-coef", "1e-3"])
-    assert (args.method, args.center_mode, args.mu_coef, args.z_coef) == ("center", "loss", 0.5, 1e-3)
+    args = p.parse_args(
+        ["--method", "center", "--center-mode", "loss", "--mu-coef", "0.5", "--z-coef", "1e-3"]
+    )
+    assert (args.method, args.center_mode, args.mu_coef, args.z_coef) == (
+        "center",
+        "loss",
+        0.5,
+        1e-3,
+    )
 
 
 # --------------------------------------------------------------------------------- Coupled Adam
 
 
 def literal_adamw(w0, grad_seq, lr, betas, eps, wd, coupled):
-    """AdamW (decoupled weight decay) step by step; coupled: the bias-corrected second moment averaged over dim 0."""
+    """AdamW (decoupled weight decay) step by step; coupled: the bias-corrected second moment
+    averaged over dim 0."""
     b1, b2 = betas
     w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
     for t, g in enumerate(grad_seq, start=1):
         w = w * (1 - lr * wd)
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        m_hat = m / (1 - b1 ** t)
-        v_hat = v / (1 - b2 ** t)
+        m_hat = m / (1 - b1**t)
+        v_hat = v / (1 - b2**t)
         if coupled:
             v_hat = v_hat.mean(dim=0, keepdim=True).expand_as(v_hat)
         w = w - lr * m_hat / (v_hat.sqrt() + eps)
@@ -202,7 +240,8 @@ def literal_adamw(w0, grad_seq, lr, betas, eps, wd, coupled):
 
 
 def fixed_grads(shape, steps=5, seed=0, dtype=torch.float64):
-    """Gradients whose rows differ in scale by 100x (rare vs frequent rows), so coupling changes the update."""
+    """Gradients whose rows differ in scale by 100x (rare vs frequent rows), so coupling changes the
+    update."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.logspace(-2, 0, shape[0], dtype=dtype).reshape(-1, *([1] * (len(shape) - 1)))
     return [torch.randn(shape, generator=g, dtype=dtype) * scale for _ in range(steps)]
@@ -230,7 +269,8 @@ def test_coupled_adamw_matches_the_literal_reference(coupled, wd):
     state = opt.state[W]
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 5
     torch.testing.assert_close(state["exp_avg"], m, rtol=1e-12, atol=1e-16)
-    torch.testing.assert_close(state["exp_avg_sq"], v, rtol=1e-12, atol=1e-18)  # stored per element, not averaged
+    # stored per element, not averaged
+    torch.testing.assert_close(state["exp_avg_sq"], v, rtol=1e-12, atol=1e-18)
     other, _, _ = literal_adamw(w0, seq, hp["lr"], hp["betas"], hp["eps"], wd, not coupled)
     assert (want - other).abs().max() > 1e-3  # coupling changes the result on these gradients
 
@@ -248,14 +288,24 @@ def test_coupled_adamw_uncoupled_group_is_torch_adamw_and_groups_mix():
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)  # same arithmetic: bit-identical on CPU
     # the default is coupled; a mixed optimizer couples the embedding only
-    emb, rest = torch.nn.Parameter(init[0].clone()), [torch.nn.Parameter(x.clone()) for x in init[1:]]
+    emb, rest = (
+        torch.nn.Parameter(init[0].clone()),
+        [torch.nn.Parameter(x.clone()) for x in init[1:]],
+    )
     opt = agg.CoupledAdamW([{"params": [emb]}, {"params": rest, "coupled": False}], **hp)
     assert [grp["coupled"] for grp in opt.param_groups] == [True, False]
     run_optimizer(opt, [emb] + rest, seqs)
     for a, b in zip(rest, ref[1:]):
         assert torch.equal(a, b)
-    want, _, _ = literal_adamw(init[0].double(), [s.double() for s in seqs[0]], hp["lr"], hp["betas"], hp["eps"],
-                               hp["weight_decay"], coupled=True)
+    want, _, _ = literal_adamw(
+        init[0].double(),
+        [s.double() for s in seqs[0]],
+        hp["lr"],
+        hp["betas"],
+        hp["eps"],
+        hp["weight_decay"],
+        coupled=True,
+    )
     torch.testing.assert_close(emb.detach().double(), want, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(emb, ref[0])
 
@@ -293,10 +343,16 @@ def test_coupled_adamw_state_dict_round_trip_continues_identically():
 
 def test_coupled_adamw_refuses_unsupported_arguments():
     p = [torch.nn.Parameter(torch.zeros(3, 2))]
-    for kw, match in ((dict(amsgrad=True), "amsgrad"), (dict(fused=True), "fused"), (dict(maximize=True), "maximize"),
-                      (dict(foreach=True), "foreach"), (dict(lr=-1.0), "lr must be >= 0"),
-                      (dict(betas=(0.9, 1.0)), r"betas must be in \[0, 1\)"), (dict(eps=-1.0), "eps"),
-                      (dict(weight_decay=-0.1), "weight_decay")):
+    for kw, match in (
+        (dict(amsgrad=True), "amsgrad"),
+        (dict(fused=True), "fused"),
+        (dict(maximize=True), "maximize"),
+        (dict(foreach=True), "foreach"),
+        (dict(lr=-1.0), "lr must be a finite number >= 0"),
+        (dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
+        (dict(eps=-1.0), "eps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+    ):
         with pytest.raises(ValueError, match=match):
             agg.CoupledAdamW(p, **kw)
 
@@ -322,13 +378,18 @@ def test_isoscore_matches_the_isoscore_package():
 def test_isoscore_extremes_and_k_dimensions():
     g = torch.Generator().manual_seed(1)
     assert agg.isoscore(torch.randn(20000, 16, generator=g)) > 0.98  # isotropic Gaussian
-    rank1 = torch.outer(torch.randn(500, generator=g, dtype=torch.float64), torch.randn(16, generator=g,
-                                                                                        dtype=torch.float64))
+    rank1 = torch.outer(
+        torch.randn(500, generator=g, dtype=torch.float64),
+        torch.randn(16, generator=g, dtype=torch.float64),
+    )
     assert abs(agg.isoscore(rank1 + 5.0)) < 1e-6  # one dimension used (an offset does not count)
     # equal variance in k of n dimensions: phi = k / n, IsoScore = (k - 1) / (n - 1)
     n, k = 12, 4
     basis = torch.eye(n, dtype=torch.float64)[:k]
-    points = torch.cat([basis, -basis]) @ torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    points = (
+        torch.cat([basis, -basis])
+        @ torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    )
     assert agg.isoscore(points) == pytest.approx((k - 1) / (n - 1), abs=1e-9)
     with pytest.raises(ValueError, match="2 dimensions"):
         agg.isoscore(torch.randn(10, 1))
@@ -345,8 +406,9 @@ def isotropy_as_it_was(weight):
 
 def test_isotropy_unchanged_and_its_weighted_and_centered_forms():
     g = torch.Generator().manual_seed(2)
-    cone = torch.randn(300, 8, generator=g, dtype=torch.float64) + 0.7 * torch.randn(8, generator=g,
-                                                                                     dtype=torch.float64)
+    cone = torch.randn(300, 8, generator=g, dtype=torch.float64) + 0.7 * torch.randn(
+        8, generator=g, dtype=torch.float64
+    )
     for W in (cone, torch.randn(100, 5, generator=g), cone * 30):
         assert agg.isotropy(W) == isotropy_as_it_was(W)  # bit-identical
     plain = agg.isotropy(cone)
@@ -354,22 +416,25 @@ def test_isotropy_unchanged_and_its_weighted_and_centered_forms():
     assert agg.isotropy(cone, center=True) == agg.isotropy(cone - cone.mean(0))
     assert agg.isotropy(cone, center=True) > plain + 0.1  # centering removes the cone's offset
     # integer weights = rows repeated that many times (weight 0 = row dropped), centered or not
-    counts = (200 / torch.arange(1, 301)).floor().long()[torch.randperm(300, generator=g)]  # Zipfian, 100 zeros
+    # Zipfian, 100 zeros
+    counts = (200 / torch.arange(1, 301)).floor().long()[torch.randperm(300, generator=g)]
     repeated = cone.repeat_interleave(counts, dim=0)
     weighted = agg.isotropy(cone, weights=counts)
     assert weighted == pytest.approx(agg.isotropy(repeated), rel=1e-9)
     assert agg.isotropy(cone, weights=counts, center=True) == pytest.approx(
-        agg.isotropy(repeated - repeated.mean(0)), rel=1e-9)
+        agg.isotropy(repeated - repeated.mean(0)), rel=1e-9
+    )
     assert abs(weighted / plain - 1) > 0.1  # the weights matter
-    assert agg.isotropy(-cone, weights=counts) == pytest.approx(weighted, rel=1e-9)  # both signs, as unweighted
+    # both signs, as unweighted
+    assert agg.isotropy(-cone, weights=counts) == pytest.approx(weighted, rel=1e-9)
     for bad in (-counts, counts[:-1], torch.zeros(300)):
         with pytest.raises(ValueError, match="weights must be"):
             agg.isotropy(cone, weights=bad)
 
 
 def literal_magikarp(W, unused):
-    """Land & Bartolo's indicator written out: first PC by SVD of the centered rows, removed from the raw rows;
-    cosine similarity of each row to the mean of the unused rows."""
+    """Land & Bartolo's indicator written out: first PC by SVD of the centered rows, removed from
+    the raw rows; cosine similarity of each row to the mean of the unused rows."""
     W = W.double()
     pc = torch.linalg.svd(W - W.mean(0), full_matrices=False).Vh[0]
     Wr = W - (W @ pc)[:, None] * pc[None, :]
@@ -381,7 +446,8 @@ def test_undertrained_rows_flag_planted_untrained_rows():
     g = torch.Generator().manual_seed(3)
     V_, d = 300, 16
     hidden_mean = F.normalize(torch.randn(d, generator=g), dim=0)
-    W = torch.randn(V_, d, generator=g) + 1.0 * hidden_mean  # trained-like: diverse, with a shared offset
+    # trained-like: diverse, with a shared offset
+    W = torch.randn(V_, d, generator=g) + 1.0 * hidden_mean
     untrained = torch.randperm(V_, generator=g)[:30]
     # never a target: left at a small init, pushed only along -mean(h) by everybody's softmax
     W[untrained] = 0.02 * torch.randn(30, d, generator=g) - 0.5 * hidden_mean

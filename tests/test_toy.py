@@ -1,7 +1,9 @@
-"""Tests of toy_degeneration.py: the MLE-vs-AGG contrast on fixed seeds, the outputs' contract, every method runs.
+"""Tests of toy_degeneration.py: the MLE-vs-AGG contrast on fixed seeds, the outputs' contract,
+every method runs.
 
 Run: .venv/bin/python -m pytest tests/test_toy.py -q
 """
+
 import json
 import math
 
@@ -11,11 +13,40 @@ import torch
 import agg
 import toy_degeneration as toy
 
-# A reduced configuration: full vocabulary and model, fewer steps, a smaller corpus and held-out set, one thread
+# A reduced configuration: full vocabulary and model, fewer steps, a smaller corpus and held-out
+# set, one thread
 # (deterministic, and not slowed down by other jobs fighting for the second core).
-REDUCED = ["--steps", "40", "--epoch-steps", "40", "--val-tokens", "16384", "--threads", "1", "--no-plots"]
-TINY = ["--vocab", "300", "--dim", "8", "--seq-len", "16", "--batch-seqs", "8", "--epoch-steps", "4",
-        "--val-tokens", "512", "--steps", "6", "--log-every", "2", "--threads", "1"]
+REDUCED = [
+    "--steps",
+    "40",
+    "--epoch-steps",
+    "40",
+    "--val-tokens",
+    "16384",
+    "--threads",
+    "1",
+    "--no-plots",
+]
+TINY = [
+    "--vocab",
+    "300",
+    "--dim",
+    "8",
+    "--seq-len",
+    "16",
+    "--batch-seqs",
+    "8",
+    "--epoch-steps",
+    "4",
+    "--val-tokens",
+    "512",
+    "--steps",
+    "6",
+    "--log-every",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module", params=[0, 1])
@@ -33,7 +64,10 @@ def test_agg_is_more_isotropic_than_mle(contrast):
 
 
 def test_mle_rare_tokens_form_a_cone_and_agg_opens_it(contrast):
-    mle, agg_ = contrast["mle"]["mean_cosine_groups"]["rare"], contrast["agg"]["mean_cosine_groups"]["rare"]
+    mle, agg_ = (
+        contrast["mle"]["mean_cosine_groups"]["rare"],
+        contrast["agg"]["mean_cosine_groups"]["rare"],
+    )
     assert mle > 0.7, mle
     assert agg_ < mle - 0.25, (mle, agg_)
 
@@ -45,7 +79,9 @@ def test_agg_predicts_rare_tokens_better(contrast):
 
 
 def test_outputs_follow_the_contract(tmp_path, capsys):
-    metrics = toy.main(TINY + ["--methods", "mle,agg", "--alpha-sweep", "0.4,2", "--out", str(tmp_path)])
+    metrics = toy.main(
+        TINY + ["--methods", "mle,agg", "--alpha-sweep", "0.4,2", "--out", str(tmp_path)]
+    )
     with open(tmp_path / "metrics.json") as f:
         on_disk = json.load(f)
     assert on_disk["methods"].keys() == {"mle", "agg"}
@@ -55,17 +91,31 @@ def test_outputs_follow_the_contract(tmp_path, capsys):
             assert key in m, (name, key)
         for key in ("isotropy_groups", "mean_cosine_groups", "ppl_groups"):
             assert m[key].keys() == {"freq", "med", "rare"}, (name, key)
-        assert 0 < m["isotropy"] <= 1 and 1 <= m["ppl"] and 1 <= m["uniq"] <= 300 and m["seconds"] > 0
+        assert (
+            0 < m["isotropy"] <= 1 and 1 <= m["ppl"] and 1 <= m["uniq"] <= 300 and m["seconds"] > 0
+        )
         assert all(math.isfinite(v) for v in m["ppl_groups"].values())
         assert len(m["history"]) == 4  # steps 1, 3, 5 and the last one
-    assert on_disk["methods"]["mle"]["rare_count"] is None and on_disk["methods"]["agg"]["rare_count"] >= 0
+    assert (
+        on_disk["methods"]["mle"]["rare_count"] is None
+        and on_disk["methods"]["agg"]["rare_count"] >= 0
+    )
     assert [s["alpha"] for s in on_disk["alpha_sweep"]] == [0.4, 2.0]
     # alpha 0.4 is --alpha's default: the sweep reuses the agg run instead of training it again
-    assert {**on_disk["alpha_sweep"][0], "alpha": None} == {**on_disk["methods"]["agg"], "alpha": None}
+    assert {**on_disk["alpha_sweep"][0], "alpha": None} == {
+        **on_disk["methods"]["agg"],
+        "alpha": None,
+    }
     # a larger alpha can only make the rare group larger (AGG Eq. 5: a_k / K < alpha)
     assert on_disk["alpha_sweep"][0]["rare_count"] <= on_disk["alpha_sweep"][1]["rare_count"]
     assert metrics["methods"]["agg"]["isotropy"] == on_disk["methods"]["agg"]["isotropy"]
-    for png in ("svd.png", "spectrum.png", "training.png", "alpha_sweep.png", "svd_alpha_sweep.png"):
+    for png in (
+        "svd.png",
+        "spectrum.png",
+        "training.png",
+        "alpha_sweep.png",
+        "svd_alpha_sweep.png",
+    ):
         with open(tmp_path / png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
     printed = capsys.readouterr().out
@@ -73,11 +123,14 @@ def test_outputs_follow_the_contract(tmp_path, capsys):
 
 
 def test_every_method_trains(tmp_path):
-    metrics = toy.main(TINY + ["--methods", ",".join(agg.METHODS), "--no-plots", "--out", str(tmp_path)])
+    metrics = toy.main(
+        TINY + ["--methods", ",".join(agg.METHODS), "--no-plots", "--out", str(tmp_path)]
+    )
     assert list(metrics["methods"]) == list(agg.METHODS)
     for name, m in metrics["methods"].items():
         assert math.isfinite(m["ppl"]) and 0 < m["isotropy"] <= 1, name
-    # static-group methods got the training counts: their rare set is the bottom 20% of the vocabulary
+    # static-group methods got the training counts: their rare set is the bottom 20% of the
+    # vocabulary
     assert metrics["methods"]["freeze-rare"]["rare_count"] == 60
 
 
@@ -136,10 +189,25 @@ def test_bad_inputs_name_the_fix(capsys):
         toy.parse_args(["--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
     # the method flags of train_lm.py, each to the methods that take it, over the toy's own settings
-    args = toy.parse_args(["--methods", "agg,agg-static,agps,freeze-b", "--window", "3", "--use-g1", "false",
-                           "--mu1", "2.5", "--parts", "c"])
+    args = toy.parse_args(
+        [
+            "--methods",
+            "agg,agg-static,agps,freeze-b",
+            "--window",
+            "3",
+            "--use-g1",
+            "false",
+            "--mu1",
+            "2.5",
+            "--parts",
+            "c",
+        ]
+    )
     hp = {m: toy.method_hparams(m, args) for m in args.method_list}
-    assert hp == {"agg": {"alpha": 0.4, "window": 3, "use_g1": False},
-                  "agg-static": {"alpha": 0.4, "window": 3, "use_g1": False, "static_after": 75},
-                  "agps": {"mu1": 2.5}, "freeze-b": {"parts": "c"}}
+    assert hp == {
+        "agg": {"alpha": 0.4, "window": 3, "use_g1": False},
+        "agg-static": {"alpha": 0.4, "window": 3, "use_g1": False, "static_after": 75},
+        "agps": {"mu1": 2.5},
+        "freeze-b": {"parts": "c"},
+    }
     assert type(hp["agg"]["window"]) is int

@@ -1,5 +1,6 @@
 """train_lm.py: every method trains, resume == uninterrupted, clear errors, caches.
 A tiny model on a tiny Zipfian corpus (tests/conftest.py): each test takes seconds."""
+
 import contextlib
 import json
 import math
@@ -32,13 +33,26 @@ def test_every_method_trains_with_finite_loss(lm_run, read_log, tmp_path, method
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
     assert valid and valid[-1]["step"] == 2 and 0 < valid[-1]["isotropy"] <= 1
     assert 0 < valid[-1]["ppl"] < 1e5
-    if method.startswith("agg") or method in ("ul+agg", "agps", "freeze-rare", "freeze-b", "freeze-c", "freeze-bc"):
-        assert 0 < train[-1]["method_rare_fraction"] < 1 and train[-1]["method_rare_count"] >= 1  # R logged
+    if method.startswith("agg") or method in (
+        "ul+agg",
+        "agps",
+        "freeze-rare",
+        "freeze-b",
+        "freeze-c",
+        "freeze-bc",
+    ):
+        assert (
+            0 < train[-1]["method_rare_fraction"] < 1 and train[-1]["method_rare_count"] >= 1
+        )  # R logged
         assert "R_over_B" in train[-1] and "method_rare_mass_pred" in valid[-1]
     ck = torch.load(os.path.join(tmp_path / method, "ckpt.pt"), weights_only=True)
     assert ck["config"]["task"] == "lm" and ck["config"]["method"] == method and ck["step"] == 2
     cfg = json.load(open(os.path.join(tmp_path / method, "config.json")))
-    assert cfg["task"] == "lm" and "torch" in cfg["versions"] and cfg["versions"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert (
+        cfg["task"] == "lm"
+        and "torch" in cfg["versions"]
+        and cfg["versions"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    )
     for key in ("git_commit", "git_dirty", "argv", "agg_sha256"):
         assert key in cfg, key
 
@@ -58,7 +72,8 @@ def test_window_defaults_to_steps_per_epoch_and_flags_pass_through(lm_run, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["agg", "frage", "freeze-rare"])
 def test_resume_equals_uninterrupted(lm_run, read_log, tmp_path, method):
-    """Stop after 3 of 6 steps (dropout on, so RNG states matter), resume, compare with one uninterrupted run."""
+    """Stop after 3 of 6 steps (dropout on, so RNG states matter), resume, compare with one
+    uninterrupted run."""
     extra = ["--method", method, "--dropout", "0.2", "--eval-interval", "3"]
     lm_run(tmp_path / "full", *extra, steps=6)
     lm_run(tmp_path / "split", *extra, "--stop-at", "3", steps=6)
@@ -72,7 +87,9 @@ def test_resume_equals_uninterrupted(lm_run, read_log, tmp_path, method):
     if method == "agg":
         assert torch.equal(a["method"]["appearances"], b["method"]["appearances"])
     if method == "frage":
-        assert torch.equal(a["method"]["disc"]["model"]["weight"], b["method"]["disc"]["model"]["weight"])
+        assert torch.equal(
+            a["method"]["disc"]["model"]["weight"], b["method"]["disc"]["model"]["weight"]
+        )
     la, lb = read_log(tmp_path / "full"), read_log(tmp_path / "split")
     assert [(r["step"], r["split"]) for r in la] == [(r["step"], r["split"]) for r in lb]
     assert la[-1]["ppl"] == pytest.approx(lb[-1]["ppl"], rel=1e-9)
@@ -80,29 +97,57 @@ def test_resume_equals_uninterrupted(lm_run, read_log, tmp_path, method):
 
 def test_resume_without_flags_uses_saved_config(lm_run, corpus, tmp_path):
     lm_run(tmp_path / "r", "--method", "agg", "--alpha", "0.4", "--stop-at", "2", steps=4)
-    train_lm.main(["--out", str(tmp_path / "r"), "--resume", "--cache-dir", corpus["cache"], "--device", "cpu"])
+    train_lm.main(
+        [
+            "--out",
+            str(tmp_path / "r"),
+            "--resume",
+            "--cache-dir",
+            corpus["cache"],
+            "--device",
+            "cpu",
+        ]
+    )
     ck = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
     assert ck["step"] == 4 and ck["config"]["method"] == "agg" and ck["config"]["alpha"] == 0.4
 
 
-def test_torchrun_is_refused_in_one_line(lm_run, tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit, match="one process per run: run without torchrun"):
-        lm_run(tmp_path / "ddp")
-    assert not (tmp_path / "ddp").exists()
-
-
 def test_hub_dataset_fails_fast_with_offline_hint(tmp_path):
-    """HF_HUB_OFFLINE=1 and nothing in the datasets cache: one line at once (an unreachable hub would be retried)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"),
-               HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"))
+    """HF_HUB_OFFLINE=1 and nothing in the datasets cache: one line at once (an unreachable hub
+    would be retried)."""
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_ENDPOINT="http://127.0.0.1:9",
+        HF_HOME=str(tmp_path / "hf"),
+        HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"),
+    )
     t = time.time()
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_lm.py"), "--dataset", "wikitext-2", "--out",
-                        str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"), "--device", "cpu"],
-                       env=env, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train_lm.py"),
+            "--dataset",
+            "wikitext-2",
+            "--out",
+            str(tmp_path / "o"),
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--device",
+            "cpu",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode != 0
     assert time.time() - t < 30
-    assert "--data-dir" in p.stderr and data_py.OFFLINE_DATASET in p.stderr and "wikitext-2" in p.stderr
+    assert (
+        "--data-dir" in p.stderr
+        and data_py.OFFLINE_DATASET in p.stderr
+        and "wikitext-2" in p.stderr
+    )
     assert "Traceback" not in p.stderr
 
 
@@ -113,7 +158,9 @@ def test_corrupted_checkpoint_gives_clear_error(lm_run, tmp_path):
     path.write_bytes(data[: len(data) // 2])  # truncated, as by an interrupted copy
     with pytest.raises(SystemExit) as e:
         lm_run(tmp_path / "c", "--resume", steps=4)
-    assert str(path) in str(e.value) and "corrupted" in str(e.value) and "--overwrite" in str(e.value)
+    assert (
+        str(path) in str(e.value) and "corrupted" in str(e.value) and "--overwrite" in str(e.value)
+    )
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit, match="corrupted"):
         runlib.load_checkpoint(str(path))
@@ -127,26 +174,36 @@ def test_mismatched_checkpoint_gives_clear_error(lm_run, tmp_path):
     assert "d_model=16" in msg and "d_model=32" in msg and "config.json" in msg and "ckpt.pt" in msg
     with pytest.raises(SystemExit, match="method='agg'.*method='mle'"):
         lm_run(tmp_path / "m", "--method", "mle", "--resume", steps=4)
-    with pytest.raises(SystemExit, match="micro_batch=4 but this run asks for micro_batch=2"):  # it changes the sums
+    with pytest.raises(
+        SystemExit, match="micro_batch=4 but this run asks for micro_batch=2"
+    ):  # it changes the sums
         lm_run(tmp_path / "m", "--method", "agg", "--micro-batch", "2", "--resume", steps=4)
     with pytest.raises(SystemExit, match="already exists: pass --resume"):
         lm_run(tmp_path / "m", "--method", "agg", steps=4)
     ck = torch.load(tmp_path / "m" / "ckpt.pt", weights_only=True)
     ck["config"]["task"] = ck["task"] = "nmt"
-    torch.save(ck, tmp_path / "m" / "ckpt.pt")
+    runlib.save_checkpoint(tmp_path / "m" / "ckpt.pt", ck)  # a valid checksum over the edit
     with pytest.raises(SystemExit, match="task 'nmt', not 'lm'"):
         lm_run(tmp_path / "m", "--method", "agg", "--resume", steps=4)
 
 
 def test_tokenizer_cache_is_reused_and_keyed(corpus_writer, tmp_path):
     folder = corpus_writer(str(tmp_path / "data"), seed=1)
-    cfg = dict(data_dir=folder, dataset="dir", tokenizer="bpe", vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    cfg = dict(
+        data_dir=folder,
+        dataset="dir",
+        tokenizer="bpe",
+        vocab_size=300,
+        cache_dir=str(tmp_path / "cache"),
+    )
     a = data_py.prepare_lm(cfg, log=lambda *a: None)
     mtime = os.path.getmtime(os.path.join(a["dir"], "tokenizer.json"))
     b = data_py.prepare_lm(cfg, log=lambda *a: None)
     assert not a["reused"] and b["reused"] and a["dir"] == b["dir"]
     assert os.path.getmtime(os.path.join(b["dir"], "tokenizer.json")) == mtime
-    assert (a["ids"]["train"] == b["ids"]["train"]).all() and int(a["counts"].sum()) == len(a["ids"]["train"])
+    assert (a["ids"]["train"] == b["ids"]["train"]).all() and int(a["counts"].sum()) == len(
+        a["ids"]["train"]
+    )
     assert a["vocab_size"] == 300 and a["tokenizer"].decode(list(a["ids"]["valid"][:5])).strip()
     c = data_py.prepare_lm(dict(cfg, vocab_size=280), log=lambda *a: None)
     assert not c["reused"] and c["dir"] != a["dir"] and c["vocab_size"] == 280
@@ -165,9 +222,19 @@ def test_offline_default_corpus_split_by_article():
     assert {k: sum(v) for k, v in documents.items()} == {k: len(v) for k, v in splits.items()}
     assert len(documents["valid"]) == 6 and len(documents["test"]) == 5
     sizes = {k: sum(len(line) for line in v) for k, v in splits.items()}
-    assert 2.5e6 < sum(sizes.values()) < 3.5e6 and sizes["train"] > 10 * sizes["valid"] > 0 and sizes["test"] > 0
-    long = {k: {line for line in v if len(line) > 80} for k, v in splits.items()}  # paragraphs, not headings
-    assert not long["test"] & long["valid"] and not long["test"] & long["train"] and not long["valid"] & long["train"]
+    assert (
+        2.5e6 < sum(sizes.values()) < 3.5e6
+        and sizes["train"] > 10 * sizes["valid"] > 0
+        and sizes["test"] > 0
+    )
+    long = {
+        k: {line for line in v if len(line) > 80} for k, v in splits.items()
+    }  # paragraphs, not headings
+    assert (
+        not long["test"] & long["valid"]
+        and not long["test"] & long["train"]
+        and not long["valid"] & long["train"]
+    )
     assert not any("[[" in line or "'''" in line for line in splits["train"][:2000])
 
 
@@ -186,18 +253,32 @@ def test_model_features_feed_the_tied_head_and_are_causal():
 
 
 def test_rare_share_resolves_alpha_and_the_cpu_preset_uses_it(lm_run, corpus, read_log, tmp_path):
-    lm_run(tmp_path / "a", "--method", "agg", "--rare-share", "0.9")  # the tiny corpus: 79% never occur
+    lm_run(
+        tmp_path / "a", "--method", "agg", "--rare-share", "0.9"
+    )  # the tiny corpus: 79% never occur
     cfg = json.load(open(tmp_path / "a" / "config.json"))
-    counts = torch.from_numpy(__import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy")))
+    counts = torch.from_numpy(
+        __import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy"))
+    )
     special = [1, 0]  # <pad>, <|endoftext|>
     alpha = agg.alpha_for_rare_share(counts, 0.9, cfg["tokens_per_step_actual"], special)
     assert cfg["method_hparams"]["alpha"] == pytest.approx(alpha)
     assert abs(cfg["method_rare_share"] - 0.9) < 0.03
-    lm_run(tmp_path / "b", "--method", "agg")  # no flag: the cpu preset states the rare group as a share
+    lm_run(
+        tmp_path / "b", "--method", "agg"
+    )  # no flag: the cpu preset states the rare group as a share
     cfg_b = json.load(open(tmp_path / "b" / "config.json"))
-    assert cfg_b["method_hparams"]["alpha"] == pytest.approx(agg.alpha_for_rare_share(
-        counts, train_lm.PRESET_METHOD["cpu"]["rare_share"], cfg["tokens_per_step_actual"], special))
-    lm_run(tmp_path / "c", "--method", "agg", "--alpha", "0.7")  # an explicit alpha wins over the preset
+    assert cfg_b["method_hparams"]["alpha"] == pytest.approx(
+        agg.alpha_for_rare_share(
+            counts,
+            train_lm.PRESET_METHOD["cpu"]["rare_share"],
+            cfg["tokens_per_step_actual"],
+            special,
+        )
+    )
+    lm_run(
+        tmp_path / "c", "--method", "agg", "--alpha", "0.7"
+    )  # an explicit alpha wins over the preset
     assert json.load(open(tmp_path / "c" / "config.json"))["method_hparams"]["alpha"] == 0.7
     with pytest.raises(SystemExit, match="not both"):
         lm_run(tmp_path / "d", "--method", "agg", "--alpha", "0.7", "--rare-share", "0.2")
@@ -206,16 +287,25 @@ def test_rare_share_resolves_alpha_and_the_cpu_preset_uses_it(lm_run, corpus, re
     # validation records carry the per-group numbers of AGG Fig. 2
     valid = [r for r in read_log(tmp_path / "a") if r["split"] == "valid"][-1]
     assert set(valid["ppl_groups"]) == set(valid["isotropy_groups"]) == set(agg.GROUPS)
-    for key in ("cosine_rare_freq", "group_rare_mass_pred", "group_rare_mass_true", "method_rare_mass_pred"):
+    for key in (
+        "cosine_rare_freq",
+        "group_rare_mass_pred",
+        "group_rare_mass_true",
+        "method_rare_mass_pred",
+    ):
         assert key in valid, key
 
 
 def test_freeze_rare_rows_stay_exactly_at_init_under_weight_decay(lm_run, tmp_path):
     for steps in (1, 4):
-        lm_run(tmp_path / f"s{steps}", "--method", "freeze-rare", "--weight-decay", "0.5", steps=steps)
+        lm_run(
+            tmp_path / f"s{steps}", "--method", "freeze-rare", "--weight-decay", "0.5", steps=steps
+        )
     a, b = (torch.load(tmp_path / f"s{n}" / "ckpt.pt", weights_only=True) for n in (1, 4))
     cfg = json.load(open(tmp_path / "s1" / "config.json"))
-    counts = torch.from_numpy(__import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy")))
+    counts = torch.from_numpy(
+        __import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy"))
+    )
     rare = agg.least_frequent_mask(counts, 0.2, [1, 0])
     wa, wb = a["model"]["tok_emb.weight"], b["model"]["tok_emb.weight"]
     torch.manual_seed(0)  # the initial model of seed 0 (train_lm seeds, then builds the model)
@@ -229,10 +319,26 @@ def test_unusable_data_files_give_a_clear_error_and_write_nothing(tmp_path, file
     data = tmp_path / "data"
     data.mkdir()
     for split in ("train", "valid", "test"):
-        (data / f"{split}.txt").write_text("" if files == "empty" and split == "valid" else "a b c .\n")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_lm.py"), "--data-dir", str(data), "--out",
-                        str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"), "--device", "cpu"],
-                       capture_output=True, text=True, timeout=120)
+        (data / f"{split}.txt").write_text(
+            "" if files == "empty" and split == "valid" else "a b c .\n"
+        )
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train_lm.py"),
+            "--data-dir",
+            str(data),
+            "--out",
+            str(tmp_path / "o"),
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "Traceback" not in p.stderr
     if files == "empty":
         assert "valid.txt" in p.stderr and "empty" in p.stderr
@@ -243,7 +349,15 @@ def test_unusable_data_files_give_a_clear_error_and_write_nothing(tmp_path, file
 
 def test_a_context_too_large_for_memory_is_refused(lm_run, tmp_path):
     with pytest.raises(SystemExit, match="--block-size.*GiB.*lower --block-size or --micro-batch"):
-        lm_run(tmp_path / "big", "--block-size", "20000", "--micro-batch", "16", "--tokens-per-step", "320000")
+        lm_run(
+            tmp_path / "big",
+            "--block-size",
+            "20000",
+            "--micro-batch",
+            "16",
+            "--tokens-per-step",
+            "320000",
+        )
     assert not (tmp_path / "big").exists()
 
 
@@ -253,12 +367,22 @@ def test_context_windows_score_every_target_once_after_their_context(n, block, c
         def logits(self, x):
             inputs.append(x)
             return torch.zeros(*x.shape, 1)
+
     inputs, scored = [], []
-    for _logits, y, pos in train_lm.score(Stub(), np.arange(n + 1), n, dict(block_size=block, micro_batch=3), "cpu",
-                                          contextlib.nullcontext, context):
+    for _logits, y, pos in train_lm.score(
+        Stub(),
+        np.arange(n + 1),
+        n,
+        dict(block_size=block, micro_batch=3),
+        "cpu",
+        contextlib.nullcontext,
+        context,
+    ):
         assert torch.equal(y, pos)  # targets at their indices
         for x, p in zip(inputs[-1], pos):
-            assert len(x) <= block and p[0] - 1 - x[0] == min(context, p[0] - 1)  # full context but at the start
+            assert len(x) <= block and p[0] - 1 - x[0] == min(
+                context, p[0] - 1
+            )  # full context but at the start
             scored += p.tolist()
     assert sorted(scored) == list(range(1, n + 1))
 
@@ -270,7 +394,11 @@ def test_validation_and_evaluation_score_alike(lm_run, tmp_path, read_log):
     assert res["metrics"]["ppl"] == pytest.approx(valid["ppl"], rel=1e-9)
     assert res["metrics"]["tokens"] == valid["tokens"]
     t = res["metrics"]["temperature"]  # fitted on valid: scored on valid it can only lower the PPL
-    assert t["t"] > 0 and t["ppl"] <= res["metrics"]["ppl"] * (1 + 1e-9) and set(t["ppl_groups"]) == set(agg.GROUPS)
+    assert (
+        t["t"] > 0
+        and t["ppl"] <= res["metrics"]["ppl"] * (1 + 1e-9)
+        and set(t["ppl_groups"]) == set(agg.GROUPS)
+    )
     ctx = eval_mod.evaluate(str(tmp_path / "r"), split="valid", n_samples=0, context_window=8)
     assert ctx["metrics"]["tokens"] == valid["tokens"] and ctx["metrics"]["context_window"] == 8
 
@@ -280,7 +408,8 @@ def test_greedy_continuations_are_scored_for_repetition(lm_run, tmp_path):
     assert eval_mod.repeated_4grams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 - 4 / 5)
     m = eval_mod.evaluate(str(tmp_path / "base"), n_samples=2)["metrics"]
     assert 0 <= m["gen_rep4"] <= 1 and m["gen_rep4"] == pytest.approx(
-        sum(g["rep4"] for g in m["generations"]) / 2)
+        sum(g["rep4"] for g in m["generations"]) / 2
+    )
 
 
 @pytest.mark.parametrize("method", ["mle", "agg"])
@@ -290,8 +419,12 @@ def test_output_bias_trains_is_checkpointed_and_never_decayed(lm_run, tmp_path, 
     bias = ck["model"]["out_bias"]
     assert bias.shape == (300,) and bias.abs().sum() > 0  # zero-initialised, then trained
     model = train_lm.build_model(ck["config"], 300)
-    opt = runlib.make_optimizer(model, dict(lr=1e-3, weight_decay=0.5))  # the optimizer the run was trained with
-    assert [g["weight_decay"] for g in opt.param_groups if any(p is model.out_bias for p in g["params"])] == [0.0]
+    opt = train_lm.make_optimizer(
+        model, dict(lr=1e-3, weight_decay=0.5)
+    )  # the optimizer the run was trained with
+    assert [
+        g["weight_decay"] for g in opt.param_groups if any(p is model.out_bias for p in g["params"])
+    ] == [0.0]
     model.load_state_dict(ck["model"])
     model.eval()
     x = torch.randint(0, 300, (2, 8))
@@ -300,31 +433,64 @@ def test_output_bias_trains_is_checkpointed_and_never_decayed(lm_run, tmp_path, 
 
 @pytest.mark.parametrize("layout", ["wikitext", "parquet", "save_to_disk"])
 def test_data_dir_reads_raw_wikitext_parquet_and_saved_datasets(corpus, tmp_path, layout, lm_tiny):
-    """The same lines in another layout give the same token ids (same tokenizer, same cache content)."""
+    """The same lines in another layout give the same token ids (same tokenizer, same cache
+    content)."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
-    lines = {s: open(os.path.join(corpus["data"], f"{s}.txt")).read().splitlines() for s in ("train", "valid", "test")}
+
+    lines = {
+        s: open(os.path.join(corpus["data"], f"{s}.txt")).read().splitlines()
+        for s in ("train", "valid", "test")
+    }
     d = tmp_path / layout
     if layout == "wikitext":
         d.mkdir()
         for s, ls in lines.items():  # WikiText's files: a heading, blank lines between paragraphs
             (d / f"wiki.{s}.tokens").write_text("\n \n".join(ls) + "\n")
-    elif layout == "parquet":  # the hub's layout: CONFIG/SPLIT-00000-of-0000N.parquet, split "validation"
+    elif (
+        layout == "parquet"
+    ):  # the hub's layout: CONFIG/SPLIT-00000-of-0000N.parquet, split "validation"
         (d / "wikitext-2-raw-v1").mkdir(parents=True)
         for s, ls in lines.items():
             name = "validation" if s == "valid" else s
-            pq.write_table(pa.table({"text": ls + [""]}), d / "wikitext-2-raw-v1" / f"{name}-00000-of-00001.parquet")
+            pq.write_table(
+                pa.table({"text": ls + [""]}),
+                d / "wikitext-2-raw-v1" / f"{name}-00000-of-00001.parquet",
+            )
     else:
-        datasets.DatasetDict({("validation" if s == "valid" else s): datasets.Dataset.from_dict({"text": ls})
-                              for s, ls in lines.items()}).save_to_disk(str(d))
+        datasets.DatasetDict(
+            {
+                ("validation" if s == "valid" else s): datasets.Dataset.from_dict({"text": ls})
+                for s, ls in lines.items()
+            }
+        ).save_to_disk(str(d))
     assert data_py.data_dir_files(str(d))[0] == layout
     assert data_py.load_text_dir(str(d)) == data_py.load_text_dir(corpus["data"])
     out = tmp_path / "run"
-    train_lm.main(["--data-dir", str(d), "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--max-steps", "1",
-            "--eval-interval", "1", *lm_tiny, "--method", "mle"])
-    ref = data_py.prepare_lm(train_lm.make_config(data_dir=corpus["data"], cache_dir=corpus["cache"],
-                                                     vocab_size=300, block_size=16), log=lambda *a: None)
+    train_lm.main(
+        [
+            "--data-dir",
+            str(d),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+            "--max-steps",
+            "1",
+            "--eval-interval",
+            "1",
+            *lm_tiny,
+            "--method",
+            "mle",
+        ]
+    )
+    ref = data_py.prepare_lm(
+        train_lm.make_config(
+            data_dir=corpus["data"], cache_dir=corpus["cache"], vocab_size=300, block_size=16
+        ),
+        log=lambda *a: None,
+    )
     mine = json.load(open(out / "config.json"))
     assert mine["data_tokens"] == ref["meta"]["tokens"]
 
@@ -337,7 +503,8 @@ def test_data_dir_without_known_files_names_the_layouts(tmp_path):
 
 
 def test_a_data_dir_holding_several_corpora_is_refused_with_the_folders_named(tmp_path):
-    """Four WikiText configs side by side, parquet both flat and under data/, wiki.*.tokens next to wiki.*.raw, two
+    """Four WikiText configs side by side, parquet both flat and under data/, wiki.*.tokens next to
+    wiki.*.raw, two
     names of the valid split: each would be read as one concatenated corpus."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -345,14 +512,23 @@ def test_a_data_dir_holding_several_corpora_is_refused_with_the_folders_named(tm
     def parquet(folder, names=("train", "validation", "test")):
         os.makedirs(folder, exist_ok=True)
         for n in names:
-            pq.write_table(pa.table({"text": [f"a {n} line ."]}), os.path.join(folder, f"{n}-00000-of-00001.parquet"))
+            pq.write_table(
+                pa.table({"text": [f"a {n} line ."]}),
+                os.path.join(folder, f"{n}-00000-of-00001.parquet"),
+            )
+
     hub = tmp_path / "wikitext"
     for config in ("wikitext-103-raw-v1", "wikitext-103-v1", "wikitext-2-raw-v1", "wikitext-2-v1"):
         parquet(hub / config)
-    with pytest.raises(SystemExit, match=r"parquet files in 4 folders \(wikitext-103-raw-v1/, wikitext-103-v1/, "
-                                         r"wikitext-2-raw-v1/, wikitext-2-v1/\).*point --data-dir at it, e\.g\. "):
+    with pytest.raises(
+        SystemExit,
+        match=r"parquet files in 4 folders \(wikitext-103-raw-v1/, wikitext-103-v1/, "
+        r"wikitext-2-raw-v1/, wikitext-2-v1/\).*point --data-dir at it, e\.g\. ",
+    ):
         data_py.data_dir_files(str(hub))
-    assert data_py.data_dir_files(str(hub / "wikitext-2-v1"))[0] == "parquet"  # one config: read as before
+    assert (
+        data_py.data_dir_files(str(hub / "wikitext-2-v1"))[0] == "parquet"
+    )  # one config: read as before
     snapshot = tmp_path / "snapshot"
     parquet(snapshot)
     parquet(snapshot / "data")
@@ -363,7 +539,9 @@ def test_a_data_dir_holding_several_corpora_is_refused_with_the_folders_named(tm
     for s in ("train", "valid", "test"):
         for ext in ("tokens", "raw"):
             (wiki / f"wiki.{s}.{ext}").write_text("a b c .\n")
-    with pytest.raises(SystemExit, match=r"two variants of a split \(wiki\.\*\.raw, wiki\.\*\.tokens\)"):
+    with pytest.raises(
+        SystemExit, match=r"two variants of a split \(wiki\.\*\.raw, wiki\.\*\.tokens\)"
+    ):
         data_py.data_dir_files(str(wiki))
     both = tmp_path / "both"
     parquet(both, ("train", "valid", "validation", "test"))
@@ -380,47 +558,84 @@ def test_a_data_dir_holding_several_corpora_is_refused_with_the_folders_named(tm
 def test_an_unreadable_parquet_file_ends_in_one_line(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     for s in ("train", "validation", "test"):
         pq.write_table(pa.table({"text": ["a b c ."]}), tmp_path / f"{s}-00000-of-00001.parquet")
     (tmp_path / "test-00000-of-00001.parquet").write_bytes(b"PAR1 cut short")
-    with pytest.raises(SystemExit, match=r"test-00000-of-00001.parquet: not a readable parquet file .*download it again"):
+    with pytest.raises(
+        SystemExit,
+        match=r"test-00000-of-00001.parquet: not a readable parquet file .*download it again",
+    ):
         data_py.load_text_dir(str(tmp_path))
     pq.write_table(pa.table({"body": ["a b c ."]}), tmp_path / "test-00000-of-00001.parquet")
-    with pytest.raises(SystemExit, match=r"test-00000-of-00001.parquet: no 'text' column \(columns: \['body'\]\)"):
+    with pytest.raises(
+        SystemExit, match=r"test-00000-of-00001.parquet: no 'text' column \(columns: \['body'\]\)"
+    ):
         data_py.load_text_dir(str(tmp_path))
 
 
-def test_prepare_lm_builds_the_cache_a_run_reuses_and_touches_no_run_folder(corpus_writer, tmp_path, lm_tiny, capsys):
+def test_prepare_lm_builds_the_cache_a_run_reuses_and_touches_no_run_folder(
+    corpus_writer, tmp_path, lm_tiny, capsys
+):
     folder = corpus_writer(str(tmp_path / "data"), n_lines=(200, 20, 20))
-    argv = ["--data-dir", folder, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), *lm_tiny]
+    argv = [
+        "--data-dir",
+        folder,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "run"),
+        *lm_tiny,
+    ]
     cache = train_lm.main(argv + ["--prepare-only"])
     assert "building tokenizer + token ids in" in capsys.readouterr().out
-    assert not (tmp_path / "run").exists() and os.listdir(tmp_path / "cache") == [os.path.basename(cache)]
+    assert not (tmp_path / "run").exists() and os.listdir(tmp_path / "cache") == [
+        os.path.basename(cache)
+    ]
     train_lm.main(argv + ["--max-steps", "1", "--eval-interval", "1"])
     assert "reusing cached" in capsys.readouterr().out
 
 
 def test_wandb_gets_every_record_under_its_split(tmp_path):
-    run = runlib.Run(dict(out=str(tmp_path), task="lm", resume=False, overwrite=False, device="cpu", seed=0,
-                          max_steps=5, stop_at=None), set(), [], runlib.RUN_CONTROL)
     logged = []
-    run.wandb = types.SimpleNamespace(log=lambda numbers, step: logged.append((step, numbers)))
-    record = dict(step=3, split="valid", loss=2.0, ppl=9.0, ppl_groups=dict(freq=2.0, rare=40.0), bleu_signature="x")
-    run.log(record)
-    assert logged == [(3, {"valid/loss": 2.0, "valid/ppl": 9.0, "valid/ppl_groups": {"freq": 2.0, "rare": 40.0},
-                           "valid/bleu_signature": "x"})]
+    wandb = types.SimpleNamespace(log=lambda numbers, step: logged.append((step, numbers)))
+    record = dict(
+        step=3,
+        split="valid",
+        loss=2.0,
+        ppl=9.0,
+        ppl_groups=dict(freq=2.0, rare=40.0),
+        bleu_signature="x",
+    )
+    runlib.log(str(tmp_path / "log.jsonl"), record, wandb)
+    assert logged == [
+        (
+            3,
+            {
+                "valid/loss": 2.0,
+                "valid/ppl": 9.0,
+                "valid/ppl_groups": {"freq": 2.0, "rare": 40.0},
+                "valid/bleu_signature": "x",
+            },
+        )
+    ]
     assert [json.loads(line) for line in open(tmp_path / "log.jsonl")] == [record]
 
 
 def test_float16_trains_with_loss_scaling_and_resumes_exactly(lm_run, read_log, tmp_path):
-    """--dtype float16 (V100 / T4): autocast + dynamic loss scaling; the scaler's state is checkpointed, so a resumed
+    """--dtype float16 (V100 / T4): autocast + dynamic loss scaling; the scaler's state is
+    checkpointed, so a resumed
     run equals an uninterrupted one. float32 runs carry a disabled scaler (an empty state)."""
     lm_run(tmp_path / "full", "--method", "agg", "--dtype", "float16", steps=4)
     ck = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
     assert ck["scaler"]["scale"] > 0 and ck["config"]["dtype"] == "float16"
-    assert all(math.isfinite(r["loss"]) for r in read_log(tmp_path / "full") if r["split"] == "train")
+    assert all(
+        math.isfinite(r["loss"]) for r in read_log(tmp_path / "full") if r["split"] == "train"
+    )
     lm_run(tmp_path / "part", "--method", "agg", "--dtype", "float16", "--stop-at", "2", steps=4)
-    train_lm.main(["--out", str(tmp_path / "part"), "--resume", "--dtype", "float16"])  # dtype follows the call
+    train_lm.main(
+        ["--out", str(tmp_path / "part"), "--resume", "--dtype", "float16"]
+    )  # dtype follows the call
     resumed = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)
     assert resumed["scaler"] == ck["scaler"]
     for k, v in ck["model"].items():
@@ -436,13 +651,18 @@ def _prepare(data, cache, lm_tiny, queue):
 
 
 def test_runs_started_together_build_one_whole_cache(corpus_writer, tmp_path, lm_tiny):
-    """Two processes preparing the same corpus at once (studies.grid --jobs 2, a fresh clone) end with one complete
+    """Two processes preparing the same corpus at once (studies.grid --jobs 2, a fresh clone) end
+    with one complete
     cache and no temporary folders."""
     import multiprocessing as mp
+
     data = corpus_writer(str(tmp_path / "data"), n_lines=(3000, 30, 30))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_prepare, args=(data, str(tmp_path / "cache"), lm_tiny, queue)) for _ in range(2)]
+    procs = [
+        ctx.Process(target=_prepare, args=(data, str(tmp_path / "cache"), lm_tiny, queue))
+        for _ in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -450,25 +670,38 @@ def test_runs_started_together_build_one_whole_cache(corpus_writer, tmp_path, lm
     assert [p.exitcode for p in procs] == [0, 0]
     (d1, n1), (d2, n2) = queue.get(), queue.get()
     assert d1 == d2 and n1 == n2 and os.listdir(tmp_path / "cache") == [os.path.basename(d1)]
-    ref = data_py.prepare_lm(train_lm.make_config(data_dir=data, cache_dir=str(tmp_path / "cache"), vocab_size=300,
-                                                     block_size=16), log=lambda *a: None)
+    ref = data_py.prepare_lm(
+        train_lm.make_config(
+            data_dir=data, cache_dir=str(tmp_path / "cache"), vocab_size=300, block_size=16
+        ),
+        log=lambda *a: None,
+    )
     assert ref["reused"] and {k: len(v) for k, v in ref["ids"].items()} == n1
 
 
 def test_freeze_rare_until_releases_the_rare_rows_and_logs_it(lm_run, read_log, tmp_path):
-    """freeze-rare --until 3 (AGG Fig. 2): the rare rows stay at init through step 2, train from step 3 on, and the
+    """freeze-rare --until 3 (AGG Fig. 2): the rare rows stay at init through step 2, train from
+    step 3 on, and the
     valid records say when they were released."""
-    lm_run(tmp_path / "r", "--method", "freeze-rare", "--until", "3", "--eval-interval", "1", steps=5)
-    frozen = {r["step"]: r["rare_frozen"] for r in read_log(tmp_path / "r") if r["split"] == "valid"}
+    lm_run(
+        tmp_path / "r", "--method", "freeze-rare", "--until", "3", "--eval-interval", "1", steps=5
+    )
+    frozen = {
+        r["step"]: r["rare_frozen"] for r in read_log(tmp_path / "r") if r["split"] == "valid"
+    }
     assert frozen == {1: True, 2: True, 3: False, 4: False, 5: False}
     cfg = json.load(open(tmp_path / "r" / "config.json"))
     assert cfg["method_hparams"]["until"] == 3
-    counts = torch.from_numpy(__import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy")))
+    counts = torch.from_numpy(
+        __import__("numpy").load(os.path.join(cfg["data_cache"], "counts.npy"))
+    )
     rare = agg.least_frequent_mask(counts, 0.2, [1, 0])
     torch.manual_seed(0)
     init = train_lm.build_model(dict(cfg), len(counts)).tok_emb.weight.detach()
     w = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)["model"]["tok_emb.weight"]
-    assert rare.any() and not torch.equal(w[rare], init[rare])  # released rows moved (the softmax pushes them)
+    assert rare.any() and not torch.equal(
+        w[rare], init[rare]
+    )  # released rows moved (the softmax pushes them)
 
 
 def test_coupled_adam_untie_and_embedding_decay_are_run_settings(lm_run, tmp_path):
@@ -477,7 +710,15 @@ def test_coupled_adam_untie_and_embedding_decay_are_run_settings(lm_run, tmp_pat
     assert cfg["optimizer"] == "coupled-adam"
     ck = torch.load(tmp_path / "ca" / "ckpt.pt", weights_only=True)
     assert [g["coupled"] for g in ck["optimizer"]["param_groups"]] == [False, False, True]
-    lm_run(tmp_path / "untied", "--untie", "--method", "center", "--embedding-weight-decay", "0", steps=2)
+    lm_run(
+        tmp_path / "untied",
+        "--untie",
+        "--method",
+        "center",
+        "--embedding-weight-decay",
+        "0",
+        steps=2,
+    )
     ck = torch.load(tmp_path / "untied" / "ckpt.pt", weights_only=True)
     assert ck["model"]["tok_emb.weight"].shape == ck["model"]["lm_head.weight"].shape == (300, 16)
     assert not torch.equal(ck["model"]["tok_emb.weight"], ck["model"]["lm_head.weight"])
@@ -492,30 +733,47 @@ def test_coupled_adam_untie_and_embedding_decay_are_run_settings(lm_run, tmp_pat
 
 
 @pytest.mark.slow
-def test_untie_at_is_tied_before_the_split_copies_there_and_resumes_exactly_across_it(lm_run, read_log, tmp_path):
-    """--untie-at 0.5 of 6 steps: steps 1-3 are the tied run's exactly; at step 3 lm_head becomes the tied matrix (and
-    its Adam state); stopped at 2 (before the split) and at 4 (after it), resumed, both equal the straight run."""
+def test_untie_at_is_tied_before_the_split_copies_there_and_resumes_exactly_across_it(
+    lm_run, read_log, tmp_path
+):
+    """--untie-at 0.5 of 6 steps: steps 1-3 are the tied run's exactly; at step 3 lm_head becomes
+    the tied matrix (and
+    its Adam state); stopped at 2 (before the split) and at 4 (after it), resumed, both equal the
+    straight run."""
     extra = ["--method", "center", "--dropout", "0.2", "--eval-interval", "1"]
     lm_run(tmp_path / "tied", *extra, "--stop-at", "3", steps=6)
     lm_run(tmp_path / "full", *extra, "--untie-at", "0.5", steps=6)
     for stop in (2, 4):
         lm_run(tmp_path / f"s{stop}", *extra, "--untie-at", "0.5", "--stop-at", stop, steps=6)
         lm_run(tmp_path / f"s{stop}", *extra, "--untie-at", "0.5", "--resume", steps=6)
-        a, b = (torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("full", f"s{stop}"))
+        a, b = (
+            torch.load(tmp_path / r / "ckpt.pt", weights_only=True) for r in ("full", f"s{stop}")
+        )
         for k in a["model"]:
             assert torch.equal(a["model"][k], b["model"][k]), (stop, k)
     tied, full = (read_log(tmp_path / r) for r in ("tied", "full"))
-    valid = lambda log, step: next(r for r in log if r["split"] == "valid" and r["step"] == step)
-    assert valid(tied, 3)["ppl"] == valid(full, 3)["ppl"]  # before the split: the tied model, bit for bit
+
+    def valid(log, step):
+        return next(r for r in log if r["split"] == "valid" and r["step"] == step)
+
+    assert (
+        valid(tied, 3)["ppl"] == valid(full, 3)["ppl"]
+    )  # before the split: the tied model, bit for bit
     ck = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
     emb, head = ck["model"]["tok_emb.weight"], ck["model"]["lm_head.weight"]
     assert not torch.equal(emb, head)  # both trained on after the split
-    assert head.mean(0).abs().max() < 1e-6 < emb.mean(0).abs().max()  # center acts on the output matrix after it
-    lm_run(tmp_path / "full", *extra, "--untie-at", "0.5", "--resume", steps=8)  # continued to 8 steps
+    assert (
+        head.mean(0).abs().max() < 1e-6 < emb.mean(0).abs().max()
+    )  # center acts on the output matrix after it
+    lm_run(
+        tmp_path / "full", *extra, "--untie-at", "0.5", "--resume", steps=8
+    )  # continued to 8 steps
     cfg = json.load(open(tmp_path / "full" / "config.json"))
     assert cfg["max_steps"] == 8 and cfg["untie_step"] == 3  # the split stays where the run made it
     m = train_lm.load_model(dict(ck, step=2))
-    assert not m.untied and m.out_weight is m.tok_emb.weight  # a checkpoint from before the split loads tied
+    assert (
+        not m.untied and m.out_weight is m.tok_emb.weight
+    )  # a checkpoint from before the split loads tied
     assert train_lm.load_model(dict(ck, step=3)).untied  # from the split step on, lm_head
     with pytest.raises(SystemExit):  # argparse: not allowed with argument --untie
         lm_run(tmp_path / "both", "--untie", "--untie-at", "0.5")
@@ -545,7 +803,9 @@ def test_logit_softcap_caps_the_logits_of_training_validation_and_eval(lm_run, r
     raw = model.features(x) @ model.out_weight.T
     torch.testing.assert_close(logits, 0.5 * torch.tanh(raw / 0.5))
     train = [r for r in read_log(tmp_path / "c") if r["split"] == "train"]
-    assert train[0]["nll"] >= math.log(300) - 2 * 0.5  # logits within (-C, C): no NLL below log V - 2 C
+    assert (
+        train[0]["nll"] >= math.log(300) - 2 * 0.5
+    )  # logits within (-C, C): no NLL below log V - 2 C
     with pytest.raises(SystemExit, match="--logit-softcap 0.0: must be >= 0.001"):
         lm_run(tmp_path / "bad", "--logit-softcap", "0")
 
@@ -554,4 +814,7 @@ def test_a_rare_share_the_tied_counts_cannot_give_is_said(lm_run, tmp_path, caps
     lm_run(tmp_path / "r", "--method", "agg", "--rare-share", "0.01", steps=1)
     got = json.load(open(tmp_path / "r" / "config.json"))["method_rare_share"]
     assert abs(got - 0.01) > 0.02  # the never-seen tokens tie at count 0: all rare, or none
-    assert f"warning: --rare-share 0.01 marks {got:.1%} of the vocabulary rare" in capsys.readouterr().out
+    assert (
+        f"warning: --rare-share 0.01 marks {got:.1%} of the vocabulary rare"
+        in capsys.readouterr().out
+    )
