@@ -689,6 +689,18 @@ def diverged(ckpt_path, what):
     )
 
 
+def stopped(signals, step, ckpt_path, rank, script):
+    """The exit of a run stopped by a signal: rank 0 says how to continue it, the others exit 1."""
+    if rank > 0:
+        return SystemExit(1)
+    name = signals[-1] if signals else "a signal to another rank"
+    out = os.path.dirname(ckpt_path)
+    return SystemExit(
+        f"{name}: stopped at step {step}, checkpoint {ckpt_path} written; "
+        f"`python {script} --out {out} --resume` continues it"
+    )
+
+
 def checkpoint(path, model, step, cfg, **state):
     """Save ckpt.pt: the model, its step and config, and `state` (all that an exact resume needs);
     never non-finite weights."""

@@ -23,9 +23,11 @@ alpha_sweep.png and svd_alpha_sweep.png.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
+import sys
 import time
 
 import matplotlib.pyplot as plt
@@ -111,11 +113,45 @@ def build_parser():
     return p
 
 
+def check_range(p, args, flag, lo=None, hi=None):
+    """argparse's one line when --flag is outside [lo, hi] (None: no bound but finiteness; NaN is
+    never inside)."""
+    value = getattr(args, flag)
+    top = sys.float_info.max
+    low = -top if lo is None else lo
+    high = top if hi is None else hi
+    if low <= value <= high:
+        return
+    words = []  # the existing messages: "--steps must be >= 1, got 0"
+    if isinstance(value, float):
+        words.append("a finite number")
+    if lo is not None:
+        words.append(f">= {lo}")
+    if hi is not None:
+        words[-1:] = [f"in [{lo}, {hi}]"]
+    p.error(f"--{flag.replace('_', '-')} must be {' '.join(words)}, got {value}")
+
+
 def parse_args(argv=None):
     """The command line, checked where argparse cannot: the method names, the sweep's alphas, the
     method flags' methods and values, the counts."""
     p = build_parser()
     args = p.parse_args(argv)
+    # the sizes: at least 1
+    sizes = ("steps", "epoch_steps", "dim", "seq_len", "batch_seqs", "log_every", "val_tokens")
+    for flag in sizes + ("rank",):
+        check_range(p, args, flag, 1)
+    check_range(p, args, "vocab", 4)  # a token in each frequency group
+    if not args.out:
+        p.error("--out must name a folder, e.g. --out out/toy")
+    # the real numbers, the seed (torch's range; the corpora and init use seed + 2), the threads
+    for flag in ("zipf", "init_std"):
+        check_range(p, args, flag, 0)
+    check_range(p, args, "lr", 0, torch.finfo().max)  # Adam's steps are float32
+    check_range(p, args, "beta")
+    check_range(p, args, "lam", 0, 1)
+    check_range(p, args, "seed", -(2**63), 2**63 - 3)
+    check_range(p, args, "threads", 0, os.cpu_count())
     # --methods: each name once, in the order given
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.method_list = list(dict.fromkeys(names))
@@ -128,8 +164,11 @@ def parse_args(argv=None):
         args.sweep = [float(a) for a in args.alpha_sweep.split(",") if a.strip()]
     except ValueError:
         args.sweep = [0.0]  # refused just below
-    if any(a <= 0 for a in args.sweep):
-        p.error(f"--alpha-sweep must be comma-separated numbers > 0, got {args.alpha_sweep!r}")
+    positive = [0 < a < math.inf for a in args.sweep]  # NaN: False
+    if not all(positive):
+        p.error(
+            f"--alpha-sweep must be comma-separated finite numbers > 0, got {args.alpha_sweep!r}"
+        )
     # the method flags given, each used by one of --methods at least
     args.overrides = {}
     for key in agg.HPARAMS:
@@ -149,21 +188,6 @@ def parse_args(argv=None):
             agg.build_method(m, args.vocab, counts=counts, steps_per_epoch=1, **hparams)
         except ValueError as e:
             p.error(str(e))
-    # the sizes: at least 1
-    sizes = (
-        "steps",
-        "epoch_steps",
-        "vocab",
-        "dim",
-        "seq_len",
-        "batch_seqs",
-        "log_every",
-        "val_tokens",
-    )
-    for flag in sizes:
-        value = getattr(args, flag)
-        if value < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     return args
 
 
@@ -292,6 +316,15 @@ def snapshot(step, W, groups, method):
     return snap
 
 
+def check_finite(W, label, step):
+    """One line, not linalg's traceback, when a run's embeddings are no longer finite."""
+    if not bool(torch.isfinite(W).all()):
+        raise SystemExit(
+            f"{label}: the embeddings are not finite after step {step}: "
+            "try a smaller --lr or --init-std"
+        )
+
+
 def method_hparams(name, args):
     """Toy-scale hyper-parameters over agg.build_method's defaults: AGG's alpha, agg-static's
     switch within the run, then the method flags given."""
@@ -346,6 +379,7 @@ def train_one(label, name, hparams, data, args):
         method.after_step(W)
         # once in a while: the geometry, for training.png
         if step % args.log_every == 0 or step == args.steps - 1:
+            check_finite(W, label, step + 1)
             history.append(snapshot(step + 1, W.detach(), data["groups"], method))
             nll = f"{method.stats['nll']:.3f}"
             isotropy = f"{history[-1]['isotropy']:.2f}"
@@ -450,12 +484,27 @@ def style(ax, title, xlabel, ylabel=None, legend=8, **legend_kw):
         ax.legend(fontsize=legend, **legend_kw)
 
 
+def write_file(path, save):
+    """save(path); a disk that refuses it is one line, not a traceback."""
+    try:
+        save(path)
+    except (OSError, RuntimeError) as e:  # a full disk, a read-only folder (torch: RuntimeError)
+        reason = getattr(e, "strerror", None) or str(e)[:200]
+        raise SystemExit(f"cannot write {path} ({reason}): free disk space or choose another --out")
+
+
+def write_text(text, path):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def save(fig, path, title=None, tight=True):
     if title:
         fig.suptitle(title, fontsize=12)
     if tight:
         fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png = functools.partial(fig.savefig, dpi=110, format="png")
+    write_file(path, save_png)
     plt.close(fig)
 
 
@@ -677,12 +726,31 @@ def make_plots(args, data, results, weights, methods, sweep, sweep_labels):
     plot_svd(sweep_w, results, data["groups"], f"{out}/svd_alpha_sweep.png", title)
 
 
+def make_folder(out):
+    """--out, created; one line when it cannot be (a file, a read-only or a full disk)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {out}: cannot create that folder ({e.strerror}): choose another")
+
+
 def main(argv=None):
+    """The runs of the command line; one line when they need more memory than there is."""
+    try:
+        args = parse_args(argv)  # its method check allocates --vocab counts
+        return run(args)
+    except (MemoryError, RuntimeError) as e:
+        if "allocate" not in str(e) and not isinstance(e, MemoryError):
+            raise
+        sizes = "--vocab, --rank, --dim, --epoch-steps, --batch-seqs, --seq-len or --val-tokens"
+        raise SystemExit(f"out of memory: try a smaller {sizes}") from None
+
+
+def run(args):
     """Train every run, write metrics.json and embeddings.pt, print the table, draw the plots."""
-    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    os.makedirs(args.out, exist_ok=True)
+    make_folder(args.out)
     t0 = time.perf_counter()
     data = make_data(args)
 
@@ -725,10 +793,11 @@ def main(argv=None):
     metrics = {"methods": methods, "config": config}
     if sweep:
         metrics["alpha_sweep"] = sweep
-    with open(os.path.join(args.out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
+    text = json.dumps(metrics, indent=1)
+    write_file(os.path.join(args.out, "metrics.json"), functools.partial(write_text, text))
     # embeddings.pt: the final W of every run, for your own analysis
-    torch.save(weights, os.path.join(args.out, "embeddings.pt"))
+    save_weights = functools.partial(torch.save, weights)
+    write_file(os.path.join(args.out, "embeddings.pt"), save_weights)
 
     # the table, and the yardsticks to read it by
     print("\n" + table(results))

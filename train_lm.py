@@ -779,14 +779,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         if wandb is not None:
             wandb.finish()
     runlib.end_ddp()
-    if stopping:
-        if rank > 0:  # rank 0 says it
-            raise SystemExit(1)
-        name = signals[-1] if signals else "a signal to another rank"
-        raise SystemExit(
-            f"{name}: stopped at step {step}, checkpoint {ckpt_path} written; "
-            f"`python train_lm.py --out {out} --resume` continues it"
-        )
+    if stopping:  # exit 1: the run is not finished
+        raise runlib.stopped(signals, step, ckpt_path, rank, "train_lm.py")
     say(f"done: step {step}, checkpoint {ckpt_path}")
     return out
 
@@ -795,7 +789,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     explicit = runlib.explicit_flags(build_parser(), argv)
     cfg = resolve_config(build_parser().parse_args(argv), explicit)
-    return prepare_lm(cfg)["dir"] if cfg["prepare_only"] else train(cfg, explicit, argv)
+    if not cfg["prepare_only"]:
+        return train(cfg, explicit, argv)
+    if cfg["resume"]:  # the run's own corpus, from its checkpoint's config
+        cfg, _ = runlib.start(cfg, explicit, RUN_CONTROL)
+    return prepare_lm(cfg)["dir"]
 
 
 if __name__ == "__main__":

@@ -967,14 +967,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         if wandb is not None:
             wandb.finish()
     runlib.end_ddp()
-    if stopping:
-        if rank > 0:  # rank 0 says it
-            raise SystemExit(1)
-        name = signals[-1] if signals else "a signal to another rank"
-        raise SystemExit(
-            f"{name}: stopped at step {step}, checkpoint {ckpt_path} written; "
-            f"`python train_nmt.py --out {out} --resume` continues it"
-        )
+    if stopping:  # exit 1: the run is not finished
+        raise runlib.stopped(signals, step, ckpt_path, rank, "train_nmt.py")
     say(f"done: step {step}, checkpoint {ckpt_path}; test it with `python eval.py {out}`")
     return out
 
@@ -1006,11 +1000,12 @@ def keep_snapshots(out, step, head, keep_last):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = resolve_config(build_parser().parse_args(argv))
-    return (
-        prepare_nmt(cfg).cache
-        if cfg["prepare_only"]
-        else train(cfg, runlib.explicit_flags(build_parser(), argv), argv)
-    )
+    explicit = runlib.explicit_flags(build_parser(), argv)
+    if not cfg["prepare_only"]:
+        return train(cfg, explicit, argv)
+    if cfg["resume"]:  # the run's own corpus, from its checkpoint's config
+        cfg, _ = runlib.start(cfg, explicit, RUN_CONTROL)
+    return prepare_nmt(cfg).cache
 
 
 if __name__ == "__main__":

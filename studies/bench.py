@@ -577,6 +577,71 @@ def build_parser():
     return p
 
 
+def check_range(p, args, flag, lo, hi=None):
+    """argparse's one line when --flag (a number or a list of them) is outside [lo, hi] (hi None:
+    any finite value; NaN is never inside); an unset flag passes."""
+    value = getattr(args, flag)
+    values = value if isinstance(value, list) else [value]
+    top = sys.float_info.max if hi is None else hi
+    bad = [v for v in values if v is not None and not lo <= v <= top]
+    if bad:
+        kind = "a finite number " if isinstance(bad[0], float) else ""
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        p.error(f"--{flag.replace('_', '-')} must be {kind}{bound}, got {bad[0]}")
+
+
+def make_folder(p, flag, folder):
+    """The folder a flag writes in, created before any measurement; argparse's one line when it
+    cannot be."""
+    try:
+        os.makedirs(folder or ".", exist_ok=True)
+    except OSError as e:
+        p.error(f"{flag}: cannot create the folder {folder} ({e.strerror}); choose another")
+
+
+def check_args(p, args):
+    """The flags argparse cannot check: sizes, the devices, the output paths."""
+    sizes = ("tokens", "d_model", "seq_len", "repeats", "window", "chunk_tokens", "chunk_d")
+    for flag in sizes + ("chunk_repeats", "lm_steps", "lm_rounds"):
+        check_range(p, args, flag, 1)
+    for flag in ("vocab", "chunk_vocab"):  # make_data's rare group needs two ids at least
+        check_range(p, args, flag, 2)
+    for flag in ("warmup", "chunk_sizes", "lm_alpha"):
+        check_range(p, args, flag, 0)
+    check_range(p, args, "threads", 0, os.cpu_count())
+    if args.tokens % args.seq_len:
+        p.error(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
+    devices = [d.strip() for d in args.device.split(",")]
+    if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    valid = ["cpu", "cuda"] + gpus
+    unknown = [d for d in devices if d not in valid]
+    if unknown:
+        p.error(f"--device: unknown {unknown}; valid here: {', '.join(valid)}")
+    if not args.out:
+        p.error("--out must name a folder, e.g. --out out/bench")
+    make_folder(p, "--out", args.out)
+    results = args.results
+    if results and os.path.exists(results) and not os.path.isfile(results):
+        p.error(f"--results {results}: not a regular file; name a .json file")
+    if results:
+        make_folder(p, "--results", os.path.dirname(results))
+    return devices
+
+
+@contextlib.contextmanager
+def memory_guard():
+    """One line, not the allocator's traceback, when a size does not fit in memory."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeErrors
+        if not isinstance(e, MemoryError) and "allocate" not in str(e):
+            raise
+        sizes = "--vocab, --tokens, --d-model, --window or --chunk-vocab"
+        raise SystemExit(f"out of memory: try a smaller {sizes}") from None
+
+
 QUICK = dict(
     vocab=[8192],
     tokens=1024,
@@ -603,14 +668,11 @@ def main(argv=None):
             {k: v for k, v in QUICK.items() if k not in runlib.explicit_flags(parser, argv)}
         )
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if bad := [s for s in sections if s not in ("head", "chunked", "lm")]:
-        parser.error(f"--sections: unknown {bad}; valid: head, chunked, lm")
-    if args.tokens % args.seq_len:
-        parser.error(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
+    bad = [s for s in sections if s not in ("head", "chunked", "lm")]
+    if bad or not sections:
+        parser.error(f"--sections: unknown {bad or 'empty list'}; valid: head, chunked, lm")
+    devices = check_args(parser, args)
     args.methods = ["mle"] + [m for m in args.methods if m != "mle"]
-    devices = [d.strip() for d in args.device.split(",")]
-    if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available here")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = []
@@ -653,13 +715,14 @@ def main(argv=None):
         runlib.write_text(os.path.join(args.out, "bench.md"), "\n".join(report) + "\n")
 
     t0 = time.time()
-    if "head" in sections:
-        bench_head(args, devices, log, result, save)
-    if "chunked" in sections:
-        result["chunked"] = bench_chunked(args, devices, log)
-        save()
-    if "lm" in sections:
-        result["lm"] = bench_lm(args, log)
+    with memory_guard():
+        if "head" in sections:
+            bench_head(args, devices, log, result, save)
+        if "chunked" in sections:
+            result["chunked"] = bench_chunked(args, devices, log)
+            save()
+        if "lm" in sections:
+            result["lm"] = bench_lm(args, log)
     meta.update(load_after=os.getloadavg(), seconds=round(time.time() - t0, 1))
     log(
         f"\nload average after: {' '.join(f'{x:.2f}' for x in meta['load_after'])}; "

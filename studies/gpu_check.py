@@ -204,6 +204,50 @@ def target(limit, above, each):
     )
 
 
+def throughput_ratios(pairs):
+    """[(setting, AGG's tokens/s over the mean of the MLE runs around it)]."""
+    ratios = []
+    for setting, runs in pairs.items():
+        mle = [t for t in runs.get("mle", []) if t]
+        agg_tps = [t for t in runs.get("agg", []) if t]
+        ratio = None
+        if mle and agg_tps:
+            ratio = round(agg_tps[0] / (sum(mle) / len(mle)), 4)
+        ratios.append((setting, ratio))
+    return ratios
+
+
+def fused_targets(fused):
+    """Issue 79's targets of the fused head (H200, bf16): its time and memory against
+    F.cross_entropy's, AGG's against MLE's, no synchronisation."""
+    if not fused or "timings" not in fused:
+        return {}
+    rows = fused["timings"]
+
+    def cases(variant, key):
+        found = []
+        for r in rows:
+            if r["variant"] == variant and r.get(key) is not None:
+                found.append((f"V={r['V']} d={r['d']}", r[key]))
+        return found
+
+    d1024 = [r for r in rows if r["d"] == 1024 and r["variant"] == "agg fused"]
+    syncs = fused.get("synchronisations")
+    clean = isinstance(syncs, dict) and all(v == "no synchronisation" for v in syncs.values())
+    return dict(
+        fused_mle_vs_cross_entropy_time=target(
+            0.6, False, cases("mle fused", "ms_vs_cross_entropy")
+        ),
+        fused_mle_vs_cross_entropy_memory=target(
+            0.35, False, cases("mle fused", "mem_vs_cross_entropy")
+        ),
+        fused_agg_vs_mle_time_d1024=target(
+            1.05, False, [(f"V={r['V']}", r["ms_vs_mle_fused"]) for r in d1024]
+        ),
+        fused_no_synchronisation=dict(met=clean, value=syncs),
+    )
+
+
 def report(work, dest):
     """gpu.json: the parts' outputs in WORK, and the issue's targets (worst case over dtypes, V,
     presets)."""
@@ -236,15 +280,23 @@ def report(work, dest):
             mfu = round(6 * r["n_params"] * tps / PEAK_FLOPS, 4) if cuda and tps else None
             tp.append(dict(r, mfu=mfu))
             setting = f"{r['script']} {r.get('preset')}" + " compile" * r["compile"]
-            pairs.setdefault(setting, {})[r["method"]] = tps
+            runs = pairs.setdefault(setting, {}).setdefault(r["method"], [])
+            runs.append(tps)  # MLE runs before and after AGG: their mean
 
     def rows(method, key):  # [(where, value)] of a method's head rows
         return [(f"{r['dtype']} V={r['V']}", r[key]) for r in head_rows if r["method"] == method]
 
     tsv = Path(work, "commands.tsv").read_text().splitlines()
+    previous = []  # the earlier leases' gpu.json, kept beside the new
+    if Path(dest).exists():
+        old = json.loads(Path(dest).read_text())
+        previous = [{k: v for k, v in old.items() if k != "previous"}] + old.get("previous", [])
     runlib.write_json(
         dest,
         dict(
+            commit=(runlib.git("rev-parse", "HEAD") or "").strip() or None,
+            previous=previous,
+            fused_head=load("fused_head.json"),
             device=torch.cuda.get_device_name() if cuda else "cpu",
             torch=torch.__version__,
             cuda=torch.version.cuda,
@@ -262,19 +314,8 @@ def report(work, dest):
                 agg_vs_mle_head_memory=target(1.00, False, rows("agg", "mem_ratio_vs_mle")),
                 mle_vs_torch_ce_time=target(1.2, False, rows("mle", "ms_ratio_vs_torch_ce")),
                 mle_vs_torch_ce_memory=target(1.00, False, rows("mle", "mem_ratio_vs_torch_ce")),
-                agg_vs_mle_tokens_per_s=target(
-                    0.97,
-                    True,
-                    [
-                        (
-                            k,
-                            round(m["agg"] / m["mle"], 4)
-                            if m.get("agg") and m.get("mle")
-                            else None,
-                        )
-                        for k, m in pairs.items()
-                    ],
-                ),
+                agg_vs_mle_tokens_per_s=target(0.97, True, throughput_ratios(pairs)),
+                **fused_targets(load("fused_head.json")),
             ),
             notes=dict(
                 head="studies.bench --sections head: median ms of observe + loss + backward, peak "

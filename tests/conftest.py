@@ -9,6 +9,9 @@ import sys
 import pytest
 import torch
 
+# Triton's interpreter for the fused head's tests: before anything (torch.compile) imports Triton,
+# whose standard library is defined for the interpreter or the GPU at its import
+os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(1)  # tiny models: extra threads only spin on a shared 2-core machine

@@ -2,6 +2,7 @@
 benchmark's outputs (no timing assertions)."""
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -236,3 +237,45 @@ def test_flag_mistakes_are_one_line_errors(capsys):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--device", "tpu"], "--device: unknown ['tpu']; valid here: cpu"),
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["--vocab", "8192", "1"], "--vocab must be >= 2, got 1"),
+        (["--lm-alpha", "nan"], "--lm-alpha must be a finite number >= 0, got nan"),
+        (["--threads", "-1"], "--threads must be in [0, "),
+        (["--sections", ","], "--sections: unknown empty list"),
+        (["--out", ""], "--out must name a folder"),
+    ],
+)
+def test_bad_flags_end_in_one_argparse_line_before_any_measurement(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu"] + flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_unusable_paths_and_memory_end_in_one_line(tmp_path, monkeypatch, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for flags, message in [
+        (["--out", str(a_file)], "--out: cannot create the folder"),
+        (["--out", str(a_file / "x")], "(Not a directory)"),
+        (["--results", str(tmp_path)], "not a regular file"),
+        (["--results", str(a_file / "x.json")], "--results: cannot create the folder"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--device", "cpu", "--sections", "head"] + flags)
+        assert e.value.code == 2 and message in capsys.readouterr().err, flags
+    no_memory = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+    monkeypatch.setattr(bench, "bench_head", mock.Mock(side_effect=no_memory))
+    argv = ["--device", "cpu", "--sections", "head", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit, match="out of memory: try a smaller --vocab"):
+        bench.main(argv)
+    monkeypatch.setattr(bench, "bench_head", mock.Mock(side_effect=RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # only the allocators' errors are reworded
+        bench.main(argv)

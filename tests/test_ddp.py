@@ -4,8 +4,10 @@ uninterrupted one bit for bit."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -139,3 +141,27 @@ def test_sequences_that_do_not_split_over_the_processes_are_refused_in_one_line(
     done = launch("train_lm.py", flags, 2)
     assert done.returncode != 0
     assert "7 sequences a step do not split over 2 processes" in done.stderr
+
+
+def test_a_signal_to_the_group_checkpoints_once_and_exits_1(lm_data, tmp_path):
+    out = tmp_path / "signal"
+    flags = [*LM_TINY, *lm_data, "--max-steps", "100000", "--eval-interval", "100000"]
+    flags += ["--method", "agg", "--out", out]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command = [*torchrun, "train_lm.py", *[str(f) for f in flags]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log = out / "log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and '"train"' in log.read_text()):
+        time.sleep(0.2)  # until the group trains
+    run.send_signal(signal.SIGTERM)  # to torchrun: it passes it to every rank
+    text, _ = run.communicate(timeout=120)
+    assert run.returncode == 1, text[-3000:]
+    assert text.count("SIGTERM: stopped at step") == 1  # rank 0 says it, once
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert step > 0
+    resumed, _ = train("train_lm.py", ["--out", out, "--resume", "--max-steps", step + 2], 2)
+    assert resumed["step"] == step + 2

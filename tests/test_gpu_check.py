@@ -27,7 +27,15 @@ def test_cpu_mode_writes_gpu_json(tmp_path):
     g = json.loads((tmp_path / "gpu.json").read_text())
     assert {"device", "torch", "commands", "head", "throughput", "numerics", "targets"} <= set(g)
     assert g["device"] == "cpu"
-    assert [c["status"] for c in g["commands"]] == ["ok"] * 5, g["commands"]
+    assert [c["status"] for c in g["commands"]] == ["ok"] * 6, g["commands"]
+    assert "commit" in g and g["previous"] == []  # a later lease keeps this one under "previous"
+    fused = g["fused_head"]  # studies.gpu_head through Triton's interpreter
+    assert fused["exactness"]["agg_all_gates_1_equals_mle"] is True
+    for case in ("mle float32", "agg float32"):
+        errors = fused["exactness"][case]
+        assert errors["repeat_bit_identical"] and max(errors["loss"], errors["dh"]) <= 1e-6
+    variants = {r["variant"] for r in fused["timings"]}
+    assert {"F.cross_entropy", "mle fused", "agg fused", "mle torch head"} <= variants
     methods = {
         "mle",
         "agg",
@@ -64,6 +72,10 @@ def test_cpu_mode_writes_gpu_json(tmp_path):
         "mle_vs_torch_ce_time",
         "mle_vs_torch_ce_memory",
         "agg_vs_mle_tokens_per_s",
+        "fused_mle_vs_cross_entropy_time",
+        "fused_mle_vs_cross_entropy_memory",
+        "fused_agg_vs_mle_time_d1024",
+        "fused_no_synchronisation",
     }
     assert t["agg_vs_mle_head_time"]["met"] == (t["agg_vs_mle_head_time"]["value"] <= 1.05)
     assert set(t["agg_vs_mle_tokens_per_s"]["each"]) == {"lm cpu", "nmt cpu"}

@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest tests/test_toy.py -q
 
 import json
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -211,3 +212,46 @@ def test_bad_inputs_name_the_fix(capsys):
         "freeze-b": {"parts": "c"},
     }
     assert type(hp["agg"]["window"]) is int
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lam", "2"], "--lam must be a finite number in [0, 1], got 2.0"),
+        (["--lr", "nan"], "--lr must be a finite number in [0, 3.4028"),
+        (["--lr", "1e300"], "--lr must be a finite number in [0, 3.4028"),
+        (["--alpha-sweep", "0.4,inf"], "--alpha-sweep must be comma-separated finite numbers > 0"),
+        (["--vocab", "3"], "--vocab must be >= 4, got 3"),
+        (["--rank", "-1"], "--rank must be >= 1, got -1"),
+        (["--seed", str(2**70)], "--seed must be in"),
+        (["--threads", "-1"], "--threads must be in [0, "),
+        (["--out", ""], "--out must name a folder"),
+    ],
+)
+def test_bad_values_end_in_one_argparse_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        toy.parse_args(TINY + flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_unusable_out_divergence_full_disk_and_memory_end_in_one_line(tmp_path, monkeypatch):
+    """What argparse cannot see: an --out that is a file, a run that diverges, a full disk, sizes
+    past the memory."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit, match=r"--out .*a_file: cannot create that folder \(File"):
+        toy.main(TINY + ["--out", str(a_file)])
+    quick = TINY + ["--steps", "2", "--methods", "mle", "--no-plots", "--out", str(tmp_path)]
+    with pytest.raises(
+        SystemExit, match=r"mle: the embeddings are not finite after step \d+: try a smaller --lr"
+    ):
+        toy.main(quick + ["--lr", "1e30"])
+    with pytest.raises(SystemExit, match="out of memory: try a smaller --vocab"):
+        toy.main(quick + ["--vocab", str(10**13)])
+    full = OSError(28, "No space left on device")
+    monkeypatch.setattr(toy, "write_text", mock.Mock(side_effect=full))
+    with pytest.raises(
+        SystemExit, match=r"cannot write .*metrics.json \(No space left on device\)"
+    ):
+        toy.main(quick)

@@ -818,3 +818,13 @@ def test_a_rare_share_the_tied_counts_cannot_give_is_said(lm_run, tmp_path, caps
         f"warning: --rare-share 0.01 marks {got:.1%} of the vocabulary rare"
         in capsys.readouterr().out
     )
+
+
+def test_resume_prepare_only_builds_the_runs_own_corpus(lm_run, tmp_path):
+    """--resume --prepare-only reads the run's config (its corpus), not the default flags'."""
+    import train_lm
+
+    lm_run(tmp_path / "r", steps=2)
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    cache = train_lm.main(["--out", str(tmp_path / "r"), "--resume", "--prepare-only"])
+    assert cache == config["data_cache"]
