@@ -1135,37 +1135,29 @@ class AGG(MLE):
     steps do not mark most of the vocabulary rare)."""
 
     name = "agg"
-    spec = dict(
-        alpha=(
-            0.03,
-            float,
-            "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, MT "
-            "0.08)",
-        ),
-        window=(None, int, "AGG counter memory K in optimizer steps (the paper: steps per epoch)"),
-        use_g1=(True, bool, "AGG: apply gate g1 (Eq. 7)"),
-        use_g2=(True, bool, "AGG: apply gate g2 (Eq. 8)"),
-        static_after=(
-            None,
-            int,
-            "freeze AGG's rare group after N steps (agg-static default: one epoch, AGG App. D)",
-        ),
-        continuous_g1=(
-            False,
-            bool,
-            "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold",
-        ),
-        center_gate=(
-            False,
-            bool,
-            "agg-centered: gate only the push along the batch's mean feature",
-        ),
-        prefill=(
-            False,
-            bool,
-            "agg-prefill: start AGG's window full, at the training split's expected counts",
-        ),
+    spec = {}  # {name: (default, type, meaning)}
+    alpha_meaning = (
+        "AGG Eq. 5 rarity threshold, in appearances per optimizer step (paper: LM 0.03, "
     )
+    spec["alpha"] = (0.03, float, alpha_meaning + "MT 0.08)")
+    spec["window"] = (
+        None,
+        int,
+        "AGG counter memory K in optimizer steps (the paper: steps per epoch)",
+    )
+    spec["use_g1"] = (True, bool, "AGG: apply gate g1 (Eq. 7)")
+    spec["use_g2"] = (True, bool, "AGG: apply gate g2 (Eq. 8)")
+    static_meaning = (
+        "freeze AGG's rare group after N steps (agg-static default: one epoch, AGG App. D)"
+    )
+    spec["static_after"] = (None, int, static_meaning)
+    continuous = "agg-continuous: g1 = min(a_k / (alpha K), 1), 1 at the rarity threshold"
+    spec["continuous_g1"] = (False, bool, continuous)
+    centered = "agg-centered: gate only the push along the batch's mean feature"
+    spec["center_gate"] = (False, bool, centered)
+    prefill = "agg-prefill: start AGG's window full, at the training split's expected counts"
+    spec["prefill"] = (False, bool, prefill)
+    del alpha_meaning, static_meaning, continuous, centered, prefill  # no class attributes
 
     def __init__(self, vocab_size, **kw):
         super().__init__(vocab_size, **kw)
@@ -1303,13 +1295,12 @@ class AGG(MLE):
             counts = self._count(ids.long())[: self.vocab_size].cpu()
             seen = counts.nonzero().squeeze(1)
             history.append((seen, counts[seen]))
-        return {
-            **super().state_dict(),
-            "appearances": self.appearances.cpu(),
-            "history": history,
-            "static_rare": None if self.static_rare is None else self.static_rare.cpu(),
-            "prefill_rate": None if self.prefill_rate is None else self.prefill_rate.cpu(),
-        }
+        state = super().state_dict()
+        state["appearances"] = self.appearances.cpu()
+        state["history"] = history
+        state["static_rare"] = None if self.static_rare is None else self.static_rare.cpu()
+        state["prefill_rate"] = None if self.prefill_rate is None else self.prefill_rate.cpu()
+        return state
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
@@ -1567,11 +1558,10 @@ class FRAGE(MLE):
                 None,
             )  # so that a resumed run keeps its random stream exactly
             d, device = weight.shape[1], weight.device
-            self.disc = (
-                torch.nn.Linear(d, 1, device=device)
-                if saved is None
-                else torch.nn.utils.skip_init(torch.nn.Linear, d, 1, device=device)
-            )
+            if saved is None:
+                self.disc = torch.nn.Linear(d, 1, device=device)
+            else:  # no initialisation: no random numbers drawn
+                self.disc = torch.nn.utils.skip_init(torch.nn.Linear, d, 1, device=device)
             self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=self.hparams["disc_lr"])
             if saved is not None:  # Adam's state moves to the parameters' device
                 self.disc.load_state_dict(saved["model"])
@@ -1780,44 +1770,40 @@ def gradient_parts(
         pull, p = pull * (1 - cap[rows, y].square()), p * (1 - cap.square())
     p[rows, y] = 0.0  # the target's own column is part (a)
     to_rare = rare.to(y.device)[y]
-    a = torch.zeros(V, d, dtype=torch.float64, device=h.device).index_add_(
-        0, y, (pull[:, None] * h).double()
-    )
-    b, c = ((p[m].T @ h[m]).double() for m in (~to_rare, to_rare))
-    return torch.stack([a.norm(dim=1), b.norm(dim=1), c.norm(dim=1)], dim=1) / max(n, 1)
+    pulls = (pull[:, None] * h).double()
+    a = torch.zeros(V, d, dtype=torch.float64, device=h.device).index_add_(0, y, pulls)
+    b = (p[~to_rare].T @ h[~to_rare]).double()
+    c = (p[to_rare].T @ h[to_rare]).double()
+    norms = torch.stack([a.norm(dim=1), b.norm(dim=1), c.norm(dim=1)], dim=1)
+    return norms / max(n, 1)
 
 
-METHODS = {
-    cls.name: cls
-    for cls in [
-        MLE,
-        AGG,
-        _variant(AGG, "agg-no-g1", use_g1=False),
-        _variant(AGG, "agg-no-g2", use_g2=False),
-        _variant(AGG, "agg-static", static_after=1000),
-        _variant(AGG, "agg-continuous", continuous_g1=True),
-        _variant(AGG, "agg-centered", center_gate=True),
-        _variant(AGG, "agg-prefill", prefill=True),
-        AGPS,
-        FreezeRare,
-        _variant(FreezeParts, "freeze-b", parts="b"),
-        _variant(FreezeParts, "freeze-c", parts="c"),
-        FreezeParts,
-        CosReg,
-        FRAGE,
-        UL,
-        ULAGG,
-        _variant(ULAGG, "ul+agg-features", ul_features_only=True),
-        Center,
-        ZLoss,
-        AGGCenter,
-    ]
-}
-HPARAMS = {
-    key: (typ, meaning)
-    for cls in METHODS.values()
-    for key, (_default, typ, meaning) in cls.spec.items()
-}
+METHODS = {}  # name -> method class, in the order the docs list them
+
+
+def _register(*classes):
+    for cls in classes:
+        METHODS[cls.name] = cls
+
+
+_register(MLE, AGG)
+_register(_variant(AGG, "agg-no-g1", use_g1=False), _variant(AGG, "agg-no-g2", use_g2=False))
+_register(_variant(AGG, "agg-static", static_after=1000))
+_register(_variant(AGG, "agg-continuous", continuous_g1=True))
+_register(
+    _variant(AGG, "agg-centered", center_gate=True), _variant(AGG, "agg-prefill", prefill=True)
+)
+_register(AGPS, FreezeRare)
+_register(
+    _variant(FreezeParts, "freeze-b", parts="b"), _variant(FreezeParts, "freeze-c", parts="c")
+)
+_register(FreezeParts, CosReg, FRAGE, UL, ULAGG)
+_register(_variant(ULAGG, "ul+agg-features", ul_features_only=True), Center, ZLoss, AGGCenter)
+HPARAMS = {}  # every method's hyper-parameters {name: (type, meaning)}: the scripts' flags
+for _cls in METHODS.values():
+    for _key, (_default, _type, _meaning) in _cls.spec.items():
+        HPARAMS[_key] = (_type, _meaning)
+del _cls, _key, _default, _type, _meaning
 
 
 def agg_family(name):

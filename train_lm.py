@@ -51,11 +51,9 @@ PRESETS = {"cpu": CPU, "paper-6l": PAPER_6L, "gpt2-medium": GPT2_MEDIUM}
 # which leaves most of the degeneration in place: RESULTS.md).
 # AGPS Tables 5 and 8 (i_r, mu1, mu2), language modelling
 AGPS_LM = dict(rare_rank=25000, mu1=5e2, mu2=2e1)
-PRESET_METHOD = {
-    "cpu": dict(rare_share=0.2),
-    "paper-6l": dict(AGPS_LM),
-    "gpt2-medium": dict(AGPS_LM, alpha=0.03),
-}
+PRESET_METHOD = {"cpu": dict(rare_share=0.2)}  # each preset's method hyper-parameters
+PRESET_METHOD["paper-6l"] = dict(AGPS_LM)
+PRESET_METHOD["gpt2-medium"] = dict(AGPS_LM, alpha=0.03)
 MODEL_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "dropout", "block_size")
 RUN_CONTROL = runlib.RUN_CONTROL | {"eval_tokens", "snapshot_steps"}  # see runlib.RUN_CONTROL
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # train_step's default: no loss scaling
@@ -260,7 +258,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        heads = [t.view(B, T, self.n_head, C // self.n_head) for t in self.qkv(x).split(C, dim=2)]
+        qkv = self.qkv(x).split(C, dim=2)
+        head_dim = C // self.n_head
+        heads = [t.view(B, T, self.n_head, head_dim) for t in qkv]
         q, k, v = [h.transpose(1, 2) for h in heads]
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
@@ -332,7 +332,8 @@ class GPT(nn.Module):
         T = x.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.block_size}")
-        h = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device)))
+        positions = torch.arange(T, device=x.device)
+        h = self.drop(self.tok_emb(x) + self.pos_emb(positions))
         for blk in self.blocks:
             h = blk(h)
         return self.ln_f(h)
@@ -349,9 +350,8 @@ class GPT(nn.Module):
         """Untie late: the output matrix starts as a copy of the tied one, with its optimizer state,
         and trains on."""
         self.lm_head.weight.copy_(self.tok_emb.weight)
-        opt.state[self.lm_head.weight] = {
-            k: v.clone() for k, v in opt.state[self.tok_emb.weight].items()
-        }
+        tied_state = opt.state[self.tok_emb.weight]
+        opt.state[self.lm_head.weight] = {k: v.clone() for k, v in tied_state.items()}
         self.untied = True
 
     def head(self, h):
@@ -373,7 +373,8 @@ class GPT(nn.Module):
         greedy; top_k keeps the k most likely."""
         for _ in range(n_new):
             with autocast():
-                logits = self.head(self.features(x[:, -self.block_size :])[:, -1]).float()
+                context = x[:, -self.block_size :]
+                logits = self.head(self.features(context)[:, -1]).float()
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -527,7 +528,8 @@ def validate(model, method, data, cfg):
             predicted_mass[name] += p[..., mask].sum().item()
             true_mass[name] += mask[y].sum().item()
     count = acc.tokens()
-    out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, ppl_groups=acc.ppl_groups())
+    out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count)
+    out["ppl_groups"] = acc.ppl_groups()
     named_groups = dict(zip(agg.GROUPS, groups))
     out.update(agg.geometry(model.out_weight, named_groups, counts > 0))
     for name in rare_sets:
@@ -572,7 +574,8 @@ def evaluate(model, method, data, cfg, step, best_ppl, wandb):
     ckpt_best.pt when the valid PPL is the lowest yet. Returns the lowest valid PPL."""
     out = cfg["out"]
     v = validate(model, method, data, cfg)
-    runlib.log(os.path.join(out, "log.jsonl"), dict(step=step, split="valid", **v), wandb)
+    log_path = os.path.join(out, "log.jsonl")
+    runlib.log(log_path, dict(step=step, split="valid", **v), wandb)
     if not (math.isfinite(v["loss"]) and math.isfinite(v["ppl"])):
         what = f"step {step}: the valid loss is {v['loss']:.4g}, PPL {v['ppl']:.4g}"
         raise runlib.diverged(os.path.join(out, "ckpt.pt"), what)
@@ -584,7 +587,8 @@ def evaluate(model, method, data, cfg, step, best_ppl, wandb):
     )
     if v["ppl"] >= best_ppl:
         return best_ppl
-    best = dict(model=model.state_dict(), step=step, config=cfg, task="lm", valid_ppl=v["ppl"])
+    best = dict(model=model.state_dict(), step=step, config=cfg, task="lm")
+    best["valid_ppl"] = v["ppl"]
     runlib.save_checkpoint(os.path.join(out, "ckpt_best.pt"), best)
     return v["ppl"]
 
@@ -655,15 +659,10 @@ def train(cfg, explicit=frozenset(), argv=()):
     # model, and the method (agg.py: the paper's defaults for this preset)
     model = build_model(cfg, V, ck["step"] if ck else 0).to(device)
     special_ids = [data["pad_id"], data["eos_id"]]  # never rare
-    method, hp = runlib.build_method(
-        cfg,
-        PRESET_METHOD[cfg["preset"]],
-        vocab_size=V,
-        counts=counts,
-        special_ids=special_ids,
-        steps_per_epoch=steps_per_epoch,
-        tokens_per_step=tokens_per_step,
-    )
+    preset = PRESET_METHOD[cfg["preset"]]
+    data_facts = dict(vocab_size=V, counts=counts, special_ids=special_ids)
+    data_facts.update(steps_per_epoch=steps_per_epoch, tokens_per_step=tokens_per_step)
+    method, hp = runlib.build_method(cfg, preset, **data_facts)
     # the optimizer (make_optimizer: AdamW) and the schedule: a linear warm-up, then cosine decay
     vocab_matrices = [m.weight for m in (model.tok_emb, model.lm_head) if m is not None]
     opt = make_optimizer(model, cfg, vocab_matrices)
@@ -730,9 +729,9 @@ def train(cfg, explicit=frozenset(), argv=()):
             first_seq = step * seqs_per_step + rank * share
             x_all, y_all = seq.get(first_seq, share, device)
             # the method's update: observe the targets, accumulate micro-batches, clip, step
-            loss, nll, stats = train_step(
-                model, raw, method, opt, x_all, y_all, cfg["micro_batch"], autocast, scaler, world
-            )
+            micro = cfg["micro_batch"]
+            batch = (x_all, y_all, micro, autocast, scaler, world)
+            loss, nll, stats = train_step(model, raw, method, opt, *batch)
             if not math.isfinite(loss):
                 raise runlib.diverged(ckpt_path, f"step {step + 1}: loss is {loss}")
             sched.step()  # the lr of the next step
