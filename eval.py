@@ -109,7 +109,8 @@ def geometry(weight, counts, include_unseen=False):
     groups = agg.frequency_groups(counts)
     counts = torch.as_tensor(counts)
     seen = None if include_unseen else counts > 0
-    geo = agg.geometry(weight, dict(zip(agg.GROUPS, groups)), seen)
+    named = dict(zip(agg.GROUPS, groups))
+    geo = agg.geometry(weight, named, seen)
     W = weight.detach().double().cpu()
     rows = W if seen is None else W[seen]
     geo["geometry_rows_rule"] = "all" if include_unseen else "seen in training"
@@ -134,13 +135,10 @@ def undertrained_count(W, counts):
     ind = agg.undertrained_rows(W, unused)
     threshold = float(ind[unused].median())
     count = int((ind[seen] >= threshold).sum())
-    return dict(
-        unused_rows=len(unused),
-        threshold=threshold,
-        count=count,
-        share_of_seen=count / int(seen.sum()),
-        rule="seen rows whose indicator >= the median indicator of the never-seen rows",
-    )
+    out = dict(unused_rows=len(unused), threshold=threshold, count=count)
+    out["share_of_seen"] = count / int(seen.sum())
+    out["rule"] = "seen rows whose indicator >= the median indicator of the never-seen rows"
+    return out
 
 
 def pick_rare_tokens(counts, tokens, n, src_counts=None):
@@ -148,16 +146,20 @@ def pick_rare_tokens(counts, tokens, n, src_counts=None):
     12), or for NMT those most frequent on the source side (AGG Table 13)."""
     gid, _ = group_index(counts)
     key = counts if src_counts is None else torch.as_tensor(src_counts)
-    by_count = torch.argsort(key.double(), descending=True, stable=True).tolist()
+    order = torch.argsort(key.double(), descending=True, stable=True)
+    by_count = order.tolist()
     rare = [i for i in by_count if gid[i] == 2 and key[i] > 0]
-    cands = [i for i in rare if re.fullmatch(r"[^\W\d_]{4,}", tokens[i].strip())]
+    word_like = r"[^\W\d_]{4,}"
+    cands = [i for i in rare if re.fullmatch(word_like, tokens[i].strip())]
     # byte-level BPE: word-initial tokens are whole words
     words = [i for i in cands if tokens[i].startswith(" ")]
-    return (words if len(words) >= n else cands)[:n]
+    pool = words if len(words) >= n else cands
+    return pool[:n]
 
 
 def neighbours(weight, ids, k=5):
-    W = F.normalize(weight.detach().float().cpu(), dim=1)
+    W = weight.detach().float().cpu()
+    W = F.normalize(W, dim=1)
     sims = W[ids] @ W.T
     sims[torch.arange(len(ids)), ids] = -2  # not itself
     return sims.topk(k, dim=1).indices.tolist()
@@ -172,10 +174,13 @@ def output_bias_stats(bias, counts):
     seen = c > 0
     x = c[seen].log().numpy()
     y = b[seen].numpy()
-    out = dict(pearson_log_count=float(stats.pearsonr(x, y)[0]))
+    pearson = stats.pearsonr(x, y)[0]
+    out = dict(pearson_log_count=float(pearson))
     out["spearman_log_count"] = float(stats.spearmanr(x, y)[0])
     out["slope_per_log_count"] = float(np.polyfit(x, y, 1)[0])
-    out["mean_groups"] = {g: float(b[seen & (gid == k)].mean()) for k, g in enumerate(agg.GROUPS)}
+    out["mean_groups"] = {}
+    for k, g in enumerate(agg.GROUPS):
+        out["mean_groups"][g] = float(b[seen & (gid == k)].mean())
     return out
 
 
@@ -188,7 +193,8 @@ def rare_logit_stats(logits, y, rare):
     y = y.reshape(-1)
     zr = z.masked_fill(~rare, -math.inf)
     zo = z.masked_fill(rare, -math.inf)
-    st = dict(target=y, z_y=z.gather(1, y[:, None]).squeeze(1), y_rare=rare[y])
+    z_y = z.gather(1, y[:, None]).squeeze(1)
+    st = dict(target=y, z_y=z_y, y_rare=rare[y])
     st["lse_rare"] = torch.logsumexp(zr, -1)
     st["lse_other"] = torch.logsumexp(zo, -1)
     st["max_rare"], st["arg_rare"] = zr.max(-1)
@@ -203,8 +209,10 @@ def fit_rare_bias(st):
     Newton's method, steps clipped to +-4."""
     b = 0.0
     y_share = st["y_rare"].double().mean()
+    lse_rare = st["lse_rare"].double()
+    lse_other = st["lse_other"].double()
     for _ in range(100):
-        p = torch.sigmoid(st["lse_rare"].double() + b - st["lse_other"].double())
+        p = torch.sigmoid(lse_rare + b - lse_other)
         slope = p.mean() - y_share
         curvature = (p * (1 - p)).mean().clamp(min=1e-12)
         step = float((slope / curvature).clamp(-4, 4))
@@ -227,10 +235,12 @@ def fit_temperature(batches, tol=1e-6):
             p = torch.softmax(beta * z, -1)
             mean = (p * z).sum(-1, keepdim=True)
             z_y = z.gather(1, y.reshape(-1, 1)).squeeze(1)
-            grad += float((mean.squeeze(1) - z_y).double().sum())
+            residual = mean.squeeze(1) - z_y
+            grad += float(residual.double().sum())
             variance = (p * (z - mean) ** 2).sum(-1)
             curv += float(variance.double().sum())
-        step = max(-0.5, min(0.5, grad / max(curv, 1e-12)))
+        newton = grad / max(curv, 1e-12)
+        step = max(-0.5, min(0.5, newton))
         beta -= step
         if abs(step) < tol:
             break
@@ -252,8 +262,10 @@ def rare_bias_metrics(st, b, gid):
     up = pred.unique()
     acc = agg.GroupNLL()
     acc.add(nll, g)
-    out = dict(bias=b, ppl=acc.ppl(), ppl_groups=acc.ppl_groups())
-    out["rare_mass_pred"] = float(torch.sigmoid(lse_rare - lse_other).mean())
+    out = dict(bias=b, ppl=acc.ppl())
+    out["ppl_groups"] = acc.ppl_groups()
+    rare_mass = torch.sigmoid(lse_rare - lse_other)
+    out["rare_mass_pred"] = float(rare_mass.mean())
     out["rare_mass_true"] = float(st["y_rare"].double().mean())
     out["uniq"] = int(len(up))
     out["uniq_groups"] = per_group(gid, up)
@@ -265,13 +277,16 @@ def rare_bias_metrics(st, b, gid):
 
 def per_group(gid, ids):
     """{group: how many of `ids` are in it} (gid: group_index's ids)."""
-    return {name: int((gid[ids] == k).sum()) for k, name in enumerate(agg.GROUPS)}
+    of_ids = gid[ids]
+    return {name: int((of_ids == k).sum()) for k, name in enumerate(agg.GROUPS)}
 
 
 def repeated_4grams(tokens):
     """seq-rep-4 of Welleck et al. 2020: the share of a continuation's 4-grams that are repeats, 1 -
     unique / all."""
-    return 1 - distinct_n([tokens], 4) if len(tokens) > 3 else 0.0
+    if len(tokens) < 4:
+        return 0.0
+    return 1 - distinct_n([tokens], 4)
 
 
 def distinct_n(continuations, n):
@@ -279,8 +294,11 @@ def distinct_n(continuations, n):
     pooled."""
     grams = []
     for c in continuations:
-        grams += [tuple(c[i : i + n]) for i in range(len(c) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else float("nan")
+        starts = range(len(c) - n + 1)
+        grams += [tuple(c[i : i + n]) for i in starts]
+    if not grams:
+        return float("nan")
+    return len(set(grams)) / len(grams)
 
 
 def run_data(cfg, data_dir, task, V):
@@ -307,7 +325,8 @@ def run_data(cfg, data_dir, task, V):
         data = prepare_nmt(cfg, log=quiet)
         now = data.cache.name
         size = data.vocab_size
-    if not runlib.same_data(cfg.get("data_fingerprint"), now) or size != V:
+    same = runlib.same_data(cfg.get("data_fingerprint"), now)
+    if not same or size != V:
         raise SystemExit(
             f"{cfg['out']}: the corpus or tokenizer changed since this run trained (its data was "
             f"{cfg.get('data_fingerprint')}, V={V}; now {now}, V={size}): restore the original "
@@ -329,13 +348,16 @@ def document_of(ids, eos_id, documents):
     eos = torch.from_numpy(np.asarray(ids) == eos_id)
     line = torch.cumsum(eos.long(), 0) - eos.long()  # a line's EOS belongs to it
     ends = torch.cumsum(torch.tensor(documents), 0)
-    return torch.searchsorted(ends, line, right=True).clamp(max=len(documents) - 1), documents
+    last = len(documents) - 1
+    doc = torch.searchsorted(ends, line, right=True).clamp(max=last)
+    return doc, documents
 
 
 def nll_of(logits, y):
     """-log softmax(logits)[y] at each position, in float64."""
     logp = torch.log_softmax(logits, -1)
-    return -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
+    logp_y = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return -logp_y.double()
 
 
 def cat_stats(parts):
@@ -365,7 +387,8 @@ def evaluate_lm(out_dir, model, ck, args, device):
     window = args.context_window
 
     def valid():
-        return train_lm.score(model, valid_ids, len(valid_ids) - 1, cfg, device, autocast, window)
+        n_valid = len(valid_ids) - 1
+        return train_lm.score(model, valid_ids, n_valid, cfg, device, autocast, window)
 
     def stats(logits, y):
         st = rare_logit_stats(logits, y, rare_d)
@@ -390,26 +413,37 @@ def evaluate_lm(out_dir, model, ck, args, device):
         articles = agg.GroupNLL(3 * len(doc[1]))
     name = os.path.basename(os.path.normpath(cfg["out"]))
     batches = train_lm.score(model, ids, n, cfg, device, autocast, window)
-    for logits, y, pos in tqdm(batches, desc=f"{name} {args.split}", leave=False):
+    desc = f"{name} {args.split}"
+    for logits, y, pos in tqdm(batches, desc=desc, leave=False):
         nll = nll_of(logits.float(), y)
         acc.add(nll, gid_d[y])
-        acc_t.add(nll_of(beta * logits.float(), y), gid_d[y])
+        nll_t = nll_of(beta * logits.float(), y)
+        acc_t.add(nll_t, gid_d[y])
         if articles is not None:
-            articles.add(nll.cpu(), 3 * doc[0][pos] + gid[y.cpu()])
-        type_nll.index_add_(0, y.flatten().cpu(), nll.flatten().cpu())
+            cells = 3 * doc[0][pos] + gid[y.cpu()]  # (article, group)
+            articles.add(nll.cpu(), cells)
+        flat_y = y.flatten().cpu()
+        type_nll.index_add_(0, flat_y, nll.flatten().cpu())
         preds.append(logits.argmax(-1).flatten().cpu())
         logit_stats.append(stats(logits, y))
     up = torch.cat(preds).unique()
     logit_stats = cat_stats(logit_stats)
     ut = logit_stats["target"].unique()
     m = dict(task="lm", method=cfg["method"], step=ck["step"], out_dir=cfg["out"])
-    m.update(split=args.split, context_window=window, tokens=acc.tokens())
-    m.update(ppl=acc.ppl(), ppl_groups=acc.ppl_groups())
-    m.update(uniq=int(len(up)), uniq_groups=per_group(gid, up))
-    m.update(uniq_human=int(len(ut)), uniq_human_groups=per_group(gid, ut))
+    m["split"] = args.split
+    m["context_window"] = window
+    m["tokens"] = acc.tokens()
+    m["ppl"] = acc.ppl()
+    m["ppl_groups"] = acc.ppl_groups()
+    m["uniq"] = int(len(up))
+    m["uniq_groups"] = per_group(gid, up)
+    m["uniq_human"] = int(len(ut))
+    m["uniq_human_groups"] = per_group(gid, ut)
     m["rare_argmax"] = rare_bias_metrics(logit_stats, 0.0, gid)
     m["rare_bias"] = rare_bias_metrics(logit_stats, bias, gid)
-    m["temperature"] = dict(t=1 / beta, ppl=acc_t.ppl(), ppl_groups=acc_t.ppl_groups())
+    temperature = dict(t=1 / beta, ppl=acc_t.ppl())
+    temperature["ppl_groups"] = acc_t.ppl_groups()
+    m["temperature"] = temperature
     type_count = torch.bincount(logit_stats["target"], minlength=V)
     m["type_stats"] = dict(nll=type_nll, count=type_count)  # not saved
     m["article_stats"] = None
@@ -425,7 +459,8 @@ def evaluate_lm(out_dir, model, ck, args, device):
     sampled = []
     span = args.prefix_len + args.gen_len
     torch.manual_seed(0)
-    for j in range(args.n_samples if len(ids) > span else 0):
+    n_gen = args.n_samples if len(ids) > span else 0
+    for j in range(n_gen):
         s = j * (len(ids) - span) // args.n_samples
         prefix = np.asarray(ids[s : s + args.prefix_len], dtype=np.int64)
         prefix = torch.from_numpy(prefix)[None].to(device)
@@ -436,22 +471,29 @@ def evaluate_lm(out_dir, model, ck, args, device):
         sampled.append(sample[0, args.prefix_len :].tolist())
         human = np.asarray(ids[s + args.prefix_len : s + span]).tolist()
         gen = dict(position=s, prefix=tok.decode(prefix[0].tolist()))
-        gen.update(continuation=tok.decode(cont), human=tok.decode(human))
-        gen.update(uniq=len(set(cont)), uniq_human=len(set(human)))
-        gen.update(rep4=repeated_4grams(cont), rep4_human=repeated_4grams(human))
+        gen["continuation"] = tok.decode(cont)
+        gen["human"] = tok.decode(human)
+        gen["uniq"] = len(set(cont))
+        gen["uniq_human"] = len(set(human))
+        gen["rep4"] = repeated_4grams(cont)
+        gen["rep4_human"] = repeated_4grams(human)
         gens.append(gen)
     m["generations"] = gens
     for key in ("uniq", "uniq_human", "rep4", "rep4_human"):
-        m[f"gen_{key}"] = float(np.mean([g[key] for g in gens])) if gens else float("nan")
+        values = [g[key] for g in gens]
+        m[f"gen_{key}"] = float(np.mean(values)) if gens else float("nan")
     if gens:
-        m["gen_rep4_sampled"] = float(np.mean([repeated_4grams(c) for c in sampled]))
+        rep4 = [repeated_4grams(c) for c in sampled]
+        m["gen_rep4_sampled"] = float(np.mean(rep4))
         m["gen_distinct"] = {}
         for kind, conts in (("greedy", greedy), ("sampled", sampled)):
             m["gen_distinct"][kind] = {str(n): distinct_n(conts, n) for n in (1, 2, 3, 4)}
     # the softmax's matrix: the tied embedding, or lm_head with --untie
     W = model.out_weight.detach().float().cpu()
     sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
-    sims.update({k: getattr(args, k) for k in ("men", "rg65", "rw") if getattr(args, k)})
+    for k in ("men", "rg65", "rw"):  # the files given
+        if getattr(args, k):
+            sims[k] = getattr(args, k)
     ws = word_similarity(W, tok, cfg["tokenizer"], sims)
     m["word_similarity"] = {k: v[0] for k, v in ws.items()}
     m["word_similarity_pairs"] = {k: [v[1], v[2]] for k, v in ws.items()}
@@ -482,8 +524,10 @@ def average_checkpoints(out_dir, n):
     for p in paths:  # one snapshot in memory at a time
         model = runlib.load_checkpoint(p, "nmt")["model"]
         for k, v in model.items():
-            avg[k] = avg[k] + v.double() if k in avg else v.double()
-    return {k: (v / n).to(model[k].dtype) for k, v in avg.items()}, names
+            v = v.double()
+            avg[k] = avg[k] + v if k in avg else v
+    averaged = {k: (v / n).to(model[k].dtype) for k, v in avg.items()}
+    return averaged, names
 
 
 @torch.no_grad()
@@ -505,14 +549,21 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     res, hyps = train_nmt.validate(model, None, data, cfg, device, split="test", bleu_sents=0)
     hyp_text = [data.decode(h) for h in hyps]
     src_text, ref_text = data.text["test"]
-    m = dict(task="nmt", out_dir=cfg["out"], bleu=res["bleu"], bleu_signature=res["bleu_signature"])
-    m.update(test_loss=res["loss"], test_ppl=res["ppl"])
+    m = dict(task="nmt", out_dir=cfg["out"])
+    m["bleu"] = res["bleu"]
+    m["bleu_signature"] = res["bleu_signature"]
+    m["test_loss"] = res["loss"]
+    m["test_ppl"] = res["ppl"]
     for key in ("ppl_groups", "group_rare_mass_pred", "group_rare_mass_true", "decode_s"):
         m[key] = res[key]
-    m.update(n_sentences=res["bleu_sents"], beam=args.beam, lenpen=cfg["lenpen"])
+    m["n_sentences"] = res["bleu_sents"]
+    m["beam"] = args.beam
+    m["lenpen"] = cfg["lenpen"]
     for key in ("src", "tgt", "dataset", "method"):
         m[key] = cfg[key]
-    m.update(step=ck["step"], norm=cfg.get("norm", "pre"), target=res["target"])
+    m["step"] = ck["step"]
+    m["norm"] = cfg.get("norm", "pre")
+    m["target"] = res["target"]
     m["rare_rule"] = train_nmt.rare_rule(cfg)
     m["checkpoints_averaged"] = len(averaged) if averaged else 0
     m["averaged_files"] = averaged
@@ -526,7 +577,9 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     m["texts"] = dict(hyps=hyp_text, refs=list(ref_text), bleu_tokenize=bleu_tokenize)
     print(f"{cfg['out']}: test BLEU {res['bleu']:.2f} ({res['bleu_signature']})")
     W = model.out_weight.detach().float().cpu()
-    return m, W, data.corpus_counts.clone(), data.src_counts.clone(), data.tokens()
+    counts = data.corpus_counts.clone()
+    src_counts = data.src_counts.clone()
+    return m, W, counts, src_counts, data.tokens()
 
 
 # -------------------------------------------------------------------------------------- run folders
@@ -549,9 +602,10 @@ def log_records(out_dir, split="valid"):
 
 
 def last_valid_ppl(out_dir, step):
-    return next(
-        (r.get("ppl") for r in reversed(log_records(out_dir)) if r.get("step") == step), None
-    )
+    for r in reversed(log_records(out_dir)):
+        if r.get("step") == step:
+            return r.get("ppl")
+    return None
 
 
 def labels_for(out_dirs):
@@ -582,11 +636,14 @@ def evaluate(run_dir, args=None, device=None, probes=None, **flags):
             raise TypeError(f"unknown eval.py flags {sorted(unknown)}")
         vars(args).update(flags)
     device = torch.device(device or args.device)
-    ck = runlib.load_checkpoint(runlib.checkpoint_file(run_dir, args.checkpoint))
-    model = {"lm": train_lm, "nmt": train_nmt}[ck["task"]].load_model(ck, device)
+    path = runlib.checkpoint_file(run_dir, args.checkpoint)
+    ck = runlib.load_checkpoint(path)
+    trainer = {"lm": train_lm, "nmt": train_nmt}[ck["task"]]
+    model = trainer.load_model(ck, device)
     evaluate_task = evaluate_lm if ck["task"] == "lm" else evaluate_nmt
     m, W, c, src_c, tokens = evaluate_task(run_dir, model, ck, args, device)
-    m.update(geometry(W, c, args.include_unseen), seed=ck["config"].get("seed"))
+    m.update(geometry(W, c, args.include_unseen))
+    m["seed"] = ck["config"].get("seed")
     m["valid_ppl"] = last_valid_ppl(run_dir, m.get("step"))
     m["singular_values"] = agg.singular_spectrum(W).tolist()
     bias = getattr(model, "out_bias", None)  # train_lm.py --output-bias
@@ -596,10 +653,12 @@ def evaluate(run_dir, args=None, device=None, probes=None, **flags):
     # runs on the same data: the probe tokens of the first such run
     key = (ck["task"], int(c.sum()), len(c))
     probes = {} if probes is None else probes
-    ids = probes.setdefault(key, pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c))
+    picked = pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c)
+    ids = probes.setdefault(key, picked)
     gid = group_index(c)[0]
     m["neighbours"] = {}
-    for i, near in zip(ids, neighbours(W, ids) if ids else []):
+    near_ids = neighbours(W, ids) if ids else []
+    for i, near in zip(ids, near_ids):
         shown = [tokens[j].strip() + ("*" if gid[j] == 2 else "") for j in near]
         m["neighbours"][tokens[i].strip()] = shown
     m["checkpoint"] = args.checkpoint
@@ -636,14 +695,15 @@ def read_configs(args):
                 f"{path}: no checkpoint. Pass run folders written by train_lm.py / train_nmt.py "
                 "--out."
             )
-        cfg = configs[d] = runlib.run_config(d) or runlib.load_checkpoint(path)["config"]
+        cfg = runlib.run_config(d) or runlib.load_checkpoint(path)["config"]
+        configs[d] = cfg
         if cfg.get("task") not in ("lm", "nmt"):
             raise SystemExit(f"{path}: unknown task {cfg.get('task')!r} (expected 'lm' or 'nmt')")
     tasks = {c["task"] for c in configs.values()}
-    default = vars(build_parser(runs="*").parse_args([]))
-    task_flags = dict(
-        lm=("split", "max_tokens", "context_window"), nmt=("max_sentences", "beam", "average_last")
-    )
+    parser = build_parser(runs="*")
+    default = vars(parser.parse_args([]))
+    task_flags = dict(lm=("split", "max_tokens", "context_window"))
+    task_flags["nmt"] = ("max_sentences", "beam", "average_last")
     # a flag of the other task would be ignored without a word
     for task, keys in task_flags.items():
         given = [k for k in keys if getattr(args, k, None) != default[k]]
@@ -664,30 +724,32 @@ def evaluate_runs(args):
     probes = {}
     results = {}
     for label, out_dir in zip(labels_for(args.out_dirs), args.out_dirs):
-        res = results[label] = evaluate(out_dir, args, device, probes)
+        res = evaluate(out_dir, args, device, probes)
+        results[label] = res
         m = res["metrics"]
         if "texts" in m:
             res["texts"] = m.pop("texts")
-            runlib.write_text(
-                os.path.join(args.out, f"test_hyps_{label}.txt"),
-                "\n".join(res["texts"]["hyps"]) + "\n",
-            )
+            path = os.path.join(args.out, f"test_hyps_{label}.txt")
+            text = "\n".join(res["texts"]["hyps"]) + "\n"
+            runlib.write_text(path, text)
         if "type_stats" in m:
-            res["type_stats"] = dict(m.pop("type_stats"), rare=group_index(res["counts"])[0] == 2)
+            type_stats = m.pop("type_stats")
+            rare = group_index(res["counts"])[0] == 2
+            res["type_stats"] = dict(type_stats, rare=rare)
         shown = [k for k in ("ppl", "bleu", "isotropy", "mean_cosine") if k in m]
-        print(f"{label}: " + ", ".join(f"{k} {fmt(m[k], 3)}" for k in shown))
+        summary = ", ".join(f"{k} {fmt(m[k], 3)}" for k in shown)
+        print(f"{label}: " + summary)
     return results
 
 
 def build_parser(doc=__doc__, runs="+"):
-    p = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=doc, formatter_class=raw)
     p.add_argument("out_dirs", nargs=runs, help="run folders (each with ckpt.pt)")
-    p.add_argument(
-        "--out", default=os.path.join(runlib.ROOT, "out", "report"), help="report folder"
-    )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    report = os.path.join(runlib.ROOT, "out", "report")
+    p.add_argument("--out", default=report, help="report folder")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--device", default=device)
     p.add_argument(
         "--split", default="test", choices=["test", "valid"], help="LM split to evaluate"
     )
@@ -743,8 +805,10 @@ def build_parser(doc=__doc__, runs="+"):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     read_configs(args)  # a bad folder fails before any long work
-    metrics = {label: res["metrics"] for label, res in evaluate_runs(args).items()}
-    runlib.write_json(os.path.join(args.out, "metrics.json"), metrics)
+    results = evaluate_runs(args)
+    metrics = {label: res["metrics"] for label, res in results.items()}
+    path = os.path.join(args.out, "metrics.json")
+    runlib.write_json(path, metrics)
     print(f"wrote {args.out}/metrics.json")
     return metrics
 

