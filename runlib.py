@@ -6,6 +6,7 @@ log, stop_signals. Nothing here decides when they run."""
 import argparse
 import contextlib
 import fcntl
+import gc
 import glob
 import hashlib
 import json
@@ -478,8 +479,11 @@ def quiet(*args, **kwargs):
 
 
 def end_ddp():
-    """Leave the process group together: rank 0 may still be writing its last checkpoint."""
+    """Leave the process group together: rank 0 may still be writing its last checkpoint. The
+    callers drop their DDP model first: a reducer freed after the group would end it while holding
+    Python's lock, which gloo's threads may wait for."""
     if distributed():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

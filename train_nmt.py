@@ -1027,6 +1027,7 @@ def train(cfg, explicit=frozenset(), argv=()):
         bar.close()
         if wandb is not None:
             wandb.finish()
+    del fwd  # DDP's reducer holds the process group: it goes first (model keeps the weights)
     runlib.end_ddp()
     if stopping:  # exit 1: the run is not finished
         raise runlib.stopped(signals, step, ckpt_path, rank, "train_nmt.py")

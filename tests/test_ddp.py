@@ -154,11 +154,11 @@ def test_a_signal_to_the_group_checkpoints_once_and_exits_1(lm_data, tmp_path):
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     log = out / "log.jsonl"
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while time.time() < deadline and not (log.exists() and '"train"' in log.read_text()):
         time.sleep(0.2)  # until the group trains
     run.send_signal(signal.SIGTERM)  # to torchrun: it passes it to every rank
-    text, _ = run.communicate(timeout=120)
+    text, _ = run.communicate(timeout=300)
     assert run.returncode == 1, text[-3000:]
     assert text.count("SIGTERM: stopped at step") == 1  # rank 0 says it, once
     step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
