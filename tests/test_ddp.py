@@ -37,9 +37,9 @@ def launch(script, flags, processes):
     if processes > 1:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command = [*torchrun, f"--nproc_per_node={processes}", script]
-    return subprocess.run(
-        command + [str(f) for f in flags], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    args = command + [str(f) for f in flags]
+    # a hang (a rank waiting for a dead one) fails the test instead of the suite
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def train(script, flags, processes):
