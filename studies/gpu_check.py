@@ -218,7 +218,7 @@ def throughput_ratios(pairs):
 
 
 def fused_targets(fused):
-    """Issue 79's targets of the fused head (H200, bf16): its time and memory against
+    """The fused head's targets (H200, bf16): its time and memory against
     F.cross_entropy's, AGG's against MLE's, no synchronisation."""
     if not fused or "timings" not in fused:
         return {}

@@ -1,4 +1,4 @@
-"""The fused head's Triton kernel (agg.fused_head_chunk, issue 79) under Triton's CPU interpreter:
+"""The fused head's Triton kernel (agg.fused_head_chunk) under Triton's CPU interpreter:
 against a literal copy of agg._head_chunk's arithmetic (and that copy against agg._head_chunk
 itself), and method.loss through it against the torch head."""
 
