@@ -108,6 +108,8 @@ class Study:
     (their runs count)."""
 
     eval_args = ["--n-samples", "0"]  # eval.py flags of every run's evaluation
+    # each run's report folders and their own eval.py flags
+    reports = {"report": []}
     # the default --out, as the results' commands say; the study's module
     label, name = "out/scale", "scale"
     # this machine's kernels (runlib.kernel_fingerprint at the runs' thread count), set by main
@@ -190,8 +192,9 @@ class Study:
 
     def evaluated(self, name):  # a diverged run has nothing to evaluate
         folder = self.folder(name)
+        reported = [os.path.join(folder, report, "metrics.json") for report in self.reports]
         return (
-            os.path.exists(os.path.join(folder, "report", "metrics.json"))
+            all(os.path.exists(path) for path in reported)
             or bool(self.diverged(name))
             or (name in self.prior and not os.path.exists(os.path.join(folder, "ckpt.pt")))
         )
@@ -432,6 +435,11 @@ def next_job(study, busy):
     ]
     for name, _flags, folder in plan:
         if study.finished(name) and not study.evaluated(name):
+            report = next(
+                r
+                for r in study.reports
+                if not os.path.exists(os.path.join(folder, r, "metrics.json"))
+            )
             return (
                 name,
                 [
@@ -439,8 +447,9 @@ def next_job(study, busy):
                     os.path.join(ROOT, "eval.py"),
                     folder,
                     "--out",
-                    os.path.join(folder, "report"),
+                    os.path.join(folder, report),
                     *study.eval_args,
+                    *study.reports[report],
                 ],
                 folder + ".log",
             )
