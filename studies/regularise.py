@@ -144,23 +144,29 @@ class Regularise(scale.Study):
         return min(ppl, key=mean), wanted
 
     def plan(self):
-        """[(name, flags, cost)] of every run wanted so far, the shortest first."""
-        runs, pairs = {}, []
+        """[(name, flags, cost)] of every run wanted so far: the shortest first, in each cell the
+        preset's pairs first (the comparison every other is read against)."""
+        runs, pairs, preset = {}, [], set()
         for fraction, steps in CELLS.items():
             cost = steps / 2400
             chosen = {}
             for method in METHODS:
                 chosen[method], wanted = self.selection(fraction, method)
                 runs.update({name: (flags, cost) for name, flags in wanted})
-            for mle, agg, seeds, warmup in comparisons(fraction, chosen).values():
+            for label, comparison in comparisons(fraction, chosen).items():
+                mle, agg, seeds, warmup = comparison
                 for seed in seeds:
                     for method, setting in (("mle", mle), ("agg", agg)):
                         name, flags = run_spec(fraction, method, setting, seed, warmup)
                         runs[name] = (flags, cost)
-            for comparison in comparisons(fraction, chosen).values():
+                        if label == "preset":
+                            preset.add(name)
                 pairs += pair_names(fraction, comparison)
         runs.update(self.replicas(runs, pairs))
-        return sorted(((n, f, c) for n, (f, c) in runs.items()), key=lambda r: (r[2], r[0]))
+        return sorted(
+            ((n, f, c) for n, (f, c) in runs.items()),
+            key=lambda r: (r[2], r[0] not in preset, r[0]),
+        )
 
     def selections(self):
         return {
