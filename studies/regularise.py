@@ -14,8 +14,8 @@ The protocol (this project's choices, fixed before any run):
 - per cell and method, dropout (DROPOUTS) x weight decay (WEIGHT_DECAYS) on seeds 0-2; selected:
   the lowest mean over those seeds of each run's best valid PPL (early stopping's);
 - each method's selection on seeds 0-4, paired by seed on one host: AGG at its selection against
-  MLE at its own (`tuned`); both at the preset's dropout 0.1 and weight decay 0.01 on seeds 0-2
-  (`preset`);
+  MLE at its own (`tuned`); both at the preset's dropout 0.1 and weight decay 0.01 on seeds 0-4
+  (`preset`: the schedule study's 14-epoch cells again, now with test at the best step);
 - the warm-up control: both selections again with a warm-up of 10% of the steps, seeds 0-4
   (`warmup10`; at 2,400 steps 10% is the preset's 240 steps, so there it is `tuned`);
 - every run evaluated on test twice: at its last step (RUN/report) and at its best validation
@@ -70,7 +70,7 @@ def run_spec(fraction, method, setting, seed, warmup=WARMUP):
 def comparisons(fraction, chosen):
     """{label: (MLE's setting, AGG's setting, seeds, warm-up)} of a cell; chosen: the selections."""
     steps = CELLS[fraction]
-    out = {"preset": (PRESET, PRESET, scale.SELECTION_SEEDS, WARMUP)}
+    out = {"preset": (PRESET, PRESET, SEEDS, WARMUP)}
     if None not in chosen.values():
         out["tuned"] = (chosen["mle"], chosen["agg"], SEEDS, WARMUP)
         if steps // 10 != WARMUP:

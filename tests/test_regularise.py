@@ -68,15 +68,15 @@ def fake_record(fraction, method, setting, seed, warmup=regularise.WARMUP):
 def test_each_method_is_selected_on_its_best_valid_ppl_then_paired_on_five_seeds(tmp_path):
     study = regularise.Regularise(str(tmp_path / "out"))
     plan = study.plan()
-    # first the sweeps: 2 cells x 2 methods x 6 settings x 3 seeds, the short cell first
-    assert len(plan) == 72 and plan[0][2] == 1 and plan[-1][2] == 4
+    # first the sweeps (2 cells x 2 methods x 6 settings x 3 seeds) and the preset's seeds 3-4
+    assert len(plan) == 72 + 8 and plan[0][2] == 1 and plan[-1][2] == 4
     # the preset's pairs first in each cell
     preset = {
         regularise.run_spec(0.25, m, regularise.PRESET, s)[0]
         for m in "mle agg".split()
-        for s in range(3)
+        for s in range(5)
     }
-    assert {n for n, _f, _c in plan[:6]} == preset
+    assert {n for n, _f, _c in plan[:10]} == preset
     parser = train_lm.build_parser()
     for name, flags, _cost in plan:
         args = parser.parse_args(flags)
@@ -101,11 +101,12 @@ def test_each_method_is_selected_on_its_best_valid_ppl_then_paired_on_five_seeds
         mle=None, agg=None
     )
     wanted = {n for n, _f, _c in study.plan() if n.startswith("f0.25")} - set(runs)
-    # seeds 3-4 of each selection; at 2,400 steps the 10% warm-up is the preset's: no more runs
+    # seeds 3-4 of each selection and the preset; at 2,400 steps the 10% warm-up is the preset's
+    settings = [*WINNER.items(), ("mle", regularise.PRESET), ("agg", regularise.PRESET)]
     assert wanted == {
-        regularise.run_spec(0.25, m, WINNER[m], seed)[0] for m in WINNER for seed in (3, 4)
+        regularise.run_spec(0.25, m, s, seed)[0] for m, s in settings for seed in (3, 4)
     }
-    runs.update(fake_record(0.25, m, WINNER[m], seed) for m in WINNER for seed in (3, 4))
+    runs.update(fake_record(0.25, m, s, seed) for m, s in settings for seed in (3, 4))
     path.write_text(json.dumps(dict(command="python -m studies.regularise", runs=runs)))
     study = regularise.Regularise(str(tmp_path / "out"), prior=[str(path)])
     study.write_results(str(path), ["--results", str(path)])
@@ -113,7 +114,7 @@ def test_each_method_is_selected_on_its_best_valid_ppl_then_paired_on_five_seeds
     assert res["selection"]["0.25/mle"]["selected"] == list(WINNER["mle"])
     cells = {c["comparison"]: c for c in res["compare"]}
     assert set(cells) == {"preset", "tuned"}
-    assert cells["preset"]["last"]["seeds"] == [0, 1, 2]
+    assert cells["preset"]["last"]["seeds"] == [0, 1, 2, 3, 4]
     tuned = cells["tuned"]
     assert tuned["last"]["seeds"] == [0, 1, 2, 3, 4]
     # the last step's and the best step's test PPL, each paired, the latter from ckpt_best.pt
