@@ -20,7 +20,7 @@ The protocol (this project's choices, fixed before any run):
   (`warmup10`; at 2,400 steps 10% is the preset's 240 steps, so there it is `tuned`);
 - every run evaluated on test twice: at its last step (RUN/report) and at its best validation
   (ckpt_best.pt, RUN/report-best); per comparison the paired AGG / MLE quantities of the scale
-  study at both, the test PPL ratio also over seeds and test articles (two-way bootstrap);
+  study at both (scale.paired_cell: the test PPL ratio also over seeds and test articles);
 - each run's record holds its validation curve (PPL total and per frequency group at every
   validation); the figure plots the tuned pairs' per-group valid NLL, AGG minus MLE, by step.
 Every run is a train_lm.py run folder under OUT/runs (stop this script at any time and rerun it).
@@ -93,18 +93,6 @@ def at_best(record):
     """A run's record as at its best validation: the test metrics of ckpt_best.pt."""
     best = record["best_checkpoint"]
     return dict(record, valid_ppl=best["valid_ppl"], **{k: best[k] for k in BEST_KEYS[2:]})
-
-
-def test_ratio_over_articles(cell, members):
-    """The cell's test PPL log ratio with its 95% two-way bootstrap over seeds and test articles
-    (compare.seed_article_boot95), its pairs as paired_cell made them."""
-    by = {(r["method"], r["seed"], scale.host(r)): r for r in members}
-    pairs = [(by["mle", s, h], by["agg", s, h]) for s, h in zip(cell["seeds"], cell["hosts"])]
-    if not all(r.get("article_stats") for r in sum(pairs, ())):
-        return None
-    base, cand = (np.array([p[i]["article_stats"]["nll"] for p in pairs]).sum(2) for i in (0, 1))
-    count = np.array(pairs[0][0]["article_stats"]["count"]).sum(1)
-    return compare.seed_article_boot95(base, cand, count)
 
 
 class Regularise(scale.Study):
@@ -217,9 +205,6 @@ class Regularise(scale.Study):
                 for when, view in (("last", members), ("best", [at_best(r) for r in members])):
                     paired = scale.paired_cell(view)
                     if paired is not None:
-                        paired["ppl_log_ratio"]["seed_article_boot95"] = test_ratio_over_articles(
-                            paired, view
-                        )
                         cell[when] = paired
                 if "last" in cell:
                     cells.append(cell)

@@ -562,6 +562,12 @@ def paired_cell(runs):
         hosts=[host(b) for b, _a in pairs],
         **{k: compare.paired_interval(v) for k, v in quantities.items() if v},
     )
+    # the test PPL ratio over seeds and, two-way, over the test articles too
+    if all(r.get("article_stats") for r in sum(pairs, ())):
+        base, cand = (np.array([p[i]["article_stats"]["nll"] for p in pairs]) for i in (0, 1))
+        count = np.array(pairs[0][0]["article_stats"]["count"]).sum(1)
+        interval = compare.seed_article_boot95(base.sum(2), cand.sum(2), count)
+        out["ppl_log_ratio"]["seed_article_boot95"] = interval
     for k, key in (
         ("isotropy", "isotropy"),
         ("uniq", "uniq"),
