@@ -10,7 +10,6 @@ Hub corpora (wikitext-103/-2, wmt14) come through `datasets`; HF_HUB_OFFLINE=1 m
 local cache only."""
 
 import bz2
-import glob
 import hashlib
 import json
 import os
@@ -177,147 +176,43 @@ def train_subset(corpus, fraction):
     return kept
 
 
-# --data-dir layouts: the file name patterns of a split; a folder holds one layout, all three splits
-SPLIT_NAMES = {"train": ("train",), "valid": ("valid", "validation"), "test": ("test",)}
-DIR_LAYOUTS = {
-    "text": ("{s}.txt",),  # one paragraph a line
-    "wikitext": ("wiki.{s}.tokens", "wiki.{s}.raw"),  # the raw WikiText-103 / -2 zip layout
-    "parquet": ("{s}.parquet", "{s}-*.parquet", "*/{s}-*.parquet"),  # the hub's parquet files
-}
-# the `datasets` reader of each layout
-BUILDERS = {"text": "text", "wikitext": "text", "parquet": "parquet", "save_to_disk": "arrow"}
-
-
-def bad_data_dir(data_dir, why):
-    return SystemExit(f"--data-dir {data_dir}: {why}")
-
-
-def saved_dataset_files(data_dir):
-    """The .arrow files of each split of a `datasets.DatasetDict.save_to_disk` folder."""
-    index = Path(data_dir, "dataset_dict.json").read_text()
-    have = json.loads(index).get("splits", [])
-    files = {}
-    for split, names in SPLIT_NAMES.items():
-        present = [n for n in names if n in have]
-        if not present:
-            why = f"the saved dataset has splits {have}, not train, valid (or validation) and test"
-            raise bad_data_dir(data_dir, why)
-        pattern = os.path.join(data_dir, present[0], "*.arrow")
-        files[split] = sorted(glob.glob(pattern))
-    return "save_to_disk", files
-
-
-def layout_hits(data_dir, patterns):
-    """{split: [(pattern, split name, file)]}: the files of one layout in data_dir."""
-    hits = {}
-    for split, names in SPLIT_NAMES.items():
-        hits[split] = []
-        for name in names:
-            for pattern in patterns:
-                matches = glob.glob(os.path.join(data_dir, pattern.format(s=name)))
-                hits[split] += [(pattern, name, f) for f in matches]
-    return hits
-
-
-def check_one_corpus(data_dir, found):
-    """One corpus per folder: two layouts, two folders (WikiText configs side by side) or two
-    variants of a split would be read as one corpus."""
-    layout, hits = found[0]
-    files = []  # (pattern, split name, file)
-    for split_hits in hits.values():
-        files += split_hits
-    folders = {os.path.relpath(os.path.dirname(f), data_dir) + "/" for _p, _n, f in files}
-    folders = sorted(folders)
-    layouts = [name for name, _hits in found]
-    variants = sorted({p.format(s="*") for p, _n, _f in files})
-    valid_names = sorted({n + " split" for _p, n, _f in hits["valid"]})
-    hint = ""
-    if len(folders) > 1:
-        hint = f", e.g. --data-dir {os.path.join(data_dir, folders[-1])}"
-    conflicts = [
-        (f"the files of {len(found)} layouts", layouts),
-        (f"{layout} files in {len(folders)} folders", folders),
-        ("two variants of a split", variants),
-        ("two variants of a split", valid_names),
-    ]
-    for what, shown in conflicts:
-        if len(shown) > 1:
-            why = (
-                f"holds {what} ({', '.join(shown)}), which would be read as one corpus: "
-                f"keep one corpus per folder and point --data-dir at it{hint}"
-            )
-            raise bad_data_dir(data_dir, why)
-
-
-def data_dir_files(data_dir):
-    """--data-dir -> (layout, {split: [files]}): one of DIR_LAYOUTS, or a `datasets.save_to_disk`
-    folder."""
-    if not os.path.isdir(data_dir):
-        why = "not a folder (a corpus that moved: give its new place with --data-dir)"
-        raise bad_data_dir(data_dir, why)
-    if os.path.exists(os.path.join(data_dir, "dataset_dict.json")):
-        return saved_dataset_files(data_dir)
-    found = []  # (layout, hits) of every layout whose three splits are all there
-    for layout, patterns in DIR_LAYOUTS.items():
-        hits = layout_hits(data_dir, patterns)
-        if all(hits.values()):
-            found.append((layout, hits))
-    if not found:
-        why = (
-            "no train/valid/test files found. Use train.txt, valid.txt, test.txt; raw WikiText "
-            "(wiki.train.tokens, ...); parquet files with a 'text' column (train-*.parquet, "
-            "validation-*.parquet, test-*.parquet); or a datasets.save_to_disk folder"
+def text_files(data_dir):
+    """--data-dir's corpus: DIR/train.txt, valid.txt and test.txt, one paragraph a line."""
+    paths = [os.path.join(data_dir, f"{split}.txt") for split in SPLITS]
+    missing = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise SystemExit(
+            f"--data-dir {data_dir}: no {', '.join(missing)} there; a corpus folder holds "
+            f"train.txt, valid.txt and test.txt (a corpus that moved: give its new place)"
         )
-        raise bad_data_dir(data_dir, why)
-    check_one_corpus(data_dir, found)
-    layout, hits = found[0]
-    files = {}
-    for split, split_hits in hits.items():
-        files[split] = sorted(f for _p, _n, f in split_hits)
-    return layout, files
+    return paths
 
 
-def read_text_file(builder, path):
-    """The stripped lines of one file, read by `datasets`, streamed (no copy of the corpus in its
-    cache); an error names the file."""
-    import datasets
-
-    lines = []
+def read_text(path, data_dir, expected):
+    """The text of one UTF-8 file of --data-dir; a missing or undecodable file ends in one line."""
     try:
-        ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
-        columns = ds.column_names or ["text"]  # the text builder names its column when read
-        if "text" not in columns:
-            raise SystemExit(f"{path}: no 'text' column (columns: {ds.column_names})")
-        batches = ds.select_columns("text").with_format("arrow").iter(100_000)
-        for batch in batches:
-            texts = batch["text"].to_pylist()
-            lines += [str(t).strip() for t in texts if t is not None]
+        return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise SystemExit(
             f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); "
             f"convert it, e.g. iconv -f latin1 -t utf-8"
         ) from None
-    except Exception as e:  # a download cut short, another format under the name
-        reason = f"{type(e).__name__}: {str(e)[:200]}"
+    except OSError as e:  # missing, a folder, unreadable
         raise SystemExit(
-            f"{path}: not a readable {builder} file ({reason}); "
-            f"download it again or remove it from --data-dir"
+            f"--data-dir {data_dir}: cannot read {path} ({type(e).__name__}: {e}); "
+            f"expected {expected}"
         ) from None
-    return lines
 
 
 def load_text_dir(data_dir):
-    """The non-empty lines (stripped) of each split of --data-dir, file by file."""
-    layout, files = data_dir_files(data_dir)
+    """The non-empty lines (stripped) of each split of --data-dir."""
     out = {}
-    for split, paths in files.items():
-        lines = []
-        for path in paths:
-            lines += read_text_file(BUILDERS[layout], path)
-        out[split] = [line for line in lines if line]
+    for split, path in zip(SPLITS, text_files(data_dir)):
+        lines = read_text(path, data_dir, "UTF-8 text").split("\n")
+        out[split] = [line.strip() for line in lines if line.strip()]
         if not out[split]:
             raise SystemExit(
-                f"--data-dir {data_dir}: the {split} split ({', '.join(paths)}) is empty; "
+                f"--data-dir {data_dir}: the {split} split ({path}) is empty; "
                 f"put at least a few lines of text in each split"
             )
     return out
@@ -403,9 +298,7 @@ def lm_cache_dir(cfg):
     h.update(json.dumps(settings).encode())
     files = []
     if cfg.get("data_dir"):
-        _layout, split_files = data_dir_files(cfg["data_dir"])
-        for paths in split_files.values():
-            files += paths
+        files = text_files(cfg["data_dir"])
     elif cfg["dataset"] == OFFLINE_DATASET and os.path.exists(gensim_test_data()):
         files = [gensim_test_data()]
     for path in files:
@@ -564,16 +457,9 @@ def load_nmt_dir(data_dir, src, tgt):
     out = {}
     for split in SPLITS:
         sides = []
+        expected = f"train.{src}/train.{tgt}, valid.*, test.*, one sentence per line"
         for lang in (src, tgt):
-            path = Path(data_dir) / f"{split}.{lang}"
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:  # missing, or not UTF-8
-                raise SystemExit(
-                    f"--data-dir {data_dir}: cannot read {path} ({type(e).__name__}: {e}); "
-                    f"expected train.{src}/train.{tgt}, valid.*, test.*, UTF-8, "
-                    f"one sentence per line"
-                ) from None
+            text = read_text(Path(data_dir) / f"{split}.{lang}", data_dir, expected)
             sides.append(text.rstrip("\n").split("\n"))
         sources, targets = sides
         if len(sources) != len(targets):
@@ -659,6 +545,13 @@ def load_pairs(cfg):
     return synthetic_pairs(cfg.get("synthetic_size") or 4000)
 
 
+def decode(tokenizer, ids):
+    """The text of a sentence's token ids, without the special tokens."""
+    kept = [int(i) for i in ids if i > UNK]
+    text = tokenizer.decode(kept, skip_special_tokens=True)
+    return text.strip()
+
+
 class NMTData:
     """Token ids of the three splits, the joint tokenizer, train-split counts, raw target text
     (BLEU references)."""
@@ -681,9 +574,7 @@ class NMTData:
         self.corpus_counts = self.counts + self.src_counts
 
     def decode(self, ids):
-        kept = [int(i) for i in ids if i > UNK]  # no special token
-        text = self.tokenizer.decode(kept, skip_special_tokens=True)
-        return text.strip()
+        return decode(self.tokenizer, ids)
 
     def tokens(self):
         """One readable string per id: the decoded token, or the byte-level symbol when it is a

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,28 +38,19 @@ import train_lm
 import train_nmt
 from data import gensim_test_data, prepare_lm, prepare_nmt
 
+N_RARE_TOKENS = 6  # rare tokens whose neighbours are listed
 WORDSIM = {"ws353": "wordsim353.tsv", "simlex999": "simlex999.txt"}  # shipped in the gensim wheel
 
 
 # ---------------------------------------------------------------------------------- word similarity
 def load_word_pairs(path):
-    """(word1, word2, score) triples of WordSim353 / SimLex-999 / MEN / RG65 / RW style files ('#':
-    comments; MEN's lemma suffixes -n, -v, -j dropped)."""
-    if not os.path.exists(path):
-        raise SystemExit(f"word-similarity file {path} not found: check the path")
+    """(word1, word2, score) triples of a tab-separated file with '#' comments: the WordSim353 and
+    SimLex-999 files of the gensim wheel."""
     pairs = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            fields = [x for x in re.split(r"[\t;]|\s+", line.strip()) if x]
-            # MEN's lemma suffixes dropped
-            words = [re.sub(r"-[nvja]$", "", w) for w in fields[:2]]
-            try:
-                if not line.lstrip().startswith("#"):
-                    pairs.append((*words, float(fields[2])))
-            except (IndexError, ValueError):  # a blank, short or header line
-                continue
-    if not pairs:
-        raise SystemExit(f"{path}: no 'word1 word2 score' lines found")
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            word1, word2, score = line.split("\t")
+            pairs.append((word1, word2, float(score)))
     return pairs
 
 
@@ -318,11 +310,11 @@ def run_data(cfg, data_dir, task, V):
             f"--data-dir with the folder's new place"
         )
     if task == "lm":
-        data = prepare_lm(cfg, log=quiet)
+        data = prepare_lm(cfg, log=runlib.quiet)
         now = os.path.basename(data["dir"])
         size = data["vocab_size"]
     else:
-        data = prepare_nmt(cfg, log=quiet)
+        data = prepare_nmt(cfg, log=runlib.quiet)
         now = data.cache.name
         size = data.vocab_size
     same = runlib.same_data(cfg.get("data_fingerprint"), now)
@@ -333,10 +325,6 @@ def run_data(cfg, data_dir, task, V):
             "files to evaluate it"
         )
     return data
-
-
-def quiet(*args):
-    """A log function that prints nothing (data.py's progress messages)."""
 
 
 def document_of(ids, eos_id, documents):
@@ -382,7 +370,7 @@ def evaluate_lm(out_dir, model, ck, args, device):
     gid = agg.group_of(agg.frequency_groups(data["counts"]), V)
     gid_d = gid.to(device)
     rare_d = gid_d == 2
-    n = min(len(ids) - 1, args.max_tokens or len(ids))
+    n = len(ids) - 1
     valid_ids = data["ids"]["valid"]
     window = args.context_window
 
@@ -491,9 +479,6 @@ def evaluate_lm(out_dir, model, ck, args, device):
     # the softmax's matrix: the tied embedding, or lm_head with --untie
     W = model.out_weight.detach().float().cpu()
     sims = {k: gensim_test_data(v) for k, v in WORDSIM.items()}
-    for k in ("men", "rg65", "rw"):  # the files given
-        if getattr(args, k):
-            sims[k] = getattr(args, k)
     ws = word_similarity(W, tok, cfg["tokenizer"], sims)
     m["word_similarity"] = {k: v[0] for k, v in ws.items()}
     m["word_similarity_pairs"] = {k: [v[1], v[2]] for k, v in ws.items()}
@@ -552,9 +537,8 @@ def evaluate_nmt(out_dir, model, ck, args, device):
     m = dict(task="nmt", out_dir=cfg["out"])
     m["bleu"] = res["bleu"]
     m["bleu_signature"] = res["bleu_signature"]
-    m["test_loss"] = res["loss"]
     m["test_ppl"] = res["ppl"]
-    for key in ("ppl_groups", "group_rare_mass_pred", "group_rare_mass_true", "decode_s"):
+    for key in ("ppl_groups", "group_rare_mass_pred", "group_rare_mass_true"):
         m[key] = res[key]
     m["n_sentences"] = res["bleu_sents"]
     m["beam"] = args.beam
@@ -653,7 +637,7 @@ def evaluate(run_dir, args=None, device=None, probes=None, **flags):
     # runs on the same data: the probe tokens of the first such run
     key = (ck["task"], int(c.sum()), len(c))
     probes = {} if probes is None else probes
-    picked = pick_rare_tokens(c, tokens, args.n_rare_tokens, src_c)
+    picked = pick_rare_tokens(c, tokens, N_RARE_TOKENS, src_c)
     ids = probes.setdefault(key, picked)
     gid = group_index(c)[0]
     m["neighbours"] = {}
@@ -700,13 +684,12 @@ def read_configs(args):
         if cfg.get("task") not in ("lm", "nmt"):
             raise SystemExit(f"{path}: unknown task {cfg.get('task')!r} (expected 'lm' or 'nmt')")
     tasks = {c["task"] for c in configs.values()}
-    parser = build_parser(runs="*")
-    default = vars(parser.parse_args([]))
-    task_flags = dict(lm=("split", "max_tokens", "context_window"))
+    parser = build_parser()
+    task_flags = dict(lm=("split", "context_window"))
     task_flags["nmt"] = ("max_sentences", "beam", "average_last")
     # a flag of the other task would be ignored without a word
     for task, keys in task_flags.items():
-        given = [k for k in keys if getattr(args, k, None) != default[k]]
+        given = [k for k in keys if getattr(args, k, None) != parser.get_default(k)]
         if task not in tasks and given:
             raise SystemExit(
                 f"--{given[0].replace('_', '-')} is a flag of {task.upper()} runs and these are "
@@ -753,7 +736,6 @@ def build_parser(doc=__doc__, runs="+"):
     p.add_argument(
         "--split", default="test", choices=["test", "valid"], help="LM split to evaluate"
     )
-    p.add_argument("--max-tokens", type=int, help="cap on LM evaluation tokens (default: all)")
     p.add_argument(
         "--max-sentences",
         type=int,
@@ -774,12 +756,6 @@ def build_parser(doc=__doc__, runs="+"):
     p.add_argument("--n-samples", type=int, default=5, help="greedy continuations per run")
     p.add_argument("--prefix-len", type=int, default=50)
     p.add_argument("--gen-len", type=int, default=100)
-    p.add_argument(
-        "--n-rare-tokens", type=int, default=6, help="rare tokens whose neighbours are listed"
-    )
-    p.add_argument("--men", help="MEN word-similarity file (word1 word2 score)")
-    p.add_argument("--rg65", help="RG65 word-similarity file")
-    p.add_argument("--rw", help="Stanford Rare Words file")
     p.add_argument("--beam", type=int, default=4, help="NMT beam size")
     p.add_argument(
         "--average-last",

@@ -18,8 +18,8 @@ step, alpha 0.2 / 0.4 / 0.8 / 1.6 make ~5% / ~26% / ~55% / ~75% of the vocabular
 below catch (almost) nothing.
 
 Outputs in --out: metrics.json, embeddings.pt (every run's final W), svd.png (AGG Fig. 1/3),
-spectrum.png (Gao et al. Fig. 2b), training.png (AGG Fig. 2 and 4); with --alpha-sweep also
-alpha_sweep.png and svd_alpha_sweep.png.
+spectrum.png (Gao et al. Fig. 2b), training.png (AGG Fig. 2 and 4, every run: with --alpha-sweep,
+I(W) and the rare group's size at each alpha); with --alpha-sweep also svd_alpha_sweep.png.
 """
 
 import argparse
@@ -113,45 +113,27 @@ def build_parser():
     return p
 
 
-def check_range(p, args, flag, lo=None, hi=None):
-    """argparse's one line when --flag is outside [lo, hi] (None: no bound but finiteness; NaN is
-    never inside)."""
-    value = getattr(args, flag)
-    top = sys.float_info.max
-    low = -top if lo is None else lo
-    high = top if hi is None else hi
-    if low <= value <= high:
-        return
-    words = []  # the existing messages: "--steps must be >= 1, got 0"
-    if isinstance(value, float):
-        words.append("a finite number")
-    if lo is not None:
-        words.append(f">= {lo}")
-    if hi is not None:
-        words[-1:] = [f"in [{lo}, {hi}]"]
-    p.error(f"--{flag.replace('_', '-')} must be {' '.join(words)}, got {value}")
-
-
 def parse_args(argv=None):
-    """The command line, checked where argparse cannot: the method names, the sweep's alphas, the
-    method flags' methods and values, the counts."""
+    """The command line, checked where argparse cannot: the counts and numbers, the method names,
+    the method flags' methods, every run's hyper-parameters (agg.py's checks); args.runs: the runs
+    to train."""
     p = build_parser()
     args = p.parse_args(argv)
-    # the sizes: at least 1
+    ranges = {"vocab": (4, None)}  # a token in each frequency group
     sizes = ("steps", "epoch_steps", "dim", "seq_len", "batch_seqs", "log_every", "val_tokens")
     for flag in sizes + ("rank",):
-        check_range(p, args, flag, 1)
-    check_range(p, args, "vocab", 4)  # a token in each frequency group
-    if not args.out:
-        p.error("--out must name a folder, e.g. --out out/toy")
-    # the real numbers, the seed (torch's range; the corpora and init use seed + 2), the threads
-    for flag in ("zipf", "init_std"):
-        check_range(p, args, flag, 0)
-    check_range(p, args, "lr", 0, torch.finfo().max)  # Adam's steps are float32
-    check_range(p, args, "beta")
-    check_range(p, args, "lam", 0, 1)
-    check_range(p, args, "seed", -(2**63), 2**63 - 3)
-    check_range(p, args, "threads", 0, os.cpu_count())
+        ranges[flag] = (1, None)
+    ranges.update(zipf=(0, None), init_std=(0, None), lam=(0, 1))
+    ranges["lr"] = (0, torch.finfo().max)  # Adam's steps are float32
+    ranges["beta"] = (-sys.float_info.max, None)
+    ranges["seed"] = (-(2**63), 2**63 - 3)  # torch's range; the corpora and init use seed + 2
+    ranges["threads"] = (0, os.cpu_count())
+    for flag, (lo, hi) in ranges.items():
+        value = getattr(args, flag)
+        below_top = value < math.inf if hi is None else value <= hi
+        if not (lo <= value and below_top):  # NaN fails
+            bound = f">= {lo} and finite" if hi is None else f"in [{lo}, {hi}]"
+            p.error(f"--{flag.replace('_', '-')} {value}: must be {bound}")
     # --methods: each name once, in the order given
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.method_list = list(dict.fromkeys(names))
@@ -159,33 +141,28 @@ def parse_args(argv=None):
     if unknown or not args.method_list:
         valid = ",".join(agg.METHODS)
         p.error(f"--methods: unknown {unknown or 'empty list'}; valid: {valid}")
-    # --alpha-sweep: numbers > 0
+    # --alpha-sweep: numbers (agg.py checks them below, as AGG's alpha)
     try:
-        args.sweep = [float(a) for a in args.alpha_sweep.split(",") if a.strip()]
+        sweep = [float(a) for a in args.alpha_sweep.split(",") if a.strip()]
     except ValueError:
-        args.sweep = [0.0]  # refused just below
-    positive = [0 < a < math.inf for a in args.sweep]  # NaN: False
-    if not all(positive):
-        p.error(
-            f"--alpha-sweep must be comma-separated finite numbers > 0, got {args.alpha_sweep!r}"
-        )
+        p.error(f"--alpha-sweep must be comma-separated numbers, got {args.alpha_sweep!r}")
     # the method flags given, each used by one of --methods at least
-    args.overrides = {}
     for key in agg.HPARAMS:
-        value = getattr(args, key)
-        if key != "alpha" and value is not None:
-            args.overrides[key] = value
-    for key in args.overrides:
         users = [m for m in args.method_list if key in agg.METHODS[m].defaults]
-        if not users:
+        if key != "alpha" and getattr(args, key) is not None and not users:
             methods = ",".join(args.method_list)
             p.error(f"{agg.method_flag(key)} applies to none of --methods {methods}")
-    # agg.py checks each method's hyper-parameters, before any training
-    for m in args.method_list:
+    # the runs (label, method, hyper-parameters): --methods, then AGG at each swept alpha
+    args.runs = [(m, m, method_hparams(m, args)) for m in args.method_list]
+    for alpha in sweep:
+        hp = method_hparams("agg", args)
+        hp["alpha"] = alpha
+        args.runs.append((f"agg@{alpha:g}", "agg", hp))
+    # agg.py checks each run's hyper-parameters, before any training
+    counts = torch.ones(args.vocab)
+    for _label, name, hp in args.runs:
         try:
-            counts = torch.ones(args.vocab)
-            hparams = method_hparams(m, args)
-            agg.build_method(m, args.vocab, counts=counts, steps_per_epoch=1, **hparams)
+            agg.build_method(name, args.vocab, counts=counts, steps_per_epoch=1, **hp)
         except ValueError as e:
             p.error(str(e))
     return args
@@ -237,25 +214,6 @@ def sample_corpus(lang, n_seqs, seq_len, gen):
     return x
 
 
-def true_nll(lang, x):
-    """Mean -log p(x_t | x_-2, x_-1) under the true process: the best any model can do (its exp:
-    the oracle PPL)."""
-    V = lang["vocab"]
-    cdf = lang["cdf"]
-    y = x[:, 2:].reshape(-1)
-    rows1 = x[:, 1:-1].reshape(-1)  # T1's row: x_-1
-    rows2 = V + x[:, :-2].reshape(-1)  # T2's row: x_-2, after T1's rows
-    p = 0
-    for rows, weight in ((rows1, lang["lam"]), (rows2, 1 - lang["lam"])):
-        at = rows * V + y
-        # p(y) on row r: CDF(y) - CDF(y - 1), where CDF(-1) = r
-        previous = cdf[(at - 1).clamp(min=0)]
-        below = torch.where(y > 0, previous, rows.double())
-        p = p + weight * (cdf[at] - below)
-    p = p.clamp(min=1e-300)
-    return float(-p.log().mean())
-
-
 def make_data(args):
     """The language, its training corpus (one epoch) and held-out corpus, the training counts and
     frequency groups."""
@@ -269,14 +227,12 @@ def make_data(args):
     counts = torch.bincount(targets, minlength=args.vocab)
     # AGG Sec. 3.1: frequent 30%, medium 50%, rare 20% of the vocabulary by training counts
     groups = agg.frequency_groups(counts)
-    # two yardsticks for the held-out PPL: the true process, and an add-one unigram model
-    oracle_nll = true_nll(lang, val)
+    # a yardstick for the held-out PPL: an add-one unigram model (no context)
     unigram = (counts.double() + 1) / (counts.sum() + args.vocab)
     unigram_nll = -unigram[val[:, 2:]].log().mean()
     data = {"train": train, "val": val, "counts": counts}
     data["groups"] = dict(zip(agg.GROUPS, groups))
     data["group_of"] = agg.group_of(groups, args.vocab)
-    data["oracle_ppl"] = math.exp(oracle_nll)
     data["unigram_ppl"] = math.exp(float(unigram_nll))
     return data
 
@@ -326,17 +282,15 @@ def check_finite(W, label, step):
 
 
 def method_hparams(name, args):
-    """Toy-scale hyper-parameters over agg.build_method's defaults: AGG's alpha, agg-static's
-    switch within the run, then the method flags given."""
+    """Toy-scale hyper-parameters over agg.build_method's defaults: agg-static's switch within the
+    run, then the method's flags given (AGG's alpha: --alpha, always given)."""
     defaults = agg.METHODS[name].defaults
     hp = {}
-    if agg.agg_family(name):
-        hp["alpha"] = args.alpha
     if defaults.get("static_after") is not None:
         hp["static_after"] = min(args.epoch_steps, max(1, args.steps // 2))
-    for key, value in args.overrides.items():
-        if key in defaults:
-            hp[key] = value
+    for key in defaults:
+        if getattr(args, key) is not None:
+            hp[key] = getattr(args, key)
     return hp
 
 
@@ -384,71 +338,43 @@ def train_one(label, name, hparams, data, args):
             nll = f"{method.stats['nll']:.3f}"
             isotropy = f"{history[-1]['isotropy']:.2f}"
             bar.set_postfix(nll=nll, IW=isotropy, refresh=False)
-    train_seconds = time.perf_counter() - t0
     # the final embeddings' geometry, then the held-out metrics
     result = agg.geometry(W, data["groups"], data["counts"] > 0)
-    result.update(evaluate(model, method, data))
+    result.update(evaluate(model, data))
     result["seconds"] = time.perf_counter() - t0  # wall time: training + evaluation
-    result["train_seconds"] = train_seconds
     result["method"] = name
     result["hparams"] = hparams
-    # the method's rare set at the end (None: it has none), and its size over tokens per step
+    # the method's rare set at the end (None: it has none)
     rare = method.rare_mask()
-    result["rare_count"] = None
-    result["rare_fraction"] = None
-    result["R_over_B"] = None
-    if rare is not None:
-        result["rare_count"] = int(rare.sum())
-        result["rare_fraction"] = float(rare.float().mean())
-        result["R_over_B"] = result["rare_count"] / (args.batch_seqs * args.seq_len)
+    result["rare_count"] = None if rare is None else int(rare.sum())
+    result["rare_fraction"] = None if rare is None else float(rare.float().mean())
     result["history"] = history
     return result, W.detach().clone()
 
 
 @torch.no_grad()
-def evaluate(model, method, data, chunk_seqs=128):
-    """Held-out PPL, total and per frequency group; Uniq (distinct argmax predictions); the rare
-    set's predicted vs true probability mass."""
+def evaluate(model, data, chunk_seqs=128):
+    """Held-out PPL, total and per frequency group; Uniq (distinct argmax predictions)."""
     val = data["val"]
     W = model.emb.weight
-    nll = []
+    nll = agg.GroupNLL()
     preds = []
-    mass_pred = []  # per chunk: the probability predicted for the method's rare set, summed
-    mass_true = []  # per chunk: the targets in that set, counted
     for s in range(0, len(val), chunk_seqs):
         x = val[s : s + chunk_seqs]
         h = model(x[:, :-2], x[:, 1:-1])
         y = x[:, 2:]
         logits = h.reshape(-1, h.shape[-1]) @ W.T
-        nll.append(F.cross_entropy(logits, y.reshape(-1), reduction="none"))
+        nll.add(F.cross_entropy(logits, y.reshape(-1), reduction="none"), data["group_of"][y])
         preds.append(logits.argmax(1))
-        if method.rare_mask() is not None:  # the method's own group: its stats carry the masses
-            method.loss(h, W, y)
-            mass_pred.append(method.stats["rare_mass_pred"] * y.numel())
-            mass_true.append(method.stats["rare_mass_true"] * y.numel())
-    nll = torch.cat(nll).double()
-    target_group = data["group_of"][val[:, 2:].reshape(-1)]
-    ppl_groups = {}  # None: no held-out target in that group
-    for i, g in enumerate(agg.GROUPS):
-        in_group = target_group == i
-        ppl_groups[g] = None
-        if bool(in_group.any()):
-            ppl_groups[g] = math.exp(float(nll[in_group].mean()))
-    out = {"ppl": math.exp(float(nll.mean())), "ppl_groups": ppl_groups}
+    out = {"ppl": nll.ppl(), "ppl_groups": nll.ppl_groups()}  # a group without targets: nan
     out["uniq"] = int(torch.cat(preds).unique().numel())
-    if mass_pred:  # means per held-out token
-        out["rare_mass_pred"] = sum(mass_pred) / len(nll)
-        out["rare_mass_true"] = sum(mass_true) / len(nll)
     return out
 
 
 # -------------------------------------------------------------------------------------- reporting
 def group_cells(r, key, fmt):
-    """One metric of the three frequency groups, as freq/med/rare ("-": no value)."""
-    cells = []
-    for g in agg.GROUPS:
-        value = r[key][g]
-        cells.append("-" if value is None else f"{value:{fmt}}")
+    """One metric of the three frequency groups, as freq/med/rare."""
+    cells = [f"{r[key][g]:{fmt}}" for g in agg.GROUPS]
     return "/".join(cells)
 
 
@@ -456,7 +382,7 @@ def table(results):
     """A Markdown table (pastes into the README as is)."""
     head = (
         "| method | I(W) | I(W) freq/med/rare | mean cos | cos freq/med/rare | PPL "
-        "| PPL freq/med/rare | Uniq | rare set (R/B) | rare mass pred/true | s |"
+        "| PPL freq/med/rare | Uniq | rare set | s |"
     )
     rule = "|" + " --- |" * (head.count("|") - 1)
     lines = [head, rule]
@@ -464,24 +390,20 @@ def table(results):
         ig = group_cells(r, "isotropy_groups", ".2f")
         cg = group_cells(r, "mean_cosine_groups", ".2f")
         pg = group_cells(r, "ppl_groups", ".0f")
-        rare = "-"
-        if r["rare_count"] is not None:
-            rare = f"{r['rare_count']} ({r['R_over_B']:.3f})"
-        mass = "-"
-        if "rare_mass_pred" in r:
-            mass = f"{r['rare_mass_pred']:.4f}/{r['rare_mass_true']:.4f}"
+        rare = "-" if r["rare_count"] is None else r["rare_count"]
         lines.append(
             f"| {label} | {r['isotropy']:.3f} | {ig} | {r['mean_cosine']:.3f} | {cg} "
-            f"| {r['ppl']:.1f} | {pg} | {r['uniq']} | {rare} | {mass} | {r['seconds']:.1f} |"
+            f"| {r['ppl']:.1f} | {pg} | {r['uniq']} | {rare} | {r['seconds']:.1f} |"
         )
     return "\n".join(lines)
 
 
-def style(ax, title, xlabel, ylabel=None, legend=8, **legend_kw):
+def style(ax, title, xlabel, ylabel, legend):
+    """Title, labels and grid; a legend of that font size (0: none)."""
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     if legend:
-        ax.legend(fontsize=legend, **legend_kw)
+        ax.legend(fontsize=legend)
 
 
 def write_file(path, save):
@@ -512,9 +434,8 @@ def top2_basis(W):
     """The top two right singular vectors of the (uncentred) W, signed so that the mean row
     projects positively."""
     vh = torch.linalg.svd(W, full_matrices=False)[2][:2]
-    side = torch.sign(W.mean(0) @ vh.T)  # where the mean row projects on each
-    signs = side.clamp(min=0).mul(2).sub(1)  # +1 where positively, else -1
-    return vh * signs[:, None]
+    flip = W.mean(0) @ vh.T < 0  # the directions on which the mean row projects negatively
+    return torch.where(flip[:, None], -vh, vh)
 
 
 def plot_projection(ax, xy, groups, unit_rows):
@@ -621,91 +542,14 @@ def plot_training(results, styles, vocab, path):
     save(fig, path, title)
 
 
-def sweep_isotropy(r, key):
-    """I(W) of all tokens (key "isotropy") or of one frequency group (key "freq", "rare")."""
-    if key == "isotropy":
-        return r[key]
-    return r["isotropy_groups"][key]
-
-
-def isotropy_curve(r):
-    """A run's I(W) over training: (steps, values)."""
-    steps = [s["step"] for s in r["history"]]
-    values = [s["isotropy"] for s in r["history"]]
-    return steps, values
-
-
-def plot_alpha_sweep(sweep, reference, path):
-    """AGG Appendix E, four panels: final I(W) against the size of AGG's rare set; I(W) over
-    training; the probability AGG gives its rare set against that set's true frequency; held-out
-    PPL. reference: the MLE run (dotted), or None."""
-    sweep = sorted(sweep, key=lambda r: r["rare_fraction"])
-    x = [100 * r["rare_fraction"] for r in sweep]
-    x_label = "AGG's rare group at the end of training (% of vocabulary)"
-    fig, ((ax0, ax1), (ax2, ax3)) = plt.subplots(2, 2, figsize=(13, 9.5))
-
-    # top left: final isotropy against the rare group's size
-    curves = [
-        ("isotropy", "all tokens", "black"),
-        ("freq", "frequent group", GROUP_COLOURS["freq"]),
-        ("rare", "rare group (bottom 20%)", GROUP_COLOURS["rare"]),
-    ]
-    for key, what, colour in curves:
-        values = [sweep_isotropy(r, key) for r in sweep]
-        width = 2.2 if key == "isotropy" else 1.2
-        ax0.plot(x, values, marker="o", color=colour, label=f"I(W), {what}", lw=width)
-        if reference is not None:
-            ax0.axhline(sweep_isotropy(reference, key), color=colour, ls=":", lw=1.2)
-    for r, xi in zip(sweep, x):
-        text = f"alpha {r['alpha']:g}"
-        where = (xi, r["isotropy"])
-        ax0.annotate(
-            text, where, textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8
-        )
-    ax0.set_ylim(0, 1.05)
-    title = "Isotropy vs AGG's rare-group size (dotted: MLE)"
-    style(ax0, title, x_label, "I(W) at the end of training", loc="lower left")
-
-    # top right: isotropy over training, one curve per alpha
-    if reference is not None:
-        ax1.plot(*isotropy_curve(reference), color="black", ls=":", lw=1.5, label="MLE")
-    cmap = plt.get_cmap("viridis")
-    for i, r in enumerate(sweep):
-        colour = cmap(i / max(len(sweep) - 1, 1))
-        label = f"AGG alpha {r['alpha']:g} ({100 * r['rare_fraction']:.0f}% rare)"
-        ax1.plot(*isotropy_curve(r), color=colour, label=label)
-    style(ax1, "Isotropy during training", "training step", "I(W), all tokens")
-
-    # bottom left: the probability AGG predicts for its rare set, against the truth and R / B
-    rare_colour = GROUP_COLOURS["rare"]
-    predicted = [r["rare_mass_pred"] for r in sweep]
-    actual = [r["rare_mass_true"] for r in sweep]
-    r_over_b = [r["R_over_B"] for r in sweep]
-    label = "probability AGG predicts for its rare set"
-    ax2.plot(x, predicted, marker="s", color=rare_colour, label=label)
-    ax2.plot(x, actual, marker="o", color="0.4", label="true frequency of that set")
-    label = "R / B (rare-set size / tokens per step)"
-    ax2.plot(x, r_over_b, ls="--", color=rare_colour, lw=1, label=label)
-    title = "AGG over-predicts its rare set (towards R / B)"
-    style(ax2, title, x_label, "probability mass (held-out)", loc="upper left")
-
-    # bottom right: held-out perplexity
-    ppl = [r["ppl"] for r in sweep]
-    ax3.plot(x, ppl, marker="o", color="black", lw=2, label="AGG")
-    if reference is not None:
-        ax3.axhline(reference["ppl"], color="black", ls=":", lw=1.2, label="MLE")
-    style(ax3, "Held-out perplexity", x_label, "held-out PPL")
-    steps = sweep[0]["history"][-1]["step"]
-    save(fig, path, f"AGG's alpha sweep after {steps} steps (AGG Appendix E)")
-
-
-def make_plots(args, data, results, weights, methods, sweep, sweep_labels):
-    """svd.png, spectrum.png and training.png of --methods; the alpha sweep's two plots."""
+def make_plots(args, data, results, weights):
+    """svd.png and spectrum.png of --methods, training.png of every run; with --alpha-sweep,
+    svd_alpha_sweep.png."""
     plt.switch_backend("Agg")
     styles = {}  # one per run, in every plot
     for i, label in enumerate(results):
         styles[label] = {"color": f"C{i}", "lw": 2.2 if label in ("mle", "agg") else 1.2}
-    main_w = {label: weights[label] for label in methods}
+    main_w = {label: weights[label] for label in args.method_list}
     out = args.out
     svd_title = "top: SVD projection of W; bottom: the same for W's unit rows"
     title = (
@@ -715,12 +559,12 @@ def make_plots(args, data, results, weights, methods, sweep, sweep_labels):
     )
     plot_svd(main_w, results, data["groups"], f"{out}/svd.png", title)
     plot_spectrum(main_w, styles, f"{out}/spectrum.png")
-    plot_training(methods, styles, args.vocab, f"{out}/training.png")
-    if not sweep:
+    plot_training(results, styles, args.vocab, f"{out}/training.png")
+    sweep_labels = [label for label in results if label not in main_w]
+    if not sweep_labels:
         return
-    plot_alpha_sweep(sweep, results.get("mle"), f"{out}/alpha_sweep.png")
     if "mle" in results:  # MLE first, for comparison
-        sweep_labels = ["mle"] + sweep_labels
+        sweep_labels.insert(0, "mle")
     sweep_w = {label: weights[label] for label in sweep_labels}
     title = f"AGG's embeddings as its rare group grows (alpha sweep)\n{svd_title}"
     plot_svd(sweep_w, results, data["groups"], f"{out}/svd_alpha_sweep.png", title)
@@ -754,42 +598,29 @@ def run(args):
     t0 = time.perf_counter()
     data = make_data(args)
 
-    # the runs (label, method, hyper-parameters): --methods, then AGG at each swept alpha
-    runs = [(m, m, method_hparams(m, args)) for m in args.method_list]
-    sweep_runs = []
-    for alpha in args.sweep:
-        hp = method_hparams("agg", args)
-        hp["alpha"] = alpha
-        sweep_runs.append((f"agg@{alpha:g}", "agg", hp))
     # the first optimizer imports torch._dynamo (seconds): do it here, not in the first run's time
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
     results = {}
     weights = {}
-    trained = []  # (method, hyper-parameters, label) of each run trained so far
-    for label, name, hp in runs + sweep_runs:
-        earlier = [lab for n, h, lab in trained if (n, h) == (name, hp)]
+    for label, name, hp in args.runs:
+        earlier = [k for k, r in results.items() if (r["method"], r["hparams"]) == (name, hp)]
         if earlier:  # the same run as an earlier one (the sweep's default alpha): reused
             results[label] = results[earlier[0]]
             weights[label] = weights[earlier[0]]
             continue
         results[label], weights[label] = train_one(label, name, hp, data, args)
-        trained.append((name, hp, label))
 
     # metrics.json: every run and the configuration
     methods = {label: results[label] for label in args.method_list}
     sweep = []
-    for label, _name, hp in sweep_runs:
+    for label, _name, hp in args.runs[len(methods) :]:  # the alpha sweep
         sweep.append({"alpha": hp["alpha"], **results[label]})
-    internal = ("method_list", "sweep", "overrides")  # parse_args's, not flags
+    internal = ("method_list", "runs")  # parse_args's, not flags
     config = {k: v for k, v in vars(args).items() if k not in internal and v is not None}
-    tokens_per_step = args.batch_seqs * args.seq_len
-    config["tokens_per_step"] = tokens_per_step
-    config["train_tokens"] = int(data["train"][:, 2:].numel())
+    config["tokens_per_step"] = args.batch_seqs * args.seq_len
     config["val_tokens"] = int(data["val"][:, 2:].numel())
-    config["oracle_ppl"] = data["oracle_ppl"]
     config["unigram_ppl"] = data["unigram_ppl"]
     config["torch"] = torch.__version__
-    config["group_sizes"] = {g: len(i) for g, i in data["groups"].items()}
     metrics = {"methods": methods, "config": config}
     if sweep:
         metrics["alpha_sweep"] = sweep
@@ -799,17 +630,15 @@ def run(args):
     save_weights = functools.partial(torch.save, weights)
     write_file(os.path.join(args.out, "embeddings.pt"), save_weights)
 
-    # the table, and the yardsticks to read it by
+    # the table, and how to read it
     print("\n" + table(results))
     print(
-        f"\nheld-out PPL of the true process (the best possible): {data['oracle_ppl']:.1f}; "
-        f"of a unigram model: {data['unigram_ppl']:.1f}. Groups: frequent 30% / medium 50% / "
-        f"rare 20% of the vocabulary by training counts; R/B = the method's rare-set size / "
-        f"{tokens_per_step} tokens per step."
+        f"\nheld-out PPL of a unigram model: {data['unigram_ppl']:.1f}. Groups: frequent 30% / "
+        "medium 50% / rare 20% of the vocabulary by training counts; rare set: the method's own, "
+        "at the end."
     )
     if not args.no_plots:
-        sweep_labels = [label for label, _name, _hp in sweep_runs]
-        make_plots(args, data, results, weights, methods, sweep, sweep_labels)
+        make_plots(args, data, results, weights)
     wrote = "metrics.json" if args.no_plots else "metrics.json and PNGs"
     seconds = time.perf_counter() - t0
     print(f"\nwrote {args.out}/{wrote} in {seconds:.1f} s")

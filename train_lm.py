@@ -88,9 +88,7 @@ def build_parser():
     )
     g.add_argument(
         "--data-dir",
-        help="one corpus: train.txt / valid.txt / test.txt, the raw WikiText layout "
-        "(wiki.train.tokens, ...), parquet files with a text column, or a "
-        "datasets.save_to_disk folder",
+        help="one corpus: DIR/train.txt, valid.txt, test.txt (UTF-8, one paragraph a line)",
     )
     g.add_argument(
         "--tokenizer",

@@ -249,7 +249,7 @@ def comparable_pairs(pairs, configs, variants, default=False):
     return keep
 
 
-def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts=None):
+def compare(metrics, type_stats, base, cand, tokens, texts=None):
     """Variant cand against base, paired by seed: per metric the differences (PPLs as log ratios)
     with intervals; the rare-PPL gap over rare target types (LM), the paired BLEU bootstrap per seed
     (NMT, texts), the shares of the rare gap that calibrating base / both (eval.py's rare_bias)
@@ -273,9 +273,7 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
                 base=[b for b, _ in vals],
                 cand=[c for _, c in vals],
                 log_ratio="ppl" in key,
-                **paired_interval(
-                    [math.log(c / b) if "ppl" in key else c - b for b, c in vals], n_boot, seed
-                ),
+                **paired_interval([math.log(c / b) if "ppl" in key else c - b for b, c in vals]),
             )
     if all(
         b in type_stats
@@ -295,7 +293,7 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
             targets=int(count.sum()),
             ratio=math.exp(-total / float(count.sum())),
             # over rare target types
-            ratio_type_boot95=ratio_boot95(gap.numpy(), count.numpy(), n_boot, seed),
+            ratio_type_boot95=ratio_boot95(gap.numpy(), count.numpy()),
             share_top1=float(gap[order[:1]].sum()) / total,
             share_top10=float(gap[order[:10]].sum()) / total,
             top=[
@@ -312,7 +310,6 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
                     texts[c]["hyps"],
                     texts[b]["refs"],
                     texts[b]["bleu_tokenize"],
-                    seed=seed,
                 ),
             )
             for s, (b, c) in zip(seeds, labels)
@@ -348,40 +345,38 @@ def compare(metrics, type_stats, base, cand, tokens, n_boot=10000, seed=0, texts
         if k in out["metrics"]
     }
     if all(b.get("article_stats") and c.get("article_stats") for b, c in pairs):
-        out["rare_articles"] = article_bootstrap(pairs, n_boot, seed)
         nll = [np.array([p[side]["article_stats"]["nll"] for p in pairs]) for side in (0, 1)]
         count = np.array(pairs[0][0]["article_stats"]["count"])  # the same targets in every run
+        out["rare_articles"] = article_bootstrap(*nll, count)
         parts = {"ppl": [0, 1, 2], **{f"ppl_groups.{g}": [i] for i, g in enumerate(G)}}
         for key in [k for k in parts if k in out["metrics"]]:  # beside the seed intervals
             base, cand = (x[..., parts[key]].sum(2) for x in nll)
             targets = count[:, parts[key]].sum(1)
-            interval = seed_article_boot95(base, cand, targets, n_boot, seed)
+            interval = seed_article_boot95(base, cand, targets)
             out["metrics"][key]["seed_article_boot95"] = interval
     return out
 
 
-def article_bootstrap(pairs, n_boot=10000, seed=0):
-    """The rare PPL ratio cand / base over the pairs, bootstrapped over held-out articles (the units
-    of the split)."""
-    # rare NLL per article
-    base = np.array([b["article_stats"]["nll"] for b, _ in pairs])[..., 2].sum(0)
-    cand = np.array([c["article_stats"]["nll"] for _, c in pairs])[..., 2].sum(0)
-    # the same targets in every run
-    count = np.array(pairs[0][0]["article_stats"]["count"])[:, 2] * len(pairs)
-    gap, count = (base - cand)[count > 0], count[count > 0]
+def article_bootstrap(base, cand, count, n_boot=10000):
+    """The rare PPL ratio cand / base over the seeds, bootstrapped over held-out articles (the units
+    of the split). base, cand: NLL sums (seed x article x group); count: each article's targets per
+    group (one seed's)."""
+    count = count[:, 2] * len(base)  # rare targets per article, over the seeds
+    gap = base[..., 2].sum(0) - cand[..., 2].sum(0)
+    gap, count = gap[count > 0], count[count > 0]
     return dict(
         articles=int(len(gap)),
         rare_targets=count.tolist(),
         ratio=math.exp(-gap.sum() / count.sum()),
-        ratio_article_boot95=ratio_boot95(gap, count, n_boot, seed),
+        ratio_article_boot95=ratio_boot95(gap, count, n_boot),
         gap_share_per_article=(gap / gap.sum()).tolist() if gap.sum() else None,
     )
 
 
-def ratio_boot95(gap, count, n_boot, seed):
+def ratio_boot95(gap, count, n_boot=10000):
     """The 95% bootstrap interval over units (rare types, articles) of the PPL ratio exp(-sum gap /
-    sum count)."""
-    rng = np.random.default_rng(seed)
+    sum count), seeded."""
+    rng = np.random.default_rng(0)
     return np.percentile(
         [
             math.exp(-gap[i].sum() / max(count[i].sum(), 1))
@@ -504,7 +499,7 @@ RUN_KEYS = (
 )
 
 
-def paired_bleu(base_hyps, cand_hyps, refs, tokenize, n_boot=1000, seed=0):
+def paired_bleu(base_hyps, cand_hyps, refs, tokenize, n_boot=1000):
     """Paired bootstrap of corpus BLEU (Koehn 2004, as sacrebleu's paired test): both systems on the
     same resampled sentences; p: twice the share of resamples whose difference (cand - base) has the
     other sign."""
@@ -519,7 +514,7 @@ def paired_bleu(base_hyps, cand_hyps, refs, tokenize, n_boot=1000, seed=0):
     def bleu(sentence_stats):
         return metric._compute_score_from_stats(sentence_stats.sum(0).tolist()).score
 
-    base, cand, rng = bleu(stats[0]), bleu(stats[1]), np.random.default_rng(seed)
+    base, cand, rng = bleu(stats[0]), bleu(stats[1]), np.random.default_rng(0)
     diffs = np.array(
         [
             bleu(stats[1][i]) - bleu(stats[0][i])
@@ -1311,16 +1306,12 @@ def main(argv=None):
     if args.results:
         write_results(args.results, metrics, configs, folders, comparisons, argv, args.overwrite)
     gid = {k: ev.group_index(r["counts"])[0] for k, r in results.items()}
-    # train_lm.py's
-    snapshots = {
-        k: [
-            (f"{k} step {s}", f, gid[k])
-            for s in configs[d].get("snapshot_steps") or []
-            if os.path.exists(f := os.path.join(d, "snapshots", f"emb_{s}.pt"))
-        ]
-        for k, d in folders.items()
-    }
-    snapshots = {k: v for k, v in snapshots.items() if v}
+    snapshots = {}  # train_lm.py's --snapshot-steps
+    for k, d in folders.items():
+        for step in configs[d].get("snapshot_steps") or []:
+            path = os.path.join(d, "snapshots", f"emb_{step}.pt")
+            if os.path.exists(path):
+                snapshots.setdefault(k, []).append((f"{k} step {step}", path, gid[k]))
     biases = {k: r["out_bias"] for k, r in results.items() if r["out_bias"] is not None}
     with plt.rc_context(
         {"axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "figure.titlesize": 9}

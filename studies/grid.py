@@ -162,39 +162,31 @@ def sweep_table(metrics, command, key=None):
     runs, by = [], {}
     for m in metrics.values():
         cfg = runlib.run_config(m["out_dir"])
-        runs.append(
-            dict(
-                method=m["method"],
-                lr=cfg["lr"],
-                warmup=cfg["warmup"],
-                **({key: cfg[key]} if key else {}),
-                seed=m["seed"],
-                step=m["step"],
-                valid_ppl=m["valid_ppl"],
-                test_ppl=m["ppl"],
-                test_ppl_rare=m["ppl_groups"]["rare"],
-                isotropy=m["isotropy"],
-                run=os.path.relpath(m["out_dir"], ROOT),
-                command=compare.run_command(cfg, "train_lm.py"),
-                threads=cfg.get("versions", {}).get("threads"),
-                git_commit=cfg.get("git_commit"),
-            )
+        setting = dict(method=m["method"], lr=cfg["lr"], warmup=cfg["warmup"])
+        if key:
+            setting[key] = cfg[key]
+        run = dict(
+            setting,
+            seed=m["seed"],
+            step=m["step"],
+            valid_ppl=m["valid_ppl"],
+            test_ppl=m["ppl"],
+            test_ppl_rare=m["ppl_groups"]["rare"],
+            isotropy=m["isotropy"],
+            run=os.path.relpath(m["out_dir"], ROOT),
+            command=compare.run_command(cfg, "train_lm.py"),
+            threads=cfg.get("versions", {}).get("threads"),
+            git_commit=cfg.get("git_commit"),
         )
-        by.setdefault((runs[-1]["method"], cfg["lr"], cfg["warmup"], runs[-1].get(key)), []).append(
-            runs[-1]
+        runs.append(run)
+        by.setdefault(tuple(setting.values()), (setting, []))[1].append(run)
+    table = []
+    for _, (setting, rs) in sorted(by.items()):
+        valid_ppl_mean = sum(r["valid_ppl"] for r in rs) / len(rs)
+        test_ppl_mean = sum(r["test_ppl"] for r in rs) / len(rs)
+        table.append(
+            dict(setting, n=len(rs), valid_ppl_mean=valid_ppl_mean, test_ppl_mean=test_ppl_mean)
         )
-    table = [
-        dict(
-            method=k[0],
-            lr=k[1],
-            warmup=k[2],
-            **({key: k[3]} if key else {}),
-            n=len(rs),
-            valid_ppl_mean=sum(r["valid_ppl"] for r in rs) / len(rs),
-            test_ppl_mean=sum(r["test_ppl"] for r in rs) / len(rs),
-        )
-        for k, rs in sorted(by.items())
-    ]
 
     def best(method):
         return min((s for s in table if s["method"] == method), key=lambda s: s["valid_ppl_mean"])
@@ -288,25 +280,15 @@ def main(argv=None):
         todo = [
             runs[m, s, st[0]] for s in args.seeds for st in settings(args) for m in args.methods
         ]
-
-        def name(i, folder):  # "[i/n] folder name"
-            return f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
-
-        print(
-            "".join(f"{name(i, f)}: done, skipped\n" for i, (f, _) in enumerate(todo) if done[f]),
-            end="",
-        )
-        queue = iter(
-            [
-                (
-                    f"{name(i, f)}: {'resuming' if '--resume' in cmd else 'training'}",
-                    cmd,
-                    f + ".log" if args.jobs > 1 else None,
-                )
-                for i, (f, cmd) in enumerate(todo)
-                if not done[f]
-            ]
-        )
+        jobs = []
+        for i, (folder, cmd) in enumerate(todo):
+            name = f"[{i + 1}/{len(todo)}] {os.path.basename(folder)}"
+            if done[folder]:
+                print(f"{name}: done, skipped")
+            else:
+                state = "resuming" if "--resume" in cmd else "training"
+                jobs.append((f"{name}: {state}", cmd, folder + ".log" if args.jobs > 1 else None))
+        queue = iter(jobs)
         os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
         pool.run(lambda busy: next(queue, None), args.jobs)
     report = os.path.join(args.out, "report")

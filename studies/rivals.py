@@ -34,7 +34,6 @@ import re
 import matplotlib.pyplot as plt
 import numpy as np
 
-import runlib
 import train_lm
 from studies import compare, scale
 
@@ -78,6 +77,10 @@ FINALISTS = 2
 REPLICA = re.compile(r"^mle-lr(?P<lr>[0-9.e+-]+)-s(?P<seed>\d+)-k(?P<host>[0-9a-f]{8})$")
 
 
+def sweep_label(lr, knob):  # a setting's key in the results' selection
+    return f"lr{lr:g} {knob}".strip()
+
+
 def run_name(rival, lr, knob, seed):
     return f"{rival}-lr{lr:g}" + (f"-{knob}" if knob else "") + f"-s{seed}"
 
@@ -100,17 +103,7 @@ class Rivals(scale.Study):
 
     def replicas(self, mle_best):
         """The MLE replicas {name: flags} made so far, and one here per selected run whose MLE ran
-        on another host."""
-
-        # the host kernels a run recorded (config.json, else the results file), or None
-        def kernels(name):
-            cfg = runlib.run_config(self.folder(name))
-            return (
-                (cfg.get("versions") or {}).get("kernels")
-                if cfg
-                else (self.prior.get(name) or {}).get("kernels")
-            )
-
+        on another host (scale.Study.run_host's)."""
         out = {
             n: self.flags("mle", float(m["lr"]), "", int(m["seed"]))
             for n in self.made()
@@ -126,21 +119,21 @@ class Rivals(scale.Study):
                 mle, run = run_name("mle", *mle_best, seed), run_name(rival, *best, seed)
                 if (
                     self.finished(run)
-                    and kernels(run) == self.host
+                    and self.run_host(run) == self.host
                     and self.finished(mle)
-                    and kernels(mle) not in (None, self.host)
+                    and self.run_host(mle) not in (None, self.host)
                 ):
                     out[f"{mle}-k{self.host[:8]}"] = self.flags("mle", mle_best[0], "", seed)
         return out
 
+    def sweep_ppl(self, rival):  # {(lr, knob): valid PPL (None: not finished)} of seed 0
+        knobs = [k for k, _ in self.table[rival][2]]
+        return {(lr, k): self.valid_ppl(run_name(rival, lr, k, 0)) for lr in LRS for k in knobs}
+
     def finalists(self, rival):
         """The FINALISTS (lr, knob) of the lowest seed-0 valid PPL, or None before the seed-0 sweep
         finished."""
-        seed0 = {
-            (lr, k): self.valid_ppl(run_name(rival, lr, k, 0))
-            for lr in LRS
-            for k, _ in self.table[rival][2]
-        }
+        seed0 = self.sweep_ppl(rival)
 
         def rank(v):  # a diverged run is never a finalist
             return math.inf if math.isnan(seed0[v]) else seed0[v]
@@ -234,29 +227,15 @@ class Rivals(scale.Study):
             for knob, rs in curves[rival].items()
             if (c := paired({**rs, **curves[base].get(knob, {})}, base, rival, f"{rival} {knob}"))
         ]
-        sweep = {
-            rival: {
-                f"lr{lr:g} {k}".strip(): self.valid_ppl(run_name(rival, lr, k, 0))
-                for lr in LRS
-                for k, _ in self.table[rival][2]
-            }
-            for rival in self.table
-        }
-        finalists = {
-            rival: {
-                f"lr{lr:g} {k}".strip(): [
-                    self.valid_ppl(run_name(rival, lr, k, s)) for s in (0, 1, 2)
-                ]
-                for lr, k in self.finalists(rival) or []
-            }
-            for rival in self.table
-        }
-        sds = [
-            np.std(np.log(v), ddof=1)
-            for f in finalists.values()
-            for v in f.values()
-            if None not in v
-        ]
+        sweep, finalists, sds = {}, {}, []
+        for rival in self.table:
+            sweep[rival] = {sweep_label(*v): ppl for v, ppl in self.sweep_ppl(rival).items()}
+            finalists[rival] = {}
+            for lr, k in self.finalists(rival) or []:
+                ppl = [self.valid_ppl(run_name(rival, lr, k, s)) for s in (0, 1, 2)]
+                finalists[rival][sweep_label(lr, k)] = ppl
+                if None not in ppl:
+                    sds.append(np.std(np.log(ppl), ddof=1))
 
         def curve(rs):
             return {
@@ -457,11 +436,7 @@ def lr_sensitivity(sweep, selections, vocab_size):
     training costs). {rival: {sensitivity, valid_ppl: {lr: PPL}}}."""
     out = {}
     for rival, best in selections.items():
-        ppl = (
-            {f"{lr:g}": sweep[rival].get(f"lr{lr:g} {best[1]}".strip()) for lr in LRS}
-            if best
-            else {}
-        )
+        ppl = {f"{lr:g}": sweep[rival].get(sweep_label(lr, best[1])) for lr in LRS} if best else {}
         if ppl and None not in ppl.values():
             loss = np.minimum(
                 np.log(np.nan_to_num(list(ppl.values()), nan=np.inf)), math.log(vocab_size)

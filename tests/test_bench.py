@@ -101,6 +101,8 @@ def test_torch_ce_is_plain_cross_entropy():
     y = torch.randint(0, 11, (2, 5), generator=g)
     expected = F.cross_entropy((h @ w.T).reshape(-1, 11), y.reshape(-1))
     torch.testing.assert_close(bench.TorchCE().loss(h, w, y), expected)
+    if "linear-ce" in bench.BASELINES:  # F.linear_cross_entropy, where this torch has it
+        torch.testing.assert_close(bench.LinearCE().loss(h, w, y), expected)
     torch.testing.assert_close(agg.build_method("mle", vocab_size=11).loss(h, w, y), expected)
 
 
@@ -130,8 +132,8 @@ def test_cpu_peak_memory_sees_the_logits_and_chunks_shrink_it():
 
 
 def test_quick_run_writes_every_key(tmp_path):
-    """A --quick run on tiny sizes writes bench.json with its documented keys for every method and
-    official-ref."""
+    """A --quick run on tiny sizes writes bench.json with its documented keys for every method,
+    official-ref and PyTorch's heads."""
     out = tmp_path / "b"
     bench.main(
         [
@@ -164,12 +166,16 @@ def test_quick_run_writes_every_key(tmp_path):
         ]
     )
     result = json.loads((out / "bench.json").read_text())
-    keys = {"method", "V", "device", "ms", "ms_ratio_vs_mle", "peak_mb", "mem_ratio_vs_mle"}
+    keys = {"method", "V", "device", "ms", "ms_min", "ms_max", "ms_ratio_vs_mle", "peak_mb"}
+    keys |= {"min_ratio_vs_mle", "mem_ratio_vs_mle", "cpu_ms", "cpu_ratio_vs_mle"}
+    keys |= {"samples_ms", "cpu_samples_ms"}
     cases = result["cases"]
-    assert {c["method"] for c in cases} == set(agg.METHODS) | {"official-ref", "torch-ce"}
+    names = set(agg.METHODS) | {"official-ref", *bench.BASELINES}
+    assert {c["method"] for c in cases} == names
     for c in cases:
         assert set(c) == keys
         assert c["V"] == 128 and c["device"] == "cpu" and c["ms"] > 0 and c["peak_mb"] >= 0
+        assert c["ms_min"] <= c["ms"] <= c["ms_max"] and len(c["samples_ms"]) == 1
     mle = next(c for c in cases if c["method"] == "mle")
     assert mle["ms_ratio_vs_mle"] == 1.0
     assert {(r["method"], r["chunk_size"]) for r in result["chunked"]} == {
@@ -210,7 +216,7 @@ def test_lm_section_times_train_lms_step(monkeypatch):
     monkeypatch.setattr(bench.train_lm, "train_step", spy)
     logged = []
     args = bench.build_parser().parse_args(
-        ["--lm-methods", "agg", "--lm-steps", "2", "--lm-rounds", "1"]
+        ["--methods", "mle", "agg", "torch-ce", "--lm-steps", "2", "--lm-rounds", "1"]
     )
     res = bench.bench_lm(args, logged.append)
     assert [r["method"] for r in res["rows"]] == ["mle", "agg"] and res["rows"][0][
@@ -231,8 +237,7 @@ def test_flag_mistakes_are_one_line_errors(capsys):
     for argv, message in (
         (["--tokens", "100", "--seq-len", "64"], "--tokens 100 must be a multiple of --seq-len 64"),
         (["--methods", "mle", "agq"], "--methods: invalid choice: 'agq'"),
-        (["--lm-methods", "official-ref"], "--lm-methods: invalid choice: 'official-ref'"),
-        (["--sections", "head,lm2"], "--sections: unknown ['lm2']"),
+        (["--sections", "head", "lm2"], "--sections: invalid choice: 'lm2'"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)
@@ -242,13 +247,15 @@ def test_flag_mistakes_are_one_line_errors(capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--device", "tpu"], "--device: unknown ['tpu']; valid here: cpu"),
-        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
-        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
-        (["--vocab", "8192", "1"], "--vocab must be >= 2, got 1"),
-        (["--lm-alpha", "nan"], "--lm-alpha must be a finite number >= 0, got nan"),
-        (["--threads", "-1"], "--threads must be in [0, "),
-        (["--sections", ","], "--sections: unknown empty list"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
+        (["--vocab", "8192", "1"], "argument --vocab: must be >= 2, got 1"),
+        (["--lm-alpha", "nan"], "argument --lm-alpha: must be >= 0, got nan"),
+        (["--lm-alpha", "inf"], "argument --lm-alpha: must be >= 0, got inf"),
+        (["--tokens", "4k"], "argument --tokens: invalid int value: '4k'"),
+        (["--threads", "-1"], "argument --threads: must be >= 0, got -1"),
+        (["--sections"], "argument --sections: expected at least one argument"),
         (["--out", ""], "--out must name a folder"),
     ],
 )

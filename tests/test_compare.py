@@ -312,7 +312,7 @@ def test_compare_splits_the_rare_gap_over_types_and_pools_the_seeds():
                 rare_bias=dict(bias=-0.5, ppl_groups=dict(rare=rare_ppl * 0.9)),
             )
             stats[label] = dict(nll=nll, count=count, rare=rare)
-    c = compare.compare(metrics, stats, "mle", "agg", [f"t{i}" for i in range(V)], n_boot=500)
+    c = compare.compare(metrics, stats, "mle", "agg", [f"t{i}" for i in range(V)])
     t = c["rare_types"]
     assert c["seeds"] == [0, 1] and t["types"] == 3 and t["targets"] == 20
     assert t["ratio"] == pytest.approx(math.exp(-40 / 20))
@@ -633,8 +633,9 @@ def test_articles_are_the_bootstrap_units_of_the_rare_ppl_ratio():
     def stats(rare0, rare1):
         return dict(nll=[[0, 0, rare0], [0, 0, rare1]], count=[[1, 1, 4], [1, 1, 4]])
 
-    pairs = [(dict(article_stats=stats(10.0, 8.0)), dict(article_stats=stats(8.0, 8.0)))] * 2
-    res = compare.article_bootstrap(pairs, n_boot=2000)
+    # two seeds alike: NLL (seed x article x group), each article's targets per group
+    base, cand = (np.array([stats(*rare)["nll"]] * 2) for rare in ((10.0, 8.0), (8.0, 8.0)))
+    res = compare.article_bootstrap(base, cand, np.array(stats(0, 0)["count"]), n_boot=2000)
     assert res["ratio"] == pytest.approx(math.exp(-4 / 16)) and res["gap_share_per_article"] == [
         1.0,
         0.0,

@@ -213,8 +213,7 @@ def test_after_step_runs_after_each_optimizer_step(tmp_path):
 
 
 def test_the_recipe_needs_agg_py_only():
-    """hf_agg uses agg.py and transformers only (the project's other modules are
-    tools/hf_demo.py's)."""
+    """hf_agg uses agg.py and transformers only (none of the project's other modules)."""
     code = inspect.getsource(hf_agg)
     assert "train_lm" not in code and "prepare_lm" not in code and "runlib" not in code
 

@@ -4,8 +4,10 @@ every method runs.
 Run: .venv/bin/python -m pytest tests/test_toy.py -q
 """
 
+import ast
 import json
 import math
+import os
 from unittest import mock
 
 import pytest
@@ -13,6 +15,8 @@ import torch
 
 import agg
 import toy_degeneration as toy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A reduced configuration: full vocabulary and model, fewer steps, a smaller corpus and held-out
 # set, one thread
@@ -110,13 +114,7 @@ def test_outputs_follow_the_contract(tmp_path, capsys):
     # a larger alpha can only make the rare group larger (AGG Eq. 5: a_k / K < alpha)
     assert on_disk["alpha_sweep"][0]["rare_count"] <= on_disk["alpha_sweep"][1]["rare_count"]
     assert metrics["methods"]["agg"]["isotropy"] == on_disk["methods"]["agg"]["isotropy"]
-    for png in (
-        "svd.png",
-        "spectrum.png",
-        "training.png",
-        "alpha_sweep.png",
-        "svd_alpha_sweep.png",
-    ):
+    for png in ("svd.png", "spectrum.png", "training.png", "svd_alpha_sweep.png"):
         with open(tmp_path / png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
     printed = capsys.readouterr().out
@@ -180,6 +178,7 @@ def test_bad_inputs_name_the_fix(capsys):
     assert "--gamma applies to none of --methods mle,agg" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parse_args(["--alpha-sweep", "0.1,x"])
+    assert "--alpha-sweep must be comma-separated numbers, got '0.1,x'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # agg.py's range check, before any training
         toy.parse_args(["--methods", "mle,cosreg", "--gamma", "-1"])
     assert "cosreg': gamma must be a finite number >= 0, got -1.0" in capsys.readouterr().err
@@ -188,7 +187,7 @@ def test_bad_inputs_name_the_fix(capsys):
     assert "--use-g1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parse_args(["--steps", "0"])
-    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert "--steps 0: must be >= 1" in capsys.readouterr().err
     # the method flags of train_lm.py, each to the methods that take it, over the toy's own settings
     args = toy.parse_args(
         [
@@ -217,15 +216,14 @@ def test_bad_inputs_name_the_fix(capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--lam", "2"], "--lam must be a finite number in [0, 1], got 2.0"),
-        (["--lr", "nan"], "--lr must be a finite number in [0, 3.4028"),
-        (["--lr", "1e300"], "--lr must be a finite number in [0, 3.4028"),
-        (["--alpha-sweep", "0.4,inf"], "--alpha-sweep must be comma-separated finite numbers > 0"),
-        (["--vocab", "3"], "--vocab must be >= 4, got 3"),
-        (["--rank", "-1"], "--rank must be >= 1, got -1"),
-        (["--seed", str(2**70)], "--seed must be in"),
-        (["--threads", "-1"], "--threads must be in [0, "),
-        (["--out", ""], "--out must name a folder"),
+        (["--lam", "2"], "--lam 2.0: must be in [0, 1]"),
+        (["--lr", "nan"], "--lr nan: must be in [0, 3.4028"),
+        (["--lr", "1e300"], "--lr 1e+300: must be in [0, 3.4028"),
+        (["--alpha-sweep", "0.4,inf"], "'agg': alpha must be a finite number >= 0, got inf"),
+        (["--vocab", "3"], "--vocab 3: must be >= 4"),
+        (["--rank", "-1"], "--rank -1: must be >= 1"),
+        (["--seed", str(2**70)], f"--seed {2**70}: must be in"),
+        (["--threads", "-1"], "--threads -1: must be in [0, "),
     ],
 )
 def test_bad_values_end_in_one_argparse_line(flags, message, capsys):
@@ -242,6 +240,8 @@ def test_unusable_out_divergence_full_disk_and_memory_end_in_one_line(tmp_path, 
     a_file.write_text("")
     with pytest.raises(SystemExit, match=r"--out .*a_file: cannot create that folder \(File"):
         toy.main(TINY + ["--out", str(a_file)])
+    with pytest.raises(SystemExit, match=r"--out : cannot create that folder \(No such file"):
+        toy.main(TINY + ["--out", ""])
     quick = TINY + ["--steps", "2", "--methods", "mle", "--no-plots", "--out", str(tmp_path)]
     with pytest.raises(
         SystemExit, match=r"mle: the embeddings are not finite after step \d+: try a smaller --lr"
@@ -255,3 +255,14 @@ def test_unusable_out_divergence_full_disk_and_memory_end_in_one_line(tmp_path, 
         SystemExit, match=r"cannot write .*metrics.json \(No space left on device\)"
     ):
         toy.main(quick)
+
+
+def test_the_toy_needs_agg_py_alone_of_this_project():
+    # a teacher copies two files: the toy and agg.py (no run plumbing, no corpora)
+    tree = ast.parse(open(os.path.join(ROOT, "toy_degeneration.py")).read())
+    imported = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    ours = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")} | {"studies", "tools"}
+    assert imported & ours == {"agg"}

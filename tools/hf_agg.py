@@ -20,8 +20,7 @@ is saved in every checkpoint and restored on resume; `method.stats` are logged a
 lm_head's bias, the model's logit scale and final-logit soft-capping are kept. Evaluation
 (`evaluate()`, `eval_on_start`, `predict`) is the stock Trainer's: the model's own loss and logits,
 so `compute_metrics` sees what it always sees. An untied model (e.g. LlamaConfig's default) trains
-with the gates on its output projection `lm_head.weight`, said once. `python -m tools.hf_demo`
-trains a small GPT-2 with it."""
+with the gates on its output projection `lm_head.weight`, said once."""
 
 import glob
 import inspect

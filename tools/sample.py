@@ -35,10 +35,6 @@ GPT2_NAMES = {
 }
 
 
-def quiet(*args):
-    """A log function that prints nothing (data.py's progress messages)."""
-
-
 def load(run, checkpoint, device):
     """(model, tokenizer, config) of a run: its checkpoint, and its tokenizer.json (or its data
     cache's)."""
@@ -50,9 +46,9 @@ def load(run, checkpoint, device):
     if os.path.exists(path):
         tok = Tokenizer.from_file(path)
     elif cfg["task"] == "lm":
-        tok = data.prepare_lm(cfg, quiet)["tokenizer"]
+        tok = data.prepare_lm(cfg, runlib.quiet)["tokenizer"]
     else:
-        tok = data.prepare_nmt(cfg, quiet).tokenizer
+        tok = data.prepare_nmt(cfg, runlib.quiet).tokenizer
     return model, tok, cfg
 
 
@@ -154,10 +150,7 @@ def main(argv=None):
         lines = source.read().splitlines()
         src = [np.asarray(tok.encode(line.strip()).ids, dtype=np.int64) for line in lines]
         hyps = train_nmt.translate(model, src, args.device, beam=args.beam, lenpen=cfg["lenpen"])
-        out = []
-        for h in hyps:
-            ids = [int(i) for i in h if i > train_nmt.UNK]
-            out.append(tok.decode(ids, skip_special_tokens=True).strip())
+        out = [data.decode(tok, h) for h in hyps]
         for line in out:
             print(line)
         return out
