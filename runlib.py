@@ -136,6 +136,16 @@ def check_ranges(cfg, ranges):
             raise SystemExit(f"--{key.replace('_', '-')} {value}: must be {bound}")
 
 
+def check_device(device):
+    """One line for a --device this machine cannot use."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise SystemExit(f"--device {device}: unknown device; use cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device {device}: CUDA is not available on this machine; use --device cpu"
+        )
+
+
 def check_run_flags(cfg, task, ranges):
     """Check the flags (both scripts' and the script's `ranges`) before anything is written; fill
     device, dtype, out and task."""
@@ -150,12 +160,7 @@ def check_run_flags(cfg, task, ranges):
     name = f"{task}-{cfg['method']}-s{cfg['seed']}"
     cfg["out"] = cfg["out"] or os.path.join(ROOT, "out", name)
     cfg["task"] = task
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise SystemExit(f"--device {device}: unknown device; use cpu, cuda or cuda:N")
-    if on_cuda and not cuda:
-        raise SystemExit(
-            f"--device {device}: CUDA is not available on this machine; use --device cpu"
-        )
+    check_device(device)
     for key in ("out", "cache_dir"):
         if os.path.exists(cfg[key]) and not os.path.isdir(cfg[key]):
             flag = key.replace("_", "-")

@@ -546,3 +546,18 @@ def test_a_flag_of_the_other_task_is_refused_in_one_line(runs, tmp_path):
     for flag, value in (("--beam", "2"), ("--average-last", "2"), ("--max-sentences", "5")):
         with pytest.raises(SystemExit, match=f"{flag} is a flag of NMT runs and these are LM runs"):
             ev.main([str(lm), "--out", str(tmp_path / "r"), flag, value])
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--n-samples", "-1"], "--n-samples -1: must be >= 0"),
+        (["--prefix-len", "0"], "--prefix-len 0: must be >= 1"),
+        (["--gen-len", "-1"], "--gen-len -1: must be >= 1"),
+        (["--device", "foo"], "--device foo: unknown device"),
+        (["--out", "/proc/x/y"], "--out /proc/x/y: cannot create that folder"),
+    ],
+)
+def test_bad_evaluation_flags_end_in_one_line_before_any_work(runs, tmp_path, flags, match):
+    with pytest.raises(SystemExit, match=match):
+        ev.main([runs["mle"], "--out", str(tmp_path / "r"), *flags])

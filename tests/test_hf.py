@@ -284,3 +284,8 @@ def test_a_patched_stock_trainer_trains_like_aggtrainer_and_evaluates_as_the_sto
     assert torch.equal(m_ref.appearances, trainer.method.appearances)
     for (n, a), (_, b) in zip(reference.named_parameters(), model.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)
+
+
+def test_patch_trainer_refuses_what_is_not_a_trainer():
+    with pytest.raises(TypeError, match="patch_trainer: give a transformers Trainer, not object"):
+        hf_agg.patch_trainer(object(), "agg")

@@ -152,11 +152,14 @@ def test_an_nmt_run_translates_a_file(nmt_tiny, tmp_path, capsys):
         (["--temperature", "-1"], "--temperature -1.0"),
         (["--beam", "0"], "--beam 0: must be >= 1"),
         (["--top-k", "-3"], "--top-k -3: must be >= 0"),
+        (["--device", "foo"], "--device foo: unknown device"),
+        (["--file", "/nonexistent/x.en"], "--file /nonexistent/x.en: no such file"),
+        (["--export-hf", "/proc/x/y"], "--export-hf /proc/x/y: cannot create that folder"),
     ],
 )
 def test_bad_sampling_flags_end_in_one_line(lm_folder, flags, match):
     with pytest.raises(SystemExit, match=match):
-        sample.main([lm_folder, "--device", "cpu", *flags])
+        sample.main([lm_folder, "--device", "cpu", *flags])  # the last --device wins
 
 
 @pytest.mark.parametrize(

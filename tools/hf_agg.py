@@ -151,15 +151,16 @@ class AGGTrainer(AGGTrainerMixin, Trainer):
 def patch_trainer(trainer, method="agg", **method_kwargs):
     """Make a stock (or custom) Trainer train with an agg.py method, as AGGTrainer does; returns the
     trainer."""
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"patch_trainer: give a transformers Trainer, not {type(trainer).__name__}")
     base = type(trainer)
     trainer.__class__ = type(f"AGG{base.__name__}", (AGGTrainerMixin, base), {})
     trainer.setup_method(method, method_kwargs)
     return trainer
 
 
-class AfterStep(
-    TrainerCallback
-):  # method.after_step(output weight): on_step_end follows optimizer.step
+# method.after_step(output weight): on_step_end follows optimizer.step
+class AfterStep(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
 

@@ -126,10 +126,7 @@ def main(argv=None):
     ranges = dict(temperature=(0, 100), num_samples=(1, None), max_new_tokens=(0, None))
     ranges.update(top_k=(0, None), beam=(1, None), seed=(0, None))
     runlib.check_ranges(vars(args), ranges)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(
-            f"--device {args.device}: CUDA is not available on this machine; use --device cpu"
-        )
+    runlib.check_device(args.device)
     path = runlib.checkpoint_file(args.run, args.checkpoint)
     if not os.path.exists(path):
         raise SystemExit(
@@ -142,6 +139,13 @@ def main(argv=None):
         raise SystemExit(
             f"--export-hf {out}: {refusal}; give a new or empty folder, e.g. {example}"
         )
+    if out:  # made before the model is loaded: one line when it cannot be
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"--export-hf {out}: cannot create that folder ({e.strerror})")
+    if args.file and not os.path.isfile(args.file):
+        raise SystemExit(f"--file {args.file}: no such file (source sentences, one a line)")
     model, tok, cfg = load(args.run, args.checkpoint, args.device)
     if out:
         return export_hf(args, model, tok, cfg)
