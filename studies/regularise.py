@@ -36,7 +36,7 @@ import numpy as np
 
 import eval as ev
 import runlib
-from studies import compare, scale
+from studies import compare, scale, schedule
 
 CELLS = {0.25: 2400, 1.0: 9600}
 DROPOUTS = [0.1, 0.2, 0.3]
@@ -44,7 +44,7 @@ WEIGHT_DECAYS = [0.01, 0.1]
 PRESET = (0.1, 0.01)  # the cpu preset's (dropout, weight decay)
 SEEDS = range(5)
 METHODS = ["mle", "agg"]
-LR, WARMUP, SHARE = 4e-3, 240, 0.2
+WARMUP = schedule.WARMUP
 GROUPS = ["freq", "med", "rare"]
 # what eval.py reports at the best validation step, kept in each record
 BEST_KEYS = ["step", "valid_ppl", "ppl", "ppl_groups", "rare_bias", "isotropy", "article_stats"]
@@ -54,13 +54,8 @@ def run_spec(fraction, method, setting, seed, warmup=WARMUP):
     """(name, train_lm.py flags) of a run; setting: (dropout, weight decay)."""
     steps = CELLS[fraction]
     dropout, weight_decay = setting
-    flags = (
-        f"--method {method} --seed {seed} --lr {LR:g} --dtype float32 "
-        f"--train-fraction {fraction:g} --max-steps {steps} --warmup {warmup} "
-        f"--eval-interval {steps // 12} --dropout {dropout:g} --weight-decay {weight_decay:g}"
-    ).split()
-    if method == "agg":
-        flags += ["--rare-share", f"{SHARE:g}"]
+    flags = schedule.pair_flags(method, seed, steps, fraction, warmup)
+    flags += ["--dropout", f"{dropout:g}", "--weight-decay", f"{weight_decay:g}"]
     name = f"f{fraction:g}-{method}-do{dropout:g}-wd{weight_decay:g}"
     if warmup != WARMUP:
         name += f"-wu{warmup}"

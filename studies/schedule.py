@@ -43,15 +43,21 @@ PANELS = [
 ]
 
 
-def run_spec(fraction, steps, method, seed):  # (name, train_lm.py flags) of a run
+def pair_flags(method, seed, steps, fraction=1.0, warmup=WARMUP):
+    """train_lm.py flags of a run of the headline's pair: M in float32, lr 4e-3, 12 validations;
+    MLE, or AGG at rare share 0.2."""
     flags = (
         f"--method {method} --seed {seed} --lr {LR:g} --dtype float32 "
-        f"--train-fraction {fraction:g} --max-steps {steps} --warmup {WARMUP} "
+        f"--train-fraction {fraction:g} --max-steps {steps} --warmup {warmup} "
         f"--eval-interval {steps // 12}"
     ).split()
     if method == "agg":
         flags += ["--rare-share", f"{SHARE:g}"]
-    return f"f{fraction:g}-n{steps}-{method}-s{seed}", flags
+    return flags
+
+
+def run_spec(fraction, steps, method, seed):  # (name, train_lm.py flags) of a run
+    return f"f{fraction:g}-n{steps}-{method}-s{seed}", pair_flags(method, seed, steps, fraction)
 
 
 class Schedule(scale.Study):

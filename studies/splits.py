@@ -28,21 +28,15 @@ import math
 import numpy as np
 from scipy import stats
 
-from studies import scale
+from studies import scale, schedule
 
 SPLITS = [0, 1, 2]
 SEEDS = range(5)
 METHODS = ["mle", "agg"]
-LR, WARMUP, SHARE = 4e-3, 240, 0.2
 
 
 def run_spec(split, method, seed):  # (name, train_lm.py flags) of a run
-    flags = (
-        f"--method {method} --seed {seed} --split-seed {split} --lr {LR:g} --dtype float32 "
-        f"--max-steps 2400 --warmup {WARMUP} --eval-interval 200"
-    ).split()
-    if method == "agg":
-        flags += ["--rare-share", f"{SHARE:g}"]
+    flags = schedule.pair_flags(method, seed, 2400) + ["--split-seed", str(split)]
     return f"split{split}-{method}-s{seed}", flags
 
 
