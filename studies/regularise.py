@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -168,12 +169,21 @@ class Regularise(scale.Study):
             dict(step=r["step"], ppl=r["ppl"], ppl_groups=r["ppl_groups"])
             for r in ev.log_records(folder)
         ]
+        label = f"{self.label}/runs/{name}"
+        report = [
+            label,
+            "--out",
+            f"{label}/report-best",
+            *self.eval_args,
+            *self.reports["report-best"],
+        ]
+        best["eval_command"] = shlex.join(["python", "eval.py", *report])
         replica = {"replica": True} if scale.REPLICA.search(name) else {}
         return dict(
             record,
             host=scale.host(record),
             dropout=dropout,
-            best_checkpoint={k: best.get(k) for k in BEST_KEYS},
+            best_checkpoint={k: best.get(k) for k in [*BEST_KEYS, "eval_command"]},
             valid_curve=curve,
             **replica,
         )
@@ -268,8 +278,8 @@ def plot_curves(runs, cells, path):
             ax.set_ylabel("valid NLL, AGG - MLE (nats)")
         row[0].legend(fontsize=6)
     fig.suptitle(
-        "AGG against MLE by validation step, each at its selected (dropout, weight decay); "
-        "below 0: AGG lower",
+        "AGG against MLE by validation step, each at the comparison's (dropout, weight decay), "
+        "mean over its pairs; below 0: AGG lower",
         fontsize=10,
     )
     compare.save(fig, path)
