@@ -670,10 +670,6 @@ def read_configs(args):
     ranges = dict(n_samples=(0, None), prefix_len=(1, None), gen_len=(1, None))
     runlib.check_ranges(vars(args), ranges)
     runlib.check_device(args.device)
-    try:  # the report folder, before any long work
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"--out {args.out}: cannot create that folder ({e.strerror})") from None
     configs = {}
     for d in args.out_dirs:
         path = runlib.checkpoint_file(d, args.checkpoint)
@@ -705,6 +701,10 @@ def evaluate_runs(args):
     """evaluate() each of args.out_dirs in turn (one checkpoint in memory at a time): {label: its
     result}, with the test translations of an NMT run in OUT/test_hyps_LABEL.txt and ["texts"], an
     LM run's ["type_stats"]."""
+    try:  # the report folder, before any long work
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {args.out}: cannot create that folder ({e.strerror})") from None
     device = torch.device(args.device)
     probes = {}
     results = {}
