@@ -91,6 +91,14 @@ def at_best(record):
     return dict(record, valid_ppl=best["valid_ppl"], **{k: best[k] for k in BEST_KEYS[2:]})
 
 
+def sweep_order(flags):
+    """Where a run stands in its cell: by setting, then seed, then method (MLE and AGG of a seed at
+    one setting side by side, so that a sweep cut short leaves pairs)."""
+    values = dict(zip(flags[::2], flags[1::2]))  # --flag value, every flag of run_spec
+    setting = (float(values["--dropout"]), float(values["--weight-decay"]), int(values["--warmup"]))
+    return setting, int(values["--seed"]), values["--method"]
+
+
 class Regularise(scale.Study):
     label, name = "out/regularise", "regularise"
     reports = {"report": [], "report-best": ["--checkpoint", "best"]}
@@ -129,7 +137,7 @@ class Regularise(scale.Study):
 
     def plan(self):
         """[(name, flags, cost)] of every run wanted so far: the shortest first, in each cell the
-        preset's pairs first (the comparison every other is read against)."""
+        preset's pairs first (the comparison every other is read against), then sweep_order."""
         runs, pairs, preset = {}, [], set()
         for fraction, steps in CELLS.items():
             cost = steps / 2400
@@ -147,10 +155,8 @@ class Regularise(scale.Study):
                             preset.add(name)
                 pairs += pair_names(fraction, comparison)
         runs.update(self.replicas(runs, pairs))
-        return sorted(
-            ((n, f, c) for n, (f, c) in runs.items()),
-            key=lambda r: (r[2], r[0] not in preset, r[0]),
-        )
+        plan = [(n, f, c) for n, (f, c) in runs.items()]
+        return sorted(plan, key=lambda run: (run[2], run[0] not in preset, *sweep_order(run[1])))
 
     def selections(self):
         return {

@@ -77,6 +77,12 @@ def test_each_method_is_selected_on_its_best_valid_ppl_then_paired_on_five_seeds
         for s in range(5)
     }
     assert {n for n, _f, _c in plan[:10]} == preset
+    # then each setting's pairs, seed by seed
+    assert [n for n, _f, _c in plan[10:13]] == [
+        "f0.25-agg-do0.1-wd0.1-s0",
+        "f0.25-mle-do0.1-wd0.1-s0",
+        "f0.25-agg-do0.1-wd0.1-s1",
+    ]
     parser = train_lm.build_parser()
     for name, flags, _cost in plan:
         args = parser.parse_args(flags)
