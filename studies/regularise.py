@@ -18,6 +18,8 @@ The protocol (this project's choices, fixed before any run):
   (`preset`: the schedule study's 14-epoch cells again, now with test at the best step);
 - the warm-up control: both selections again with a warm-up of 10% of the steps, seeds 0-4
   (`warmup10`; at 2,400 steps 10% is the preset's 240 steps, so there it is `tuned`);
+- `matched D/W`: both methods at each setting of the sweep, seeds 0-2 (how the regularisation of
+  both moves AGG's ratio);
 - every run evaluated on test twice: at its last step (RUN/report) and at its best validation
   (ckpt_best.pt, RUN/report-best); per comparison the paired AGG / MLE quantities of the scale
   study at both (scale.paired_cell: the test PPL ratio also over seeds and test articles);
@@ -206,7 +208,12 @@ class Regularise(scale.Study):
                     selected=chosen[method],
                     best_valid_ppl={n: self.best_valid_ppl(n) for n, _f in wanted},
                 )
-            for label, comparison in comparisons(fraction, chosen).items():
+            # and both methods at each setting of the sweep, seeds 0-2 (no runs of their own)
+            matched = {
+                f"matched {d:g}/{w:g}": ((d, w), (d, w), scale.SELECTION_SEEDS, WARMUP)
+                for d, w in itertools.product(DROPOUTS, WEIGHT_DECAYS)
+            }
+            for label, comparison in {**comparisons(fraction, chosen), **matched}.items():
                 wanted = {
                     n for pair in pair_names(fraction, comparison) for n in sum(pair.values(), [])
                 }
@@ -233,8 +240,9 @@ class Regularise(scale.Study):
                 compare=cells,
             ),
         )
-        if cells:
-            plot_curves(runs, cells, os.path.splitext(path)[0] + ".png")
+        plotted = [c for c in cells if not c["comparison"].startswith("matched")]
+        if plotted:
+            plot_curves(runs, plotted, os.path.splitext(path)[0] + ".png")
         print(f"wrote {path}: {len(runs)} runs, {len(cells)} comparisons")
 
 

@@ -119,7 +119,11 @@ def test_each_method_is_selected_on_its_best_valid_ppl_then_paired_on_five_seeds
     res = json.loads(path.read_text())
     assert res["selection"]["0.25/mle"]["selected"] == list(WINNER["mle"])
     cells = {c["comparison"]: c for c in res["compare"]}
-    assert set(cells) == {"preset", "tuned"}
+    matched = {
+        f"matched {d:g}/{w:g}" for d in regularise.DROPOUTS for w in regularise.WEIGHT_DECAYS
+    }
+    assert set(cells) == {"preset", "tuned"} | matched
+    assert cells["matched 0.2/0.1"]["last"]["seeds"] == [0, 1, 2]
     assert cells["preset"]["last"]["seeds"] == [0, 1, 2, 3, 4]
     tuned = cells["tuned"]
     assert tuned["last"]["seeds"] == [0, 1, 2, 3, 4]
