@@ -176,16 +176,24 @@ def train_subset(corpus, fraction):
     return kept
 
 
+# --data-dir's file names of a split: plain text, or the WikiText-103 / -2 zip's
+TEXT_LAYOUTS = ["{split}.txt", "wiki.{split}.tokens", "wiki.{split}.raw"]
+
+
 def text_files(data_dir):
-    """--data-dir's corpus: DIR/train.txt, valid.txt and test.txt, one paragraph a line."""
-    paths = [os.path.join(data_dir, f"{split}.txt") for split in SPLITS]
-    missing = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise SystemExit(
-            f"--data-dir {data_dir}: no {', '.join(missing)} there; a corpus folder holds "
-            f"train.txt, valid.txt and test.txt (a corpus that moved: give its new place)"
-        )
-    return paths
+    """--data-dir's corpus: DIR/train.txt, valid.txt and test.txt (or the WikiText zip's
+    wiki.train.tokens, ... / wiki.train.raw, ...), one paragraph a line."""
+    for layout in TEXT_LAYOUTS:
+        paths = [os.path.join(data_dir, layout.format(split=split)) for split in SPLITS]
+        if all(os.path.isfile(p) for p in paths):
+            return paths
+    plain = [os.path.join(data_dir, f"{split}.txt") for split in SPLITS]
+    missing = [os.path.basename(p) for p in plain if not os.path.isfile(p)]
+    raise SystemExit(
+        f"--data-dir {data_dir}: no {', '.join(missing)} there; a corpus folder holds "
+        f"train.txt, valid.txt and test.txt, or the WikiText zip's wiki.train.tokens, ... (a "
+        f"corpus that moved: give its new place)"
+    )
 
 
 def read_text(path, data_dir, expected):

@@ -88,7 +88,8 @@ def build_parser():
     )
     g.add_argument(
         "--data-dir",
-        help="one corpus: DIR/train.txt, valid.txt, test.txt (UTF-8, one paragraph a line)",
+        help="one corpus: DIR/train.txt, valid.txt, test.txt (UTF-8, one paragraph a line), or "
+        "the WikiText zip's wiki.train.tokens, ...",
     )
     g.add_argument(
         "--tokenizer",

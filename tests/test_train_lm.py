@@ -439,6 +439,14 @@ def test_data_dir_without_its_text_files_names_them(tmp_path):
         data_py.load_text_dir(str(tmp_path / "d"))
 
 
+def test_data_dir_reads_the_wikitext_zips_layout(tmp_path):
+    for split in ("train", "valid", "test"):
+        text = f" = {split} = \n\n a {split} paragraph . \n"
+        (tmp_path / f"wiki.{split}.tokens").write_text(text)
+    corpus = data_py.load_text_dir(str(tmp_path))
+    assert corpus["valid"] == ["= valid =", "a valid paragraph ."]
+
+
 def test_prepare_lm_builds_the_cache_a_run_reuses_and_touches_no_run_folder(
     corpus_writer, tmp_path, lm_tiny, capsys
 ):
